@@ -1,0 +1,212 @@
+"""The config schema (defaults for every key) and its validation.
+
+Every config file under ``configs/`` starts from :func:`base_config` and overrides what it needs, so the
+set of keys is defined in exactly one place. :func:`validate` checks a resolved config against the devices
+before anything is compiled and raises :class:`ConfigError` with one readable line naming the key, what is
+wrong and how to fix it; ``main`` turns that into exit code 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Any, Iterable
+
+import ml_collections
+from ml_collections import config_dict
+
+MESH_AXES = ("data", "pipeline", "fsdp", "tensor")
+REMAT_POLICIES = ("none", "full", "save_dots")
+DTYPES = ("float32", "bfloat16")
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+class ConfigError(ValueError):
+  """A user mistake in the config: one line naming the key, the problem and the fix."""
+
+  def __init__(self, key: str, problem: str, fix: str):
+    self.key, self.problem, self.fix = key, problem, fix
+    super().__init__(f"{key}: {problem}; {fix}")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """All keys with their defaults. Config files override values, never add keys."""
+  c = ml_collections.ConfigDict()
+  c.workdir = "runs/default"  # run directory: resolved config, metrics.jsonl (checkpoints later)
+
+  c.model = ml_collections.ConfigDict(dict(
+      name="llama",
+      num_layers=2,
+      d_model=64,
+      num_heads=4,
+      num_kv_heads=2,
+      head_dim=16,
+      mlp_dim=256,
+      vocab_size=256,
+      tie_embeddings=False,
+      rope_theta=10_000.0,
+      norm_eps=1e-5,
+      remat="none",  # none | full | save_dots
+      dtype="float32",  # compute dtype; params are always float32
+  ))
+
+  # Mesh sizes per axis: ICI (within a slice / host) and DCN (across slices or hosts). -1 fills the rest.
+  c.mesh = ml_collections.ConfigDict(dict(
+      data=1, fsdp=-1, tensor=1, pipeline=1,
+      dcn_data=1, dcn_fsdp=1, dcn_tensor=1, dcn_pipeline=1,
+  ))
+
+  c.sharding = ml_collections.ConfigDict(dict(
+      # Named rule table (see jaxtrain/sharding.py): dp | fsdp | fsdp_tp.
+      preset="fsdp_tp",
+      # Extra rules, tried before the preset's: "logical=axis[+axis],logical=" (empty = unsharded).
+      rules="",
+      # At start, list every parameter at least this large that is fully replicated.
+      report_replicated_mib=1.0,
+  ))
+
+  c.data = ml_collections.ConfigDict(dict(
+      source="synthetic",
+      seq_len=128,
+      path="",
+  ))
+
+  c.optim = ml_collections.ConfigDict(dict(
+      lr=3e-4,
+      schedule="cosine",  # cosine | linear | constant (after warmup)
+      warmup_steps=100,
+      decay_steps=config_dict.placeholder(int),  # default: train.steps
+      end_lr_ratio=0.1,  # final lr = lr * end_lr_ratio (cosine / linear)
+      b1=0.9,
+      b2=0.95,
+      eps=1e-8,
+      weight_decay=0.1,  # not applied to norm scales and biases
+      clip_norm=1.0,  # global-norm clipping; 0 disables
+  ))
+
+  c.train = ml_collections.ConfigDict(dict(
+      steps=1000,
+      seed=0,
+      global_batch_size=8,
+      microbatches=1,  # gradient accumulation: the batch is split into this many sequential microbatches
+      log_every=10,
+  ))
+
+  c.checkpoint = ml_collections.ConfigDict(dict(
+      # Reserved for the checkpoint issue; validate() rejects every_steps > 0 until it lands.
+      dir="",
+      every_steps=0,
+  ))
+  return c
+
+
+def flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+  keys = []
+  for k, v in cfg.items():
+    if isinstance(v, ml_collections.ConfigDict):
+      keys += flat_keys(v, f"{prefix}{k}.")
+    else:
+      keys.append(f"{prefix}{k}")
+  return keys
+
+
+def unknown_key_error(key: str, cfg: ml_collections.ConfigDict) -> ConfigError:
+  close = difflib.get_close_matches(key, flat_keys(cfg), n=1, cutoff=0.5)
+  fix = f"did you mean '{close[0]}'?" if close else "see jaxtrain/config.py for the keys"
+  return ConfigError(key, "unknown config key", fix)
+
+
+def resolve_axis_sizes(sizes: dict[str, int], total: int, what: str) -> dict[str, int]:
+  """Fills at most one -1 so the product of ``sizes`` equals ``total``."""
+  fill = [k for k, v in sizes.items() if v == -1]
+  for k, v in sizes.items():
+    if v != -1 and v < 1:
+      raise ConfigError(f"mesh.{k}", f"size {v} is invalid", "use a positive size or -1 to fill")
+  if len(fill) > 1:
+    raise ConfigError(f"mesh.{fill[1]}", f"more than one {what} axis is -1 ({', '.join(fill)})",
+                      "set all but one to explicit sizes")
+  known = math.prod(v for v in sizes.values() if v != -1)
+  if fill:
+    if total % known:
+      raise ConfigError(f"mesh.{fill[0]}", f"cannot fill: {total} {what} devices are not divisible by "
+                        f"the other axes' product {known}", f"make the explicit {what} sizes divide {total}")
+    sizes = {**sizes, fill[0]: total // known}
+  elif known != total:
+    desc = " x ".join(f"{k}={v}" for k, v in sizes.items())
+    raise ConfigError(f"mesh.{next(iter(sizes))}", f"{what} mesh {desc} = {known} devices, but there are "
+                      f"{total}", f"make the product {total} or set one axis to -1")
+  return sizes
+
+
+def mesh_shape(mesh_cfg, num_devices: int, num_slices: int) -> tuple[dict[str, int], dict[str, int]]:
+  """(ici, dcn) sizes per axis in MESH_AXES order, -1s filled. Raises ConfigError when impossible."""
+  dcn = {f"dcn_{a}": mesh_cfg[f"dcn_{a}"] for a in MESH_AXES}
+  dcn = resolve_axis_sizes(dcn, num_slices, "DCN")
+  if num_devices % num_slices:
+    raise ConfigError("mesh", f"{num_devices} devices do not split evenly into {num_slices} slices",
+                      "use the same number of devices on every host/slice")
+  ici = resolve_axis_sizes({a: mesh_cfg[a] for a in MESH_AXES}, num_devices // num_slices, "ICI")
+  return ({a: ici[a] for a in MESH_AXES}, {a: dcn[f"dcn_{a}"] for a in MESH_AXES})
+
+
+def _check_choice(cfg, key: str, choices: Iterable[str]):
+  group, name = key.split(".")
+  value = cfg[group][name]
+  if value not in choices:
+    raise ConfigError(key, f"'{value}' is not one of {', '.join(choices)}", f"set {key} to one of them")
+
+
+def _check_positive(cfg, keys: Iterable[str], allow_zero: bool = False):
+  for key in keys:
+    group, name = key.split(".")
+    value = cfg[group][name]
+    if value < 0 or (value == 0 and not allow_zero):
+      raise ConfigError(key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}", "fix the value")
+
+
+def validate_values(cfg: ml_collections.ConfigDict) -> None:
+  """Checks that need no devices and no model: ranges, choices and simple relations."""
+  m, t, o = cfg.model, cfg.train, cfg.optim
+  _check_positive(cfg, ["model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads",
+                        "model.head_dim", "model.mlp_dim", "model.vocab_size", "data.seq_len",
+                        "train.steps", "train.global_batch_size", "train.microbatches", "train.log_every",
+                        "optim.lr"])
+  _check_positive(cfg, ["optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
+                        "optim.end_lr_ratio", "checkpoint.every_steps"], allow_zero=True)
+  _check_choice(cfg, "model.remat", REMAT_POLICIES)
+  _check_choice(cfg, "model.dtype", DTYPES)
+  _check_choice(cfg, "optim.schedule", SCHEDULES)
+  _check_choice(cfg, "data.source", ("synthetic",))
+  if m.num_heads % m.num_kv_heads:
+    raise ConfigError("model.num_kv_heads", f"{m.num_kv_heads} does not divide model.num_heads={m.num_heads}",
+                      "grouped-query attention needs num_heads to be a multiple of num_kv_heads")
+  if t.global_batch_size % t.microbatches:
+    raise ConfigError("train.microbatches", f"{t.microbatches} does not divide train.global_batch_size="
+                      f"{t.global_batch_size}", "choose a divisor of the batch size")
+  if o.warmup_steps > t.steps:
+    raise ConfigError("optim.warmup_steps", f"{o.warmup_steps} is more than train.steps={t.steps}",
+                      "lower warmup_steps")
+  if cfg.checkpoint.every_steps:
+    raise ConfigError("checkpoint.every_steps", "checkpointing is not implemented yet",
+                      "leave it at 0 (see README 'Status')")
+  if not cfg.workdir:
+    raise ConfigError("workdir", "is empty", "set --config.workdir=DIR")
+
+
+def config_key_for_logical_axis(axis: str) -> str:
+  """Which model config key sets the size of a parameter dimension with this logical name."""
+  return {"embed": "model.d_model", "heads": "model.num_heads", "kv_heads": "model.num_kv_heads",
+          "head_dim": "model.head_dim", "mlp": "model.mlp_dim", "vocab": "model.vocab_size",
+          "layers": "model.num_layers"}.get(axis, f"the '{axis}' dimension")
+
+
+def check_divisible(key: str, size: int, mesh_axes: tuple[str, ...], mesh_sizes: dict[str, int], what: str):
+  shards = math.prod(mesh_sizes[a] for a in mesh_axes)
+  if size % shards:
+    axes = " x ".join(f"mesh.{a}={mesh_sizes[a]}" for a in mesh_axes)
+    raise ConfigError(key, f"{size} is not divisible by {axes} ({what} is sharded over "
+                      f"{', '.join(mesh_axes)})", f"make {key} a multiple of {shards} or shrink those axes")
+
+
+def to_dict(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+  return cfg.to_dict()

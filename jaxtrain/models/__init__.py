@@ -1,0 +1,78 @@
+"""Model registry and the functional view of a Flax NNX model the trainer works with.
+
+A model is an ``nnx.Module`` class registered under a name with :func:`register`. Its constructor takes
+``(cfg, *, rngs)`` where ``cfg`` is the ``model`` config group, and calling it takes
+``(tokens, positions, segment_ids)`` (int32, ``[batch, length]``) and returns float32 logits
+``[batch, length, vocab]``. Parameters are ``nnx.Param`` annotated with logical axis names only.
+Adding an architecture = a new module in this package that calls :func:`register`; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+
+_REGISTRY: dict[str, type[nnx.Module]] = {}
+_BUILTIN = ("jaxtrain.models.llama",)
+
+
+def register(name: str) -> Callable[[type[nnx.Module]], type[nnx.Module]]:
+  def wrap(cls):
+    _REGISTRY[name] = cls
+    return cls
+  return wrap
+
+
+def names() -> list[str]:
+  for module in _BUILTIN:
+    importlib.import_module(module)
+  return sorted(_REGISTRY)
+
+
+def get(name: str) -> type[nnx.Module]:
+  if name not in names():
+    raise KeyError(name)
+  return _REGISTRY[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """A registered model as pure functions over a nested dict of parameter arrays.
+
+  ``abstract_params`` holds ShapeDtypeStructs and ``logical_specs`` the matching PartitionSpecs of
+  logical axis names; the parallelism is decided elsewhere (jaxtrain/sharding.py) from these names.
+  """
+
+  cls: type[nnx.Module]
+  cfg: Any
+  graphdef: Any
+  abstract_params: Any
+  logical_specs: Any
+
+  @classmethod
+  def from_config(cls, model_cfg) -> "Model":
+    module_cls = get(model_cfg.name)
+    # Sharding comes from jit out_shardings computed by jaxtrain.sharding from the logical names, not from
+    # NNX's eager sharding (which resolves rules differently); one resolver for params and activations.
+    with nnx.use_eager_sharding(False):
+      abstract = nnx.eval_shape(lambda: module_cls(model_cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract, nnx.Param)
+    specs = nnx.get_partition_spec(state).to_pure_dict()
+    params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), state.to_pure_dict())
+    return cls(module_cls, model_cfg, graphdef, params, specs)
+
+  def init(self, rng: jax.Array) -> dict:
+    with nnx.use_eager_sharding(False):
+      module = self.cls(self.cfg, rngs=nnx.Rngs(params=rng))
+    return nnx.state(module, nnx.Param).to_pure_dict()
+
+  def apply(self, params: dict, tokens, positions, segment_ids) -> jax.Array:
+    with nnx.use_eager_sharding(False):
+      return nnx.merge(self.graphdef, params)(tokens, positions, segment_ids)
+
+  def num_params(self) -> int:
+    return sum(x.size for x in jax.tree.leaves(self.abstract_params))

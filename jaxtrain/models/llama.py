@@ -1,0 +1,125 @@
+"""Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, scanned layer stack.
+
+Knows only logical axis names; see jaxtrain/sharding.py for how they map onto the mesh.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain import models
+from jaxtrain.sharding import constrain
+
+_INIT = nnx.initializers.normal(0.02)
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _param(names):
+  return nnx.with_partitioning(_INIT, names)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding of x [batch, length, heads, head_dim] at integer positions [batch, length]."""
+  half = x.shape[-1] // 2
+  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angle = positions[..., None].astype(jnp.float32) * freq  # [b, t, half]
+  sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, eps: float, dtype):
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("embed",))
+    self.eps, self.dtype = eps, dtype
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...]).astype(self.dtype)
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg, dtype, rngs: nnx.Rngs):
+    d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    self.q = nnx.Einsum("btd,dnh->btnh", (d, n, h), kernel_init=_param(("embed", "heads", "head_dim")), **kw)
+    self.k = nnx.Einsum("btd,dnh->btnh", (d, k, h), kernel_init=_param(("embed", "kv_heads", "head_dim")), **kw)
+    self.v = nnx.Einsum("btd,dnh->btnh", (d, k, h), kernel_init=_param(("embed", "kv_heads", "head_dim")), **kw)
+    self.o = nnx.Einsum("btnh,nhd->btd", (n, h, d), kernel_init=_param(("heads", "head_dim", "embed")), **kw)
+    self.theta = cfg.rope_theta
+
+  def __call__(self, x, positions, segment_ids):
+    q = constrain(rope(self.q(x), positions, self.theta), ("batch", "length", "heads", "head_dim"))
+    k = constrain(rope(self.k(x), positions, self.theta), ("batch", "length", "kv_heads", "head_dim"))
+    v = constrain(self.v(x), ("batch", "length", "kv_heads", "head_dim"))
+    t = x.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # attention never crosses documents
+    mask = (causal[None] & same_doc)[:, None]  # [b, 1, t, t]
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    return self.o(constrain(out, ("batch", "length", "heads", "head_dim")))
+
+
+class MLP(nnx.Module):
+  def __init__(self, cfg, dtype, rngs: nnx.Rngs):
+    kw = dict(use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    self.gate = nnx.Linear(cfg.d_model, cfg.mlp_dim, kernel_init=_param(("embed", "mlp")), **kw)
+    self.up = nnx.Linear(cfg.d_model, cfg.mlp_dim, kernel_init=_param(("embed", "mlp")), **kw)
+    self.down = nnx.Linear(cfg.mlp_dim, cfg.d_model, kernel_init=_param(("mlp", "embed")), **kw)
+
+  def __call__(self, x):
+    h = constrain(jax.nn.silu(self.gate(x)) * self.up(x), ("batch", "length", "mlp"))
+    return self.down(h)
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg, dtype, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+    self.attn = Attention(cfg, dtype, rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+    self.mlp = MLP(cfg, dtype, rngs)
+
+  def __call__(self, x, positions, segment_ids):
+    x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+    x = x + self.mlp(self.mlp_norm(x))
+    return constrain(x, ("batch", "length", "embed"))
+
+
+@models.register("llama")
+class Llama(nnx.Module):
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    dtype = jnp.dtype(cfg.dtype)
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
+                           embedding_init=_param(("vocab", "embed")), rngs=rngs)
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_layers(rngs):
+      return Block(cfg, dtype, rngs)
+
+    self.layers = make_layers(rngs)
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+    self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
+        cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
+        kernel_init=_param(("embed", "vocab")), rngs=rngs)
+    self.remat = cfg.remat
+
+  def __call__(self, tokens, positions, segment_ids):
+    x = constrain(self.embed(tokens), ("batch", "length", "embed"))
+    graphdef, stacked = nnx.split(self.layers)
+
+    def layer(x, weights):
+      return nnx.merge(graphdef, weights)(x, positions, segment_ids), None
+
+    if self.remat != "none":
+      layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+    x, _ = jax.lax.scan(layer, x, stacked)
+    x = self.final_norm(x)
+    logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+    return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))

@@ -1,0 +1,150 @@
+"""Mesh from the config, logical-axis rules, and everything that turns logical names into shardings.
+
+Models name logical axes only (``batch``, ``length``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``,
+``mlp``, ``vocab``, ``layers``). A rule table maps each logical name to mesh axes; this module is the one
+place that resolves it, for parameters (:func:`logical_to_sharding`) and for activations
+(:func:`constrain`), using Flax's rule resolution: for each logical name the first rule whose mesh axes are
+still free in that array wins, so ``batch -> (data, fsdp)`` and ``embed -> fsdp`` coexist (an activation's
+``embed`` stays unsharded, a weight's ``embed`` is sharded over fsdp).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from flax import linen as nn
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxtrain import config as config_lib
+from jaxtrain.config import ConfigError, MESH_AXES
+
+Rules = tuple[tuple[str, Any], ...]
+
+_BATCH = (("batch", ("data", "fsdp")), ("length", None), ("layers", None), ("head_dim", None))
+PRESETS: dict[str, Rules] = {
+    # Pure data parallelism: every parameter replicated, the batch split over data and fsdp.
+    "dp": _BATCH + (("embed", None), ("heads", None), ("kv_heads", None), ("mlp", None), ("vocab", None)),
+    # FSDP / ZeRO-3: every parameter, gradient and optimizer moment sharded over fsdp along embed.
+    "fsdp": _BATCH + (("embed", "fsdp"), ("heads", None), ("kv_heads", None), ("mlp", None), ("vocab", None)),
+    # FSDP + tensor (Megatron) parallelism: heads, mlp and vocab split over tensor as well.
+    "fsdp_tp": _BATCH + (("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"),
+                         ("vocab", "tensor")),
+}
+
+
+def parse_rules(text: str) -> Rules:
+  """'embed=fsdp,mlp=tensor+fsdp,vocab=' -> (('embed', 'fsdp'), ('mlp', ('tensor', 'fsdp')), ('vocab', None))."""
+  rules = []
+  for item in filter(None, (s.strip() for s in text.split(","))):
+    if "=" not in item:
+      raise ConfigError("sharding.rules", f"'{item}' is not of the form logical=axis[+axis]",
+                        "write e.g. 'mlp=tensor,embed=fsdp' ('vocab=' for unsharded)")
+    name, axes = (s.strip() for s in item.split("=", 1))
+    axes = tuple(a for a in axes.split("+") if a)
+    for a in axes:
+      if a not in MESH_AXES:
+        raise ConfigError("sharding.rules", f"'{a}' in '{item}' is not a mesh axis",
+                          f"use one of {', '.join(MESH_AXES)}")
+    rules.append((name, axes[0] if len(axes) == 1 else (axes or None)))
+  return tuple(rules)
+
+
+def rules_from_config(sharding_cfg) -> Rules:
+  if sharding_cfg.preset not in PRESETS:
+    raise ConfigError("sharding.preset", f"'{sharding_cfg.preset}' is not a preset",
+                      f"use one of {', '.join(PRESETS)}")
+  return parse_rules(sharding_cfg.rules) + PRESETS[sharding_cfg.preset]
+
+
+def num_slices(devices: Sequence[jax.Device]) -> int:
+  """Slices (TPU multi-slice) or, elsewhere, processes: the granules that DCN axes span."""
+  if hasattr(devices[0], "slice_index"):
+    return len({d.slice_index for d in devices})
+  return len({d.process_index for d in devices})
+
+
+def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """The device mesh with axes MESH_AXES, ICI x DCN sizes from the config, Auto axis types."""
+  devices = list(devices if devices is not None else jax.devices())
+  ici, dcn = config_lib.mesh_shape(mesh_cfg, len(devices), num_slices(devices) if any(
+      mesh_cfg[f"dcn_{a}"] != 1 for a in MESH_AXES) else 1)
+  ici_shape = tuple(ici[a] for a in MESH_AXES)
+  dcn_shape = tuple(dcn[a] for a in MESH_AXES)
+  if math.prod(dcn_shape) > 1:
+    device_array = mesh_utils.create_hybrid_device_mesh(
+        ici_shape, dcn_shape, devices, process_is_granule=not hasattr(devices[0], "slice_index"))
+  else:
+    device_array = mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
+  return Mesh(device_array, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def logical_to_mesh_spec(logical: P, rules: Rules) -> P:
+  return nn.logical_to_mesh_axes(tuple(logical), rules)
+
+
+def logical_to_sharding(specs: Any, mesh: Mesh, rules: Rules) -> Any:
+  """A pytree of logical PartitionSpecs -> NamedShardings on ``mesh``."""
+  return nn.logical_to_mesh_sharding(specs, mesh, rules)
+
+
+def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
+  """Sharding constraint on an activation by logical names; a no-op outside an ``axis_rules`` context."""
+  return nn.with_logical_constraint(x, P(*logical_axes))
+
+
+def axis_rules(rules: Rules):
+  """Context manager that makes ``rules`` the ones :func:`constrain` uses while tracing."""
+  return nn.logical_axis_rules(rules)
+
+
+def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:
+  """Sharding of a (batch, length, ...) input array."""
+  return NamedSharding(mesh, logical_to_mesh_spec(P("batch", *([None] * (ndim - 1))), rules))
+
+
+def batch_shards(mesh: Mesh, rules: Rules) -> tuple[tuple[str, ...], int]:
+  """The mesh axes the batch is split over, and the product of their sizes."""
+  spec = logical_to_mesh_spec(P("batch"), rules)[0]
+  axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+  return axes, math.prod(mesh.shape[a] for a in axes)
+
+
+def check_shardable(abstract: Any, specs: Any, mesh: Mesh, rules: Rules) -> None:
+  """Raises ConfigError naming the config key when a sharded parameter dimension does not divide."""
+  for (path, leaf), (_, spec) in zip(jax.tree_util.tree_leaves_with_path(abstract),
+                                     jax.tree_util.tree_leaves_with_path(specs, is_leaf=_is_spec)):
+    mesh_spec = logical_to_mesh_spec(spec, rules)
+    for dim, (size, logical, axes) in enumerate(zip(leaf.shape, spec, mesh_spec)):
+      if axes is None:
+        continue
+      axes = (axes,) if isinstance(axes, str) else tuple(axes)
+      config_lib.check_divisible(config_lib.config_key_for_logical_axis(logical), size, axes,
+                                 dict(mesh.shape), f"'{logical}' of {jax.tree_util.keystr(path)}")
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, P)
+
+
+def shard_bytes(abstract: Any, shardings: Any) -> int:
+  """Bytes one device holds of a pytree of ShapeDtypeStructs laid out with ``shardings``."""
+  return sum(math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+             for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
+
+
+def total_bytes(abstract: Any) -> int:
+  return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(abstract))
+
+
+def replicated_params(abstract: Any, shardings: Any, min_bytes: float) -> list[tuple[str, int]]:
+  """(path, bytes) of every parameter of at least ``min_bytes`` that is fully replicated."""
+  out = []
+  for (path, a), s in zip(jax.tree_util.tree_leaves_with_path(abstract), jax.tree.leaves(shardings)):
+    nbytes = math.prod(a.shape) * np.dtype(a.dtype).itemsize
+    if s.is_fully_replicated and nbytes >= min_bytes and s.mesh.size > 1:
+      out.append((jax.tree_util.keystr(path), nbytes))
+  return out

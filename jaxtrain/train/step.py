@@ -1,0 +1,56 @@
+"""The training step: next-token loss, gradient accumulation over microbatches, optimizer update."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxtrain import sharding
+from jaxtrain.models import Model
+from jaxtrain.train.state import TrainState
+
+
+def loss_fn(model: Model, params, batch) -> tuple[jax.Array, jax.Array]:
+  """(sum of token cross-entropies over the loss mask, number of real target tokens)."""
+  logits = model.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  mask = batch["loss_mask"].astype(jnp.float32)
+  return jnp.sum(losses * mask), jnp.sum(mask)
+
+
+def split_microbatches(batch, num: int):
+  """[B, ...] -> [num, B/num, ...]. Microbatch j takes rows j, j+num, ..., so every device keeps its rows."""
+  def split(x):
+    x = x.reshape(x.shape[0] // num, num, *x.shape[1:]).swapaxes(0, 1)
+    return sharding.constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
+  return jax.tree.map(split, batch)
+
+
+def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
+                    microbatches: int, param_shardings=None):
+  """``(state, batch) -> (state, metrics)``. The loss is the mean over all real target tokens of the whole
+  batch, so k microbatches give the same update as one batch k times larger."""
+  grad_fn = jax.value_and_grad(lambda p, b: loss_fn(model, p, b), has_aux=True)
+
+  def train_step(state: TrainState, batch):
+    if microbatches == 1:
+      (loss_sum, tokens), grads = grad_fn(state.params, batch)
+    else:
+      def accumulate(carry, microbatch):
+        (loss, n), g = grad_fn(state.params, microbatch)
+        return jax.tree.map(jnp.add, carry, (loss, n, g)), None
+      zero_grads = jax.tree.map(jnp.zeros_like, state.params)
+      if param_shardings is not None:
+        zero_grads = jax.lax.with_sharding_constraint(zero_grads, param_shardings)
+      init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero_grads)
+      (loss_sum, tokens, grads), _ = jax.lax.scan(accumulate, init, split_microbatches(batch, microbatches))
+    denom = jnp.maximum(tokens, 1.0)
+    grads = jax.tree.map(lambda g: g / denom, grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads),
+               "lr": lr_schedule(state.step), "tokens": tokens}
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  return train_step
