@@ -133,7 +133,7 @@ def resolve_axis_sizes(sizes: dict[str, int], total: int, what: str) -> dict[str
     sizes = {**sizes, fill[0]: total // known}
   elif known != total:
     desc = " x ".join(f"{k}={v}" for k, v in sizes.items())
-    raise ConfigError(f"mesh.{next(iter(sizes))}", f"{what} mesh {desc} = {known} devices, but there are "
+    raise ConfigError("mesh", f"{what} mesh {desc} = {known} devices, but there are "
                       f"{total}", f"make the product {total} or set one axis to -1")
   return sizes
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import sys
 
 from absl import app, flags, logging
@@ -23,25 +22,28 @@ def _fail(message: str) -> None:
 def parse_flags(argv: list[str]) -> list[str]:
   """absl flag parsing, with every user mistake turned into one line and exit code 2."""
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
+    _CONFIG.value.keys()  # config files load lazily: force it so that load errors surface here
+    return rest
   except flags.Error as e:  # wrong type, missing --config, unparsable value, unknown flag
-    _fail(str(e).splitlines()[0])
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    _fail(lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}")  # drop a config file's traceback
   except (AttributeError, KeyError) as e:  # ml_collections: override of a key that does not exist
-    match = re.search(r"--config\.([\w.]+)", " ".join(a for a in argv if a.startswith("--config.")))
-    bad = next((a.split("=")[0][len("--config."):] for a in argv[1:] if a.startswith("--config.")
-                and _missing(a.split("=")[0][len("--config."):])), match.group(1) if match else str(e))
-    _fail(str(config_lib.unknown_key_error(bad, flags.FLAGS["config"].value or config_lib.base_config())))
-  except (OSError, SyntaxError, ImportError) as e:  # config file missing or broken
-    _fail(f"--config: cannot load the config file: {e}; pass an existing configs/*.py file")
+    _fail(str(_unknown_key(argv) or e))
+  except Exception as e:  # the config file is missing, or its get_config() raised
+    cause = [line.strip() for line in str(e).splitlines() if line.strip()]
+    _fail(f"--config: cannot load the config file: {cause[-1] if cause else type(e).__name__}; "
+          "pass an existing configs/*.py file (and a variant it knows)")
 
 
-def _missing(key: str) -> bool:
-  cfg = flags.FLAGS["config"].value or config_lib.base_config()
-  for part in key.split("."):
-    if not hasattr(cfg, "keys") or part not in cfg:
-      return True
-    cfg = cfg[part]
-  return False
+def _unknown_key(argv: list[str]) -> config_lib.ConfigError | None:
+  base = config_lib.base_config()  # every config file starts from it, so it has every key
+  known = set(config_lib.flat_keys(base))
+  for arg in argv[1:]:
+    key = arg.split("=")[0].removeprefix("--config.")
+    if arg.startswith("--config.") and key not in known and not any(k.startswith(key + ".") for k in known):
+      return config_lib.unknown_key_error(key, base)
+  return None
 
 
 def main(argv: list[str]) -> None:

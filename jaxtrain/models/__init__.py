@@ -61,14 +61,14 @@ class Model:
     with nnx.use_eager_sharding(False):
       abstract = nnx.eval_shape(lambda: module_cls(model_cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract, nnx.Param)
-    specs = nnx.get_partition_spec(state).to_pure_dict()
-    params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), state.to_pure_dict())
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
+    params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state))
     return cls(module_cls, model_cfg, graphdef, params, specs)
 
   def init(self, rng: jax.Array) -> dict:
     with nnx.use_eager_sharding(False):
       module = self.cls(self.cfg, rngs=nnx.Rngs(params=rng))
-    return nnx.state(module, nnx.Param).to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
   def apply(self, params: dict, tokens, positions, segment_ids) -> jax.Array:
     with nnx.use_eager_sharding(False):

@@ -111,7 +111,10 @@ class Llama(nnx.Module):
     self.remat = cfg.remat
 
   def __call__(self, tokens, positions, segment_ids):
-    x = constrain(self.embed(tokens), ("batch", "length", "embed"))
+    # FSDP: gather the table's embed dim before the lookup (its gradient is then reduce-scattered), instead
+    # of gathering from an embed-sharded table, which XLA can only reshard by replicating the activations.
+    table = constrain(self.embed.embedding[...], ("vocab", None))
+    x = constrain(jnp.take(table, tokens, axis=0).astype(self.embed.dtype), ("batch", "length", "embed"))
     graphdef, stacked = nnx.split(self.layers)
 
     def layer(x, weights):

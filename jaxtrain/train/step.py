@@ -49,7 +49,7 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
     grads = jax.tree.map(lambda g: g / denom, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads),
+    metrics = {"loss": loss_sum / denom, "grad_norm": optax.tree.norm(grads),
                "lr": lr_schedule(state.step), "tokens": tokens}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 

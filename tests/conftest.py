@@ -1,0 +1,34 @@
+"""Simulate 8 CPU devices before jax is imported, and share small configs."""
+
+import os
+import tempfile
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+# Tests compile the same small programs many times (and in subprocesses): share a persistent cache.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxtrain-test-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+import pytest  # noqa: E402
+
+from jaxtrain.config import base_config  # noqa: E402
+
+
+def small_config(workdir, **mesh):
+  """A 2-layer model small enough to compile in seconds; mesh sizes given as data=, fsdp=, tensor=."""
+  c = base_config()
+  c.workdir = str(workdir)
+  c.model.update(num_layers=2, d_model=64, num_heads=8, num_kv_heads=4, head_dim=16, mlp_dim=128,
+                 vocab_size=256)
+  c.data.seq_len = 32
+  c.train.update(steps=5, global_batch_size=16, log_every=1)
+  c.optim.update(lr=1e-3, warmup_steps=2)
+  c.mesh.update(data=1, fsdp=1, tensor=1)
+  c.mesh.update(**mesh)
+  return c
+
+
+@pytest.fixture
+def make_config(tmp_path):
+  return lambda **mesh: small_config(tmp_path, **mesh)

@@ -1,0 +1,65 @@
+"""The command line: every user mistake gives one line, exit code 2; the README command trains."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(*args, timeout=300):
+  return subprocess.run([sys.executable, "-m", "jaxtrain.main", *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+TINY = "--config=configs/tiny.py"
+ERRORS = [
+    # (arguments, text the one error line must contain)
+    ([TINY, "--config.train.stepz=5"], "train.stepz: unknown config key; did you mean 'train.steps'?"),
+    ([TINY, "--config.optim.lr=fast"], "--config.optim.lr=fast"),
+    ([TINY, "--config.mesh.fsdp=3"], "mesh: ICI mesh data=1 x pipeline=1 x fsdp=3 x tensor=1 = 3 devices, "
+                                     "but there are 8"),
+    ([TINY, "--config.mesh.data=3", "--config.mesh.fsdp=-1"], "mesh.fsdp: cannot fill"),
+    ([TINY, "--config.train.global_batch_size=12"], "train.global_batch_size: each of the 1 microbatches has 12 "
+                                                    "rows, not divisible by mesh.data=1 x mesh.fsdp=8"),
+    ([TINY, "--config.mesh.tensor=8", "--config.mesh.fsdp=1"], "model.num_kv_heads: 2 is not divisible by "
+                                                               "mesh.tensor=8"),
+    ([TINY, "--config.mesh.tensor=2", "--config.model.mlp_dim=385"], "model.mlp_dim: 385 is not divisible by "
+                                                                     "mesh.tensor=2"),
+    ([TINY, "--config.mesh.tensor=2", "--config.model.vocab_size=255"], "model.vocab_size: 255 is not divisible"),
+    ([TINY, "--config.model.d_model=100", "--config.model.head_dim=25"], "model.d_model: 100 is not divisible by "
+                                                                          "mesh.fsdp=8"),
+    ([TINY, "--config.model.num_kv_heads=3"], "model.num_kv_heads: 3 does not divide model.num_heads=4"),
+    ([TINY, "--config.train.microbatches=3"], "train.microbatches: 3 does not divide"),
+    ([TINY, "--config.model.name=gpt9"], "model.name: 'gpt9' is not a registered model; use one of llama"),
+    ([TINY, "--config.model.remat=everything"], "model.remat: 'everything' is not one of none, full, save_dots"),
+    ([TINY, "--config.optim.warmup_steps=500"], "optim.warmup_steps: 500 is more than train.steps=200"),
+    ([TINY, "--config.sharding.preset=zero9"], "sharding.preset: 'zero9' is not a preset"),
+    (["--config=configs/missing.py"], "No such file or directory: 'configs/missing.py'"),
+    (["--config=configs/tiny.py:nope"], "unknown variant 'nope'"),
+]
+
+
+@pytest.mark.parametrize("args,message", ERRORS, ids=[" ".join(a[1:]) or a[0] for a, _ in ERRORS])
+def test_user_mistake_gives_one_line_and_exit_2(args, message, tmp_path):
+  result = _run(*args, f"--config.workdir={tmp_path}/run" if args[0] == TINY else "--noalsologtostderr")
+  errors = [line for line in result.stderr.splitlines() if line.startswith("jaxtrain: error:")]
+  assert result.returncode == 2, result.stderr
+  assert len(errors) == 1 and message in errors[0], result.stderr
+  assert "Traceback" not in result.stderr
+  assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_readme_command_trains_and_writes_metrics(tmp_path):
+  result = _run(TINY, "--config.train.steps=50", f"--config.workdir={tmp_path}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == [10, 20, 30, 40, 50]
+  assert records[-1]["loss"] < records[0]["loss"]
+  resolved = json.loads((tmp_path / "config.json").read_text())
+  assert resolved["train"]["steps"] == 50 and resolved["workdir"] == str(tmp_path)
+  assert "step 50/50" in result.stderr
