@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from typing import Any, Iterable
+from typing import Iterable
 
 import ml_collections
 from ml_collections import config_dict
@@ -206,7 +206,3 @@ def check_divisible(key: str, size: int, mesh_axes: tuple[str, ...], mesh_sizes:
     axes = " x ".join(f"mesh.{a}={mesh_sizes[a]}" for a in mesh_axes)
     raise ConfigError(key, f"{size} is not divisible by {axes} ({what} is sharded over "
                       f"{', '.join(mesh_axes)})", f"make {key} a multiple of {shards} or shrink those axes")
-
-
-def to_dict(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-  return cfg.to_dict()

@@ -118,7 +118,7 @@ def check_shardable(abstract: Any, specs: Any, mesh: Mesh, rules: Rules) -> None
   for (path, leaf), (_, spec) in zip(jax.tree_util.tree_leaves_with_path(abstract),
                                      jax.tree_util.tree_leaves_with_path(specs, is_leaf=_is_spec)):
     mesh_spec = logical_to_mesh_spec(spec, rules)
-    for dim, (size, logical, axes) in enumerate(zip(leaf.shape, spec, mesh_spec)):
+    for size, logical, axes in zip(leaf.shape, spec, mesh_spec, strict=True):
       if axes is None:
         continue
       axes = (axes,) if isinstance(axes, str) else tuple(axes)

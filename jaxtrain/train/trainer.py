@@ -6,12 +6,11 @@ The loop reads top to bottom: next batch -> step -> every ``log_every`` steps fe
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Any, Iterator
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 import ml_collections
 import optax
 from absl import logging
@@ -99,7 +98,7 @@ def report(run: Run) -> dict[str, Any]:
 
 def abstract_batch(run: Run) -> dict[str, jax.ShapeDtypeStruct]:
   b, t = run.config.train.global_batch_size, run.config.data.seq_len
-  example = batch_lib.from_tokens(jnp.zeros((1, t + 1), jnp.int32))
+  example = batch_lib.from_tokens(np.zeros((1, t + 1), np.int32))
   return {k: jax.ShapeDtypeStruct((b, t), v.dtype, sharding=run.batch_sharding) for k, v in example.items()}
 
 
