@@ -21,12 +21,20 @@ DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("cosine", "linear", "constant")
 
 
-class ConfigError(ValueError):
-  """A user mistake in the config: one line naming the key, the problem and the fix."""
+class UserError(Exception):
+  """A mistake in what the user gave us (config, data, paths): printed as one line, exit code 2."""
 
-  def __init__(self, key: str, problem: str, fix: str):
-    self.key, self.problem, self.fix = key, problem, fix
-    super().__init__(f"{key}: {problem}; {fix}")
+  def __init__(self, subject: str, problem: str, fix: str):
+    self.subject, self.problem, self.fix = subject, problem, fix
+    super().__init__(f"{subject}: {problem}; {fix}")
+
+
+class ConfigError(UserError):
+  """A config key with a wrong value: ``subject`` is the key."""
+
+
+class DataError(UserError):
+  """A missing, empty, corrupt or mismatched data file: ``subject`` names the file."""
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -66,9 +74,15 @@ def base_config() -> ml_collections.ConfigDict:
   ))
 
   c.data = ml_collections.ConfigDict(dict(
-      source="synthetic",
+      source="arrayrecord",  # arrayrecord (output of tools/prepare_data.py) | synthetic (no data needed)
+      path="",  # prepared data folder; empty = the bundled Shakespeare corpus, prepared on first use
       seq_len=128,
-      path="",
+      packing=True,  # pack documents into rows (segment ids keep them apart); False = one padded doc per row
+      tokenizer="",  # if set ('byte' or a tokenizer file), the data must have been prepared with it
+      num_workers=0,  # Grain worker processes (0 = in-process, fastest on few cores)
+      prefetch=2,  # batches buffered per worker
+      verify_checksums=True,  # SHA-256 of every shard against the manifest at start
+      cache_dir="~/.cache/jaxtrain",  # where the bundled corpus is prepared
   ))
 
   c.optim = ml_collections.ConfigDict(dict(
@@ -116,7 +130,7 @@ def unknown_key_error(key: str, cfg: ml_collections.ConfigDict) -> ConfigError:
   return ConfigError(key, "unknown config key", fix)
 
 
-def resolve_axis_sizes(sizes: dict[str, int], total: int, what: str) -> dict[str, int]:
+def resolve_axis_sizes(sizes: dict[str, int], total: int, what: str, unit: str) -> dict[str, int]:
   """Fills at most one -1 so the product of ``sizes`` equals ``total``."""
   fill = [k for k, v in sizes.items() if v == -1]
   for k, v in sizes.items():
@@ -128,24 +142,25 @@ def resolve_axis_sizes(sizes: dict[str, int], total: int, what: str) -> dict[str
   known = math.prod(v for v in sizes.values() if v != -1)
   if fill:
     if total % known:
-      raise ConfigError(f"mesh.{fill[0]}", f"cannot fill: {total} {what} devices are not divisible by "
-                        f"the other axes' product {known}", f"make the explicit {what} sizes divide {total}")
+      raise ConfigError(f"mesh.{fill[0]}", f"cannot fill: {total} {unit} are not divisible by "
+                        f"the other {what} axes' product {known}", f"make the explicit {what} sizes divide {total}")
     sizes = {**sizes, fill[0]: total // known}
   elif known != total:
     desc = " x ".join(f"{k}={v}" for k, v in sizes.items())
-    raise ConfigError("mesh", f"{what} mesh {desc} = {known} devices, but there are "
-                      f"{total}", f"make the product {total} or set one axis to -1")
+    raise ConfigError("mesh", f"{what} mesh {desc} = {known} {unit}, but there are {total}",
+                      f"make the product {total} or set one axis to -1")
   return sizes
 
 
 def mesh_shape(mesh_cfg, num_devices: int, num_slices: int) -> tuple[dict[str, int], dict[str, int]]:
   """(ici, dcn) sizes per axis in MESH_AXES order, -1s filled. Raises ConfigError when impossible."""
   dcn = {f"dcn_{a}": mesh_cfg[f"dcn_{a}"] for a in MESH_AXES}
-  dcn = resolve_axis_sizes(dcn, num_slices, "DCN")
+  dcn = resolve_axis_sizes(dcn, num_slices, "DCN", "slices (or processes)")
   if num_devices % num_slices:
     raise ConfigError("mesh", f"{num_devices} devices do not split evenly into {num_slices} slices",
                       "use the same number of devices on every host/slice")
-  ici = resolve_axis_sizes({a: mesh_cfg[a] for a in MESH_AXES}, num_devices // num_slices, "ICI")
+  ici = resolve_axis_sizes({a: mesh_cfg[a] for a in MESH_AXES}, num_devices // num_slices, "ICI",
+                           "devices per slice" if num_slices > 1 else "devices")
   return ({a: ici[a] for a in MESH_AXES}, {a: dcn[f"dcn_{a}"] for a in MESH_AXES})
 
 
@@ -169,14 +184,17 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
   m, t, o = cfg.model, cfg.train, cfg.optim
   _check_positive(cfg, ["model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads",
                         "model.head_dim", "model.mlp_dim", "model.vocab_size", "data.seq_len",
-                        "train.steps", "train.global_batch_size", "train.microbatches", "train.log_every",
+                        "train.steps", "train.global_batch_size", "data.prefetch", "train.microbatches", "train.log_every",
                         "optim.lr"])
-  _check_positive(cfg, ["optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
+  _check_positive(cfg, ["data.num_workers", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
                         "optim.end_lr_ratio", "checkpoint.every_steps"], allow_zero=True)
   _check_choice(cfg, "model.remat", REMAT_POLICIES)
   _check_choice(cfg, "model.dtype", DTYPES)
   _check_choice(cfg, "optim.schedule", SCHEDULES)
-  _check_choice(cfg, "data.source", ("synthetic",))
+  _check_choice(cfg, "data.source", ("arrayrecord", "synthetic"))
+  if cfg.data.source == "synthetic" and cfg.data.path:
+    raise ConfigError("data.path", "is set but data.source='synthetic' ignores it",
+                      "set data.source=arrayrecord or clear data.path")
   if m.num_heads % m.num_kv_heads:
     raise ConfigError("model.num_kv_heads", f"{m.num_kv_heads} does not divide model.num_heads={m.num_heads}",
                       "grouped-query attention needs num_heads to be a multiple of num_kv_heads")

@@ -57,7 +57,7 @@ def main(argv: list[str]) -> None:
                jax.default_backend(), jax.process_count())
   try:
     trainer.train(config)
-  except config_lib.ConfigError as e:
+  except config_lib.UserError as e:
     _fail(str(e))
 
 

@@ -67,19 +67,22 @@ def num_slices(devices: Sequence[jax.Device]) -> int:
   return len({d.process_index for d in devices})
 
 
+def device_grid(mesh_cfg, devices: Sequence[jax.Device]) -> np.ndarray:
+  """Devices arranged in MESH_AXES order: topology-aware within a slice (ICI sizes), and with the DCN sizes
+  spanning slices (TPU multi-slice) or processes (GPU / CPU hosts) when any ``dcn_*`` size is > 1."""
+  hybrid = any(mesh_cfg[f"dcn_{a}"] != 1 for a in MESH_AXES)
+  ici, dcn = config_lib.mesh_shape(mesh_cfg, len(devices), num_slices(devices) if hybrid else 1)
+  ici_shape, dcn_shape = tuple(ici[a] for a in MESH_AXES), tuple(dcn[a] for a in MESH_AXES)
+  if hybrid:
+    return mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices,
+                                                process_is_granule=not hasattr(devices[0], "slice_index"))
+  return mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
+
+
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """The device mesh with axes MESH_AXES, ICI x DCN sizes from the config, Auto axis types."""
-  devices = list(devices if devices is not None else jax.devices())
-  ici, dcn = config_lib.mesh_shape(mesh_cfg, len(devices), num_slices(devices) if any(
-      mesh_cfg[f"dcn_{a}"] != 1 for a in MESH_AXES) else 1)
-  ici_shape = tuple(ici[a] for a in MESH_AXES)
-  dcn_shape = tuple(dcn[a] for a in MESH_AXES)
-  if math.prod(dcn_shape) > 1:
-    device_array = mesh_utils.create_hybrid_device_mesh(
-        ici_shape, dcn_shape, devices, process_is_granule=not hasattr(devices[0], "slice_index"))
-  else:
-    device_array = mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
-  return Mesh(device_array, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+  grid = device_grid(mesh_cfg, list(devices if devices is not None else jax.devices()))
+  return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
 def logical_to_mesh_spec(logical: P, rules: Rules) -> P:

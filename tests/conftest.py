@@ -21,7 +21,7 @@ def small_config(workdir, **mesh):
   c.workdir = str(workdir)
   c.model.update(num_layers=2, d_model=64, num_heads=8, num_kv_heads=4, head_dim=16, mlp_dim=128,
                  vocab_size=256)
-  c.data.seq_len = 32
+  c.data.update(seq_len=32, source="synthetic")
   c.train.update(steps=5, global_batch_size=16, log_every=1)
   c.optim.update(lr=1e-3, warmup_steps=2)
   c.mesh.update(data=1, fsdp=1, tensor=1)

@@ -110,3 +110,28 @@ def test_bad_rule_text(make_config):
   config.sharding.rules = "mlp=tensr"
   with pytest.raises(ConfigError, match="'tensr' .* is not a mesh axis"):
     trainer.build(config)
+
+
+class FakeDevice:
+  """Stands in for a GPU device of a 2-process job (mesh_utils reads only these attributes)."""
+
+  platform, device_kind = "gpu", "fake"
+
+  def __init__(self, id, process_index):
+    self.id, self.process_index = id, process_index
+
+  def __repr__(self):
+    return f"D{self.id}@p{self.process_index}"
+
+
+def test_hybrid_mesh_puts_dcn_axis_across_processes(make_config):
+  devices = [FakeDevice(i, i // 4) for i in range(8)]  # 2 processes x 4 local devices
+  config = make_config(data=1, fsdp=2, tensor=2)
+  config.mesh.dcn_data = 2
+  grid = sharding.device_grid(config.mesh, devices)
+  assert grid.shape == (2, 1, 2, 2)  # data (DCN) x pipeline x fsdp x tensor (ICI)
+  for data_index in range(2):
+    assert {d.process_index for d in grid[data_index].flat} == {data_index}
+  config.mesh.dcn_data = 4
+  with pytest.raises(ConfigError, match="DCN mesh .* = 4 slices \\(or processes\\), but there are 2"):
+    sharding.device_grid(config.mesh, devices)

@@ -1,7 +1,11 @@
-"""Input pipelines. Every source yields per-process numpy batches of the form described in
-:func:`jaxtrain.data.batch.from_tokens`; :func:`to_global` assembles them into global jax.Arrays."""
+"""Input pipelines. Every source yields per-process numpy batches in the format of
+:mod:`jaxtrain.data.batch`; :func:`to_global` assembles them into global jax.Arrays."""
 
 from __future__ import annotations
+
+import gc
+import os
+from typing import Iterator
 
 import jax
 from jax.sharding import NamedSharding
@@ -10,3 +14,31 @@ from jax.sharding import NamedSharding
 def to_global(local_batch: dict, sharding: NamedSharding) -> dict:
   """This process's rows -> global arrays laid out with ``sharding`` (works on one host and on many)."""
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}
+
+
+def open_train(config) -> Iterator[dict]:
+  """The training stream the config asks for, validated before anything is compiled. The iterator has
+  ``get_state()`` / ``set_state()`` for checkpoints. Raises DataError / ConfigError on bad input."""
+  from jaxtrain.data import pipeline, prepare
+  from jaxtrain.data.synthetic import SyntheticSource
+
+  c = config
+  if c.data.source == "synthetic":
+    return SyntheticSource(c.data.seq_len, c.model.vocab_size, c.train.global_batch_size, c.train.seed,
+                           jax.process_index(), jax.process_count())
+  root = c.data.path or os.fspath(prepare.bundled_corpus(c.data.cache_dir))
+  manifest = pipeline.load_manifest(root, c.data.verify_checksums)
+  pipeline.check_compatible(manifest, root, c.model.vocab_size, c.data.tokenizer)
+  dataset = pipeline.train_dataset(
+      root, manifest, seq_len=c.data.seq_len, global_batch=c.train.global_batch_size, seed=c.train.seed,
+      process_index=jax.process_index(), process_count=jax.process_count(), packing=c.data.packing,
+      num_workers=c.data.num_workers, prefetch=c.data.prefetch)
+  return iter(dataset)
+
+
+def close(iterator) -> None:
+  """Stops a Grain iterator's threads and worker processes now. Left to interpreter shutdown, its per-lane
+  prefetch threads are collected after their modules are gone and print spurious errors."""
+  if hasattr(iterator, "close"):
+    iterator.close()
+  gc.collect()

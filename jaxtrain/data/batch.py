@@ -7,6 +7,19 @@ import numpy as np
 KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 
 
+def from_packed(tokens: np.ndarray, segment_ids: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
+  """Packed rows of ``seq_len + 1`` tokens with segment ids (0 = padding) and positions -> a training batch.
+  A target counts only when it continues the input's document: never across documents, never padding."""
+  same_doc = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
+  return {
+      "inputs": tokens[:, :-1].astype(np.int32),
+      "targets": tokens[:, 1:].astype(np.int32),
+      "loss_mask": same_doc.astype(np.float32),
+      "positions": positions[:, :-1].astype(np.int32),
+      "segment_ids": segment_ids[:, :-1].astype(np.int32),
+  }
+
+
 def from_tokens(tokens: np.ndarray) -> dict[str, np.ndarray]:
   """Rows of ``seq_len + 1`` tokens (one document each, no padding) -> a training batch:
   ``inputs``/``targets`` (int32 [b, seq_len], targets shifted by one), ``loss_mask`` (float32, 1 where the

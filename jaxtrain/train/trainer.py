@@ -25,7 +25,6 @@ from jaxtrain import optim
 from jaxtrain import sharding
 from jaxtrain.config import ConfigError
 from jaxtrain.data import batch as batch_lib
-from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.train import state as state_lib
 from jaxtrain.train import step as step_lib
 from jaxtrain.train.state import TrainState
@@ -118,12 +117,6 @@ def init_state(run: Run) -> TrainState:
     return state_lib.make_init(run.model, run.tx, run.state_shardings)(jax.random.key(run.config.train.seed))
 
 
-def make_data(run: Run) -> Iterator[dict]:
-  c = run.config
-  return SyntheticSource(c.data.seq_len, c.model.vocab_size, c.train.global_batch_size, c.train.seed,
-                         jax.process_index(), jax.process_count())
-
-
 def write_config(config: ml_collections.ConfigDict) -> None:
   workdir = epath.Path(config.workdir)
   if jax.process_index() == 0:
@@ -134,6 +127,15 @@ def write_config(config: ml_collections.ConfigDict) -> None:
 def train(config: ml_collections.ConfigDict, devices=None, data: Iterator[dict] | None = None):
   """Runs ``config.train.steps`` steps. Returns the final state and the logged metrics."""
   run = build(config, devices)
+  data = data if data is not None else data_lib.open_train(config)
+  try:
+    return _train_loop(run, data)
+  finally:
+    data_lib.close(data)
+
+
+def _train_loop(run: Run, data: Iterator[dict]):
+  config = run.config
   write_config(config)
   report(run)
   t0 = time.perf_counter()
@@ -141,7 +143,6 @@ def train(config: ml_collections.ConfigDict, devices=None, data: Iterator[dict] 
   state = init_state(run)
   logging.info("compiled init + train step in %.1fs", time.perf_counter() - t0)
 
-  data = data if data is not None else make_data(run)
   writer = metrics_lib.MetricWriter(config.workdir, config.train.steps)
   history, pending = [], []
   t_last = time.perf_counter()

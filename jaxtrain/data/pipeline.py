@@ -1,0 +1,128 @@
+"""The Grain input pipeline over prepared shards: per-host, packed, deterministic, resumable.
+
+The global batch of B rows is made of B *lanes*. Lane r reads documents r, r+B, r+2B, ... of the globally
+shuffled (and every epoch reshuffled) document order and packs them into rows of ``seq_len + 1`` tokens.
+A process builds only its own lanes (rows ``[p*B/P, (p+1)*B/P)``), so processes read disjoint documents that
+together cover each epoch exactly once, and the global batch is the same for any number of processes.
+Lanes are interleaved round-robin and batched by Grain, so the whole pipeline is one Grain dataset whose
+iterator state (``get_state`` / ``set_state``) restores the stream exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import grain
+import numpy as np
+from etils import epath
+
+from jaxtrain.config import DataError
+from jaxtrain.data import batch as batch_lib
+from jaxtrain.data import packing as packing_lib
+from jaxtrain.data import prepare
+
+
+def load_manifest(path: str, verify_checksums: bool = True) -> dict:
+  """Reads ``path/manifest.json`` and checks that every shard is there, whole and (optionally) intact."""
+  root = epath.Path(path)
+  if not root.exists():
+    raise DataError(path, "no such data folder", "run tools/prepare_data.py --output=" + path + " first")
+  manifest_path = root / prepare.MANIFEST
+  if not manifest_path.exists():
+    raise DataError(path, "no manifest.json (no prepared shards here)", "point data.path at the --output of "
+                    "tools/prepare_data.py")
+  try:
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["format"] == prepare.FORMAT and isinstance(manifest["shards"], list)
+  except Exception:
+    raise DataError(os.fspath(manifest_path), "not a jaxtrain manifest (unreadable or wrong format)",
+                    "re-run tools/prepare_data.py") from None
+  for shard in manifest["shards"]:
+    f = root / shard["file"]
+    if not f.exists():
+      raise DataError(os.fspath(f), "shard listed in the manifest is missing", "re-run tools/prepare_data.py")
+    size = f.stat().length
+    if size != shard["bytes"]:
+      raise DataError(os.fspath(f), f"shard is truncated or changed ({size} bytes, manifest says "
+                      f"{shard['bytes']})", "re-run tools/prepare_data.py")
+    if verify_checksums and hashlib.sha256(f.read_bytes()).hexdigest() != shard["sha256"]:
+      raise DataError(os.fspath(f), "shard checksum does not match the manifest (corrupt file)",
+                      "re-run tools/prepare_data.py (or set data.verify_checksums=False to skip this check)")
+  return manifest
+
+
+def check_compatible(manifest: dict, path: str, model_vocab: int, tokenizer: str) -> None:
+  """The config must be able to use these tokens."""
+  if manifest["vocab_size"] > model_vocab:
+    raise DataError(path, f"tokens need vocab_size {manifest['vocab_size']} (tokenizer {manifest['tokenizer']}) "
+                    f"but model.vocab_size={model_vocab}", f"set model.vocab_size >= {manifest['vocab_size']}")
+  if tokenizer and not _same_tokenizer(tokenizer, manifest["tokenizer"]):
+    raise DataError(path, f"prepared with tokenizer {manifest['tokenizer']}, but data.tokenizer={tokenizer}",
+                    "prepare the data with that tokenizer or set data.tokenizer to match")
+
+
+def _same_tokenizer(config_value: str, manifest_value: str) -> bool:
+  if config_value == manifest_value:
+    return True
+  if config_value in ("", "byte"):
+    return manifest_value == "byte"
+  from jaxtrain.data import tokenizers
+  return tokenizers.load(config_value).name == manifest_value
+
+
+class TokenSource(grain.sources.RandomAccessDataSource):
+  """Random access to the documents of one split: record i -> int32 token ids."""
+
+  def __init__(self, root: str, manifest: dict, split: str):
+    files = [os.fspath(epath.Path(root) / s["file"]) for s in manifest["shards"] if s["split"] == split]
+    if not files:
+      raise DataError(root, f"no '{split}' shards in the manifest", "prepare the data with that split")
+    self._source = grain.sources.ArrayRecordDataSource(files)
+    self._dtype = np.dtype(manifest["dtype"])
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, index: int) -> np.ndarray:
+    return np.frombuffer(self._source[index], self._dtype).astype(np.int32)
+
+
+def _to_train_batch(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  return batch_lib.from_packed(rows["tokens"], rows["segment_ids"], rows["positions"])
+
+
+def train_dataset(root: str, manifest: dict, *, seq_len: int, global_batch: int, seed: int,
+                  process_index: int, process_count: int, packing: bool = True, split: str = "train",
+                  num_workers: int = 0, prefetch: int = 2) -> grain.IterDataset:
+  """This process's share of an endless stream of training batches (numpy, jaxtrain batch format)."""
+  if global_batch % process_count:
+    raise ValueError(f"global batch {global_batch} does not split over {process_count} processes")
+  docs = grain.MapDataset.source(TokenSource(root, manifest, split)).seed(seed).shuffle().repeat(None)
+  per_process = global_batch // process_count
+  lanes = range(process_index * per_process, (process_index + 1) * per_process)
+  ds = packing_lib.PackedLanes(docs, lanes, global_batch, seq_len + 1, packing).map(_to_train_batch)
+  if num_workers > 0:
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers, per_worker_buffer_size=prefetch))
+  return ds
+
+
+def eval_batches(root: str, manifest: dict, *, seq_len: int, global_batch: int, process_index: int,
+                 process_count: int, split: str = "eval") -> list[dict[str, np.ndarray]]:
+  """One pass over the eval split, packed in file order, this process's rows of each global batch.
+  The last batch is padded with empty rows (loss mask 0), so every document counts exactly once."""
+  docs = grain.MapDataset.source(TokenSource(root, manifest, split))
+  rows = [r for batch in packing_lib.PackedLanes(docs, [0], 1, seq_len + 1) for r in _split_rows(batch)]
+  empty = {k: np.zeros(seq_len + 1, np.int32) for k in ("tokens", "segment_ids", "positions")}
+  rows += [empty] * (-len(rows) % global_batch)
+  per_process = global_batch // process_count
+  batches = []
+  for start in range(0, len(rows), global_batch):
+    mine = rows[start + process_index * per_process:start + (process_index + 1) * per_process]
+    batches.append(_to_train_batch({k: np.stack([r[k] for r in mine]) for k in empty}))
+  return batches
+
+
+def _split_rows(batch: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+  return [{k: v[i] for k, v in batch.items()} for i in range(len(batch["tokens"]))]
