@@ -20,13 +20,21 @@ import numpy as np
 
 
 class PackedLanes(grain.IterDataset):
-  """Yields ``{"tokens", "segment_ids", "positions"}`` arrays of shape [len(lanes), length] per step."""
+  """Yields rows ``{"tokens", "segment_ids", "positions"}`` (each [length]) cycling through ``lanes`` in order:
+  one row of each lane per round, so batching ``len(lanes)`` consecutive rows gives the lanes' rows of one
+  step. Grain's worker processes each take a strided subset of the lanes (``set_slice``); their round-robin
+  merge restores the lane order when the lane count is a multiple of the worker count."""
 
   def __init__(self, docs: grain.MapDataset, lanes: Sequence[int], num_lanes: int, length: int,
                packing: bool = True):
     super().__init__()
     self.docs, self.lanes, self.num_lanes = docs, list(lanes), num_lanes
     self.length, self.packing = length, packing
+
+  def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+    if sequential_slice:
+      raise ValueError("PackedLanes supports only strided slicing (one lane subset per worker)")
+    self.lanes = self.lanes[sl]
 
   def __iter__(self) -> "_PackedLanesIterator":
     return _PackedLanesIterator(self)
@@ -39,55 +47,49 @@ class _PackedLanesIterator(grain.DatasetIterator):
     self._ds = ds
     self._doc = [0] * len(ds.lanes)  # per lane: index of its current document within the lane
     self._offset = [0] * len(ds.lanes)  # per lane: tokens of that document already emitted
+    self._next = 0  # position in the lane cycle
     self._finite = len(ds.docs) < 2**62  # an unrepeated source runs out
 
-  def _document(self, lane_pos: int) -> np.ndarray | None:
-    index = self._ds.lanes[lane_pos] + self._doc[lane_pos] * self._ds.num_lanes
+  def _document(self, i: int) -> np.ndarray | None:
+    index = self._ds.lanes[i] + self._doc[i] * self._ds.num_lanes
     if self._finite and index >= len(self._ds.docs):
       return None
     return self._ds.docs[index]
 
-  def _row(self, lane_pos: int) -> tuple[list, bool]:
-    """The pieces (tokens, segment, first position) of one row, and whether the lane has data left."""
-    pieces, filled, segment = [], 0, 0
-    while filled < self._ds.length:
-      doc = self._document(lane_pos)
+  def _row(self, i: int) -> dict[str, np.ndarray] | None:
+    """Lane i's next row, or None when its (finite) documents are used up."""
+    length = self._ds.length
+    row = {k: np.zeros(length, np.int32) for k in ("tokens", "segment_ids", "positions")}
+    filled, segment = 0, 0
+    while filled < length:
+      doc = self._document(i)
       if doc is None:
-        return pieces, bool(pieces)
-      start = self._offset[lane_pos]
-      take = min(doc.size - start, self._ds.length - filled)
+        return row if filled else None
+      start = self._offset[i]
+      take = min(doc.size - start, length - filled)
       segment += 1
-      pieces.append((doc[start:start + take], segment, start))
+      row["tokens"][filled:filled + take] = doc[start:start + take]
+      row["segment_ids"][filled:filled + take] = segment
+      row["positions"][filled:filled + take] = np.arange(start, start + take)
       filled += take
-      if start + take < doc.size and self._ds.packing:
-        self._offset[lane_pos] = start + take  # the rest of this document opens the lane's next row
+      if self._ds.packing and start + take < doc.size:
+        self._offset[i] = start + take  # the rest of this document opens the lane's next row
       else:
-        self._doc[lane_pos] += 1
-        self._offset[lane_pos] = 0
+        self._doc[i], self._offset[i] = self._doc[i] + 1, 0
       if not self._ds.packing:
         break
-    return pieces, True
+    return row
 
   def __next__(self) -> dict[str, np.ndarray]:
-    n, length = len(self._ds.lanes), self._ds.length
-    out = {k: np.zeros((n, length), np.int32) for k in ("tokens", "segment_ids", "positions")}
-    any_data = False
-    for i in range(n):
-      pieces, has_data = self._row(i)
-      any_data |= has_data
-      at = 0
-      for tokens, segment, first in pieces:
-        end = at + tokens.size
-        out["tokens"][i, at:end] = tokens
-        out["segment_ids"][i, at:end] = segment
-        out["positions"][i, at:end] = np.arange(first, first + tokens.size)
-        at = end
-    if not any_data:
-      raise StopIteration
-    return out
+    for _ in range(len(self._ds.lanes)):
+      i, self._next = self._next, (self._next + 1) % len(self._ds.lanes)
+      row = self._row(i)
+      if row is not None:
+        return row
+    raise StopIteration
 
   def get_state(self) -> dict:
-    return {"doc": list(self._doc), "offset": list(self._offset)}
+    return {"doc": list(self._doc), "offset": list(self._offset), "next": self._next}
 
   def set_state(self, state: dict) -> None:
-    self._doc, self._offset = list(state["doc"]), list(state["offset"])
+    self._doc, self._offset, self._next = list(state["doc"]), list(state["offset"]), int(state["next"])

@@ -15,6 +15,7 @@ import json
 import os
 
 import grain
+from absl import flags
 import numpy as np
 from etils import epath
 
@@ -102,10 +103,15 @@ def train_dataset(root: str, manifest: dict, *, seq_len: int, global_batch: int,
   docs = grain.MapDataset.source(TokenSource(root, manifest, split)).seed(seed).shuffle().repeat(None)
   per_process = global_batch // process_count
   lanes = range(process_index * per_process, (process_index + 1) * per_process)
-  ds = packing_lib.PackedLanes(docs, lanes, global_batch, seq_len + 1, packing).map(_to_train_batch)
+  ds = packing_lib.PackedLanes(docs, lanes, global_batch, seq_len + 1, packing)
   if num_workers > 0:
-    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers, per_worker_buffer_size=prefetch))
-  return ds
+    if per_process % num_workers:
+      raise ValueError(f"{num_workers} workers do not divide the {per_process} rows of a process's batch")
+    if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags; callers outside absl.app have none
+      flags.FLAGS.mark_as_parsed()
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers,
+                                                     per_worker_buffer_size=prefetch * per_process))
+  return ds.batch(per_process, drop_remainder=True).map(_to_train_batch)
 
 
 def eval_batches(root: str, manifest: dict, *, seq_len: int, global_batch: int, process_index: int,
@@ -113,7 +119,7 @@ def eval_batches(root: str, manifest: dict, *, seq_len: int, global_batch: int, 
   """One pass over the eval split, packed in file order, this process's rows of each global batch.
   The last batch is padded with empty rows (loss mask 0), so every document counts exactly once."""
   docs = grain.MapDataset.source(TokenSource(root, manifest, split))
-  rows = [r for batch in packing_lib.PackedLanes(docs, [0], 1, seq_len + 1) for r in _split_rows(batch)]
+  rows = list(packing_lib.PackedLanes(docs, [0], 1, seq_len + 1))
   empty = {k: np.zeros(seq_len + 1, np.int32) for k in ("tokens", "segment_ids", "positions")}
   rows += [empty] * (-len(rows) % global_batch)
   per_process = global_batch // process_count
@@ -122,7 +128,3 @@ def eval_batches(root: str, manifest: dict, *, seq_len: int, global_batch: int, 
     mine = rows[start + process_index * per_process:start + (process_index + 1) * per_process]
     batches.append(_to_train_batch({k: np.stack([r[k] for r in mine]) for k in empty}))
   return batches
-
-
-def _split_rows(batch: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-  return [{k: v[i] for k, v in batch.items()} for i in range(len(batch["tokens"]))]

@@ -61,9 +61,13 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Run:
     raise ConfigError("train.global_batch_size", f"each of the {config.train.microbatches} microbatches has "
                       f"{per_microbatch} rows, not divisible by {axes}",
                       f"make global_batch_size / microbatches a multiple of {batch_shards}")
+  per_process = config.train.global_batch_size // jax.process_count()
   if config.train.global_batch_size % jax.process_count():
     raise ConfigError("train.global_batch_size", f"does not split over {jax.process_count()} processes",
                       "use a multiple of the process count")
+  if config.data.num_workers and per_process % config.data.num_workers:
+    raise ConfigError("data.num_workers", f"{config.data.num_workers} does not divide the {per_process} rows "
+                      "each process loads per step", "use a divisor of global_batch_size / processes")
   tx = optim.make(config.optim, config.train.steps)
   return Run(config=config, mesh=mesh, rules=rules, model=model, tx=tx,
              lr_schedule=optim.schedule(config.optim, config.train.steps),

@@ -1,0 +1,44 @@
+"""Run a script as N real JAX processes on localhost (gloo collectives), every wait bounded."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import portpicker
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run(script: str, args: list[str], num_processes: int = 2, local_devices: int = 4,
+        timeout: float = 300) -> list[subprocess.CompletedProcess]:
+  """Starts ``python script --coordinator=127.0.0.1:PORT --num_processes=N --process_id=i *args`` for each
+  i, waits at most ``timeout`` seconds for all, kills every one still running, and returns the results."""
+  port = portpicker.pick_unused_port()
+  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": f"--xla_force_host_platform_device_count={local_devices}"}
+  procs = [subprocess.Popen([sys.executable, script, f"--coordinator=127.0.0.1:{port}",
+                             f"--num_processes={num_processes}", f"--process_id={i}", *args],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(num_processes)]
+  results = []
+  try:
+    for p in procs:
+      out, err = p.communicate(timeout=timeout)
+      results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait(timeout=30)
+  return results
+
+
+def init_distributed(coordinator: str, num_processes: int, process_id: int) -> None:
+  """For the worker scripts: join the localhost job with gloo CPU collectives."""
+  import jax
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                             process_id=process_id, initialization_timeout=120)

@@ -1,0 +1,314 @@
+"""Data: prepare_data, the Grain pipeline (resume, multi-process, packing), bad input, training on it."""
+
+import hashlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain import data as data_lib
+from jaxtrain.data import batch as batch_lib
+from jaxtrain.data import pipeline, prepare
+from jaxtrain.train import trainer
+from tests import multiprocess
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORDS = "the of and to in a is that for it as was with be by on not he I this are or his from at which".split()
+
+
+@pytest.fixture(scope="module")
+def shakespeare(tmp_path_factory):
+  out = tmp_path_factory.mktemp("data") / "shakespeare"
+  prepare.prepare(prepare.Options(inputs=[os.fspath(prepare.BUNDLED)], output=os.fspath(out), progress=False,
+                                  eval_fraction=0.05))
+  return os.fspath(out)
+
+
+def _dataset(root, **kw):
+  args = dict(seq_len=64, global_batch=8, seed=0, process_index=0, process_count=1)
+  return pipeline.train_dataset(root, pipeline.load_manifest(root), **{**args, **kw})
+
+
+def _take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+def _assert_same(batches_a, batches_b):
+  assert len(batches_a) == len(batches_b)
+  for a, b in zip(batches_a, batches_b):
+    for k in batch_lib.KEYS:
+      np.testing.assert_array_equal(a[k], b[k])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_from_iterator_state(shakespeare, workers):
+  it = iter(_dataset(shakespeare, num_workers=workers))
+  _take(it, 5)
+  state = it.get_state()
+  expected = _take(it, 6)
+  data_lib.close(it)
+  resumed = iter(_dataset(shakespeare, num_workers=workers))
+  resumed.set_state(state)
+  _assert_same(_take(resumed, 6), expected)
+  data_lib.close(resumed)
+
+
+def test_state_survives_json(shakespeare):
+  it = iter(_dataset(shakespeare))
+  _take(it, 3)
+  state = json.loads(json.dumps(it.get_state()))  # what a checkpoint stores
+  expected = _take(it, 2)
+  resumed = iter(_dataset(shakespeare))
+  resumed.set_state(state)
+  _assert_same(_take(resumed, 2), expected)
+
+
+def test_two_processes_split_the_epoch_and_build_the_same_global_batch(shakespeare, tmp_path):
+  args = ["--data", shakespeare, "--global_batch=8", "--seq_len=64", "--seed=3"]
+  outs = [tmp_path / f"p{i}.json" for i in range(2)]
+  results = multiprocess.run("tests/data_worker.py", args + ["--out", os.fspath(tmp_path / "p{}.json")],
+                             timeout=300)
+  for r in results:
+    assert r.returncode == 0, r.stderr[-3000:]
+  seen = [json.loads(o.read_text()) for o in outs]
+  # Disjoint, and together every training document of the epoch exactly once.
+  src = pipeline.TokenSource(shakespeare, pipeline.load_manifest(shakespeare), "train")
+  every = sorted(hashlib.sha256(src[i].tobytes()).hexdigest() for i in range(len(src)))
+  assert not set(seen[0]["docs"]) & set(seen[1]["docs"])
+  assert sorted(seen[0]["docs"] + seen[1]["docs"]) == every
+  # The assembled global batch equals the one-process batch for the same seed.
+  single = next(iter(_dataset(shakespeare, global_batch=8, seed=3)))
+  for k in batch_lib.KEYS:
+    np.testing.assert_array_equal(np.asarray(seen[0]["batch"][k]), single[k])
+    np.testing.assert_array_equal(np.asarray(seen[1]["batch"][k]), single[k])
+
+
+def test_packed_batch_masks_document_boundaries(shakespeare):
+  b = next(iter(_dataset(shakespeare, seq_len=256)))
+  boundary = b["segment_ids"][:, 1:] != b["segment_ids"][:, :-1]
+  assert boundary.any(), "rows should hold several documents"
+  assert (b["loss_mask"][:, :-1][boundary] == 0).all()  # no target from another document
+  inside = b["loss_mask"][:, :-1] == 1
+  np.testing.assert_array_equal(b["targets"][:, :-1][inside], b["inputs"][:, 1:][inside])
+  starts = np.concatenate([np.ones((8, 1), bool), boundary], axis=1)
+  assert (b["positions"][starts & (b["positions"] == 0)] == 0).all()
+  assert b["loss_mask"].mean() > 0.95  # packing wastes little
+
+
+def test_padding_mode_masks_padding(shakespeare):
+  b = next(iter(_dataset(shakespeare, seq_len=512, packing=False)))
+  assert (b["segment_ids"] <= 1).all() and (b["segment_ids"] == 0).any()
+  assert (b["loss_mask"][b["segment_ids"] == 0] == 0).all()
+
+
+def test_from_packed_masks():
+  tokens = np.array([[5, 6, 7, 8, 9, 0, 0]])
+  segs = np.array([[1, 1, 2, 2, 2, 0, 0]])
+  pos = np.array([[0, 1, 0, 1, 2, 0, 0]])
+  b = batch_lib.from_packed(tokens, segs, pos)
+  np.testing.assert_array_equal(b["loss_mask"][0], [1, 0, 1, 1, 0, 0])
+
+
+def test_logits_of_a_document_ignore_its_row_neighbours(shakespeare, make_config):
+  config = make_config(fsdp=8)
+  run = trainer.build(config)
+  params = trainer.init_state(run).params
+  b = next(iter(_dataset(shakespeare, seq_len=128)))
+  row = int(np.argmax((b["segment_ids"] == 2).any(axis=1)))
+  other = {k: v.copy() for k, v in b.items()}
+  first_doc = other["segment_ids"][row] == 1
+  other["inputs"][row][first_doc] = (other["inputs"][row][first_doc] + 11) % 256
+  apply = jax.jit(lambda p, x: run.model.apply(p, x["inputs"], x["positions"], x["segment_ids"]))
+  with jax.set_mesh(run.mesh):
+    a, c = np.asarray(apply(params, b)), np.asarray(apply(params, other))
+  np.testing.assert_allclose(a[row][~first_doc], c[row][~first_doc], atol=1e-5)
+  assert not np.allclose(a[row][first_doc], c[row][first_doc])
+
+
+def test_eval_batches_cover_the_eval_split_once(shakespeare):
+  manifest = pipeline.load_manifest(shakespeare)
+  batches = pipeline.eval_batches(shakespeare, manifest, seq_len=64, global_batch=8, process_index=0,
+                                  process_count=1)
+  tokens = manifest["splits"]["eval"]["tokens"]
+  docs = manifest["splits"]["eval"]["documents"]
+  real_inputs = sum(int((b["segment_ids"] > 0).sum()) for b in batches)
+  assert tokens - real_inputs <= len(batches) * 8  # every token but the last of each row is an input
+  assert sum(b["loss_mask"].sum() for b in batches) >= tokens - docs - len(batches) * 8
+
+
+# ---------------------------------------------------------------------------------------------- prepare_data
+
+
+def _corpus(folder: pathlib.Path, duplicates: int) -> int:
+  """Writes unique documents over a text file and a JSONL file, then `duplicates` exact copies."""
+  rng = np.random.default_rng(0)
+  docs = [" ".join(rng.choice(WORDS, rng.integers(5, 40))) + f" #{i}" for i in range(300)]
+  folder.mkdir(parents=True)
+  (folder / "a.txt").write_text("\n\n".join(docs[:150]) + "\n")
+  lines = [json.dumps({"text": d, "id": i}) for i, d in enumerate(docs[150:])]
+  lines += [json.dumps({"text": docs[i * 7]}) for i in range(duplicates)]  # copies of earlier documents
+  (folder / "b.jsonl").write_text("\n".join(lines) + "\n")
+  return len(docs)
+
+
+def _prepare_cli(*args, timeout=300):
+  return subprocess.run([sys.executable, "tools/prepare_data.py", *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=timeout)
+
+
+def test_prepare_removes_duplicates_and_is_deterministic(tmp_path):
+  unique = _corpus(tmp_path / "in", duplicates=9)
+  runs = []
+  for name, extra in (("one", []), ("two", []), ("par", ["--workers=2"])):
+    r = _prepare_cli(f"--input={tmp_path / 'in'}", f"--output={tmp_path / name}", "--seed=5", *extra)
+    assert r.returncode == 0, r.stderr
+    runs.append(tmp_path / name)
+  manifest = json.loads((runs[0] / "manifest.json").read_text())
+  assert manifest["duplicates_removed"] == 9 and manifest["documents"] == unique
+  assert {"documents", "tokens", "duplicates_removed", "tokenizer", "vocab_size", "shards"} <= set(manifest)
+  assert manifest["tokenizer"] == "byte" and manifest["vocab_size"] == 256
+  assert "9 duplicates removed" in r.stdout
+  for other in runs[1:]:
+    assert sorted(os.listdir(other)) == sorted(os.listdir(runs[0]))
+    for f in os.listdir(runs[0]):
+      assert (other / f).read_bytes() == (runs[0] / f).read_bytes(), f
+  for shard in manifest["shards"]:
+    assert hashlib.sha256((runs[0] / shard["file"]).read_bytes()).hexdigest() == shard["sha256"]
+
+
+def test_prepare_reads_parquet_and_globs(tmp_path):
+  pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+  (tmp_path / "in").mkdir()
+  pq.write_table(pa.table({"body": ["first document", "second one", "first document"]}),
+                 tmp_path / "in" / "x.parquet")
+  (tmp_path / "in" / "y.txt").write_text("third\n\nfourth")
+  manifest = prepare.prepare(prepare.Options(inputs=[os.fspath(tmp_path / "in" / "*.parquet"),
+                                                     os.fspath(tmp_path / "in" / "y.txt")],
+                                             output=os.fspath(tmp_path / "out"), field="body",
+                                             eval_fraction=0.0, progress=False))
+  assert manifest["documents"] == 4 and manifest["duplicates_removed"] == 1
+
+
+def test_prepare_with_hf_and_sentencepiece_tokenizers(tmp_path):
+  tokenizers = pytest.importorskip("tokenizers")
+  spm = pytest.importorskip("sentencepiece")
+  corpus = tmp_path / "c.txt"
+  text = prepare.BUNDLED.read_text()[:200_000]
+  corpus.write_text(text)
+  hf = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+  hf.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  hf.train_from_iterator([text], tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"]))
+  hf.save(os.fspath(tmp_path / "tok.json"))
+  spm.SentencePieceTrainer.train(input=os.fspath(corpus), model_prefix=os.fspath(tmp_path / "sp"),
+                                 vocab_size=200, model_type="bpe", minloglevel=2)
+  for tok_file, kind, vocab in ((tmp_path / "tok.json", "hf:", hf.get_vocab_size()),
+                                (tmp_path / "sp.model", "sentencepiece:", 200)):
+    out = tmp_path / f"out-{kind[:-1]}"
+    manifest = prepare.prepare(prepare.Options(inputs=[os.fspath(corpus)], output=os.fspath(out),
+                                               tokenizer=os.fspath(tok_file), progress=False))
+    assert manifest["tokenizer"].startswith(kind) and manifest["vocab_size"] == vocab
+    assert manifest["tokens"] < 0.75 * len(text)  # real subword tokens, not bytes
+    docs = pipeline.TokenSource(os.fspath(out), manifest, "train")
+    assert max(int(docs[i].max()) for i in range(len(docs))) < vocab
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+
+
+def test_prepare_bad_inputs(tmp_path):
+  (tmp_path / "empty.txt").write_text("\n\n")
+  (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+  (tmp_path / "out").mkdir()
+  (tmp_path / "out" / "keep.txt").write_text("precious")
+  cases = [
+      ([f"--input={tmp_path / 'missing.txt'}", f"--output={tmp_path / 'o1'}"], "missing.txt: no such file"),
+      ([f"--input={tmp_path / 'empty.txt'}", f"--output={tmp_path / 'o2'}"], "the input holds no documents"),
+      ([f"--input={tmp_path / 'latin1.txt'}", f"--output={tmp_path / 'o3'}"], "latin1.txt: not valid UTF-8 "
+                                                                              "(byte 3"),
+      ([f"--input={prepare.BUNDLED}", f"--output={tmp_path / 'out'}"], "output folder exists and is not empty"),
+  ]
+  for args, message in cases:
+    r = _prepare_cli(*args)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("prepare_data: error:")]
+    assert r.returncode == 2 and len(errors) == 1 and message in errors[0], r.stderr
+    assert "Traceback" not in r.stderr
+  assert (tmp_path / "out" / "keep.txt").read_text() == "precious"
+  assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3"))
+
+
+def _main(*args):
+  return subprocess.run([sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py", *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def broken_copies(shakespeare, tmp_path):
+  def copy(name, damage):
+    target = tmp_path / name
+    target.mkdir()
+    for f in os.listdir(shakespeare):
+      (target / f).write_bytes(pathlib.Path(shakespeare, f).read_bytes())
+    damage(target)
+    return target
+  return copy
+
+
+def _flip_byte(folder):
+  shard = folder / "train-00000-of-00001.array_record"
+  data = bytearray(shard.read_bytes())
+  data[len(data) // 2] ^= 0xFF
+  shard.write_bytes(bytes(data))
+
+
+def _truncate(folder):
+  shard = folder / "train-00000-of-00001.array_record"
+  shard.write_bytes(shard.read_bytes()[:1000])
+
+
+def test_training_bad_data(broken_copies, tmp_path):
+  (tmp_path / "empty").mkdir()
+  corrupt = broken_copies("corrupt", _flip_byte)
+  truncated = broken_copies("truncated", _truncate)
+  cases = [
+      ([f"--config.data.path={tmp_path / 'nope'}"], "nope: no such data folder"),
+      ([f"--config.data.path={tmp_path / 'empty'}"], "no manifest.json"),
+      ([f"--config.data.path={corrupt}"], "train-00000-of-00001.array_record: shard checksum does not match"),
+      ([f"--config.data.path={truncated}"], "train-00000-of-00001.array_record: shard is truncated"),
+      ([f"--config.data.path={truncated.parent / 'corrupt'}", "--config.data.verify_checksums=False",
+        "--config.model.vocab_size=128"], "need vocab_size 256 (tokenizer byte) but model.vocab_size=128"),
+      ([f"--config.data.path={corrupt}", "--config.data.verify_checksums=False",
+        f"--config.data.tokenizer={tmp_path / 'nope.model'}"], "nope.model: tokenizer file not found"),
+  ]
+  for args, message in cases:
+    r = _main(f"--config.workdir={tmp_path / 'run'}", *args)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("jaxtrain: error:")]
+    assert r.returncode == 2 and len(errors) == 1, r.stderr[-2000:]
+    assert message in errors[0], errors
+    assert "Traceback" not in r.stderr
+  assert pathlib.Path(corrupt, "manifest.json").exists()  # nothing was touched
+  assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_tokenizer_mismatch_is_refused(shakespeare, tmp_path):
+  spm = pytest.importorskip("sentencepiece")
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(prepare.BUNDLED.read_text()[:50_000])
+  spm.SentencePieceTrainer.train(input=os.fspath(corpus), model_prefix=os.fspath(tmp_path / "sp"),
+                                 vocab_size=100, minloglevel=2)
+  r = _main(f"--config.workdir={tmp_path / 'run'}", f"--config.data.path={shakespeare}",
+            f"--config.data.tokenizer={tmp_path / 'sp.model'}")
+  errors = [line for line in r.stderr.splitlines() if line.startswith("jaxtrain: error:")]
+  assert r.returncode == 2 and len(errors) == 1 and "prepared with tokenizer byte, but data.tokenizer=" in errors[0]
+
+
+def test_main_trains_on_prepared_data(shakespeare, tmp_path):
+  r = _main(f"--config.workdir={tmp_path}", f"--config.data.path={shakespeare}", "--config.train.steps=20")
+  assert r.returncode == 0, r.stderr[-3000:]
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert records[-1]["loss"] < records[0]["loss"] < 6.0
+  assert "Exception ignored" not in r.stderr
