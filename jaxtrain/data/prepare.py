@@ -199,17 +199,19 @@ def prepare(opts: Options) -> dict:
         "shards": shards,
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    _replace_dir(tmp, output)
+    _move_into_place(tmp, output, opts.overwrite)
   finally:
     if tmp.exists():
       shutil.rmtree(tmp, ignore_errors=True)
   return manifest
 
 
-def _replace_dir(new: epath.Path, target: epath.Path) -> None:
-  """Moves the finished ``new`` folder to ``target``; an old ``target`` goes only after that succeeded."""
+def _move_into_place(new: epath.Path, target: epath.Path, overwrite: bool) -> None:
+  """Renames the finished ``new`` folder to ``target``. Without ``overwrite`` the rename fails rather than
+  replace a non-empty ``target`` (another process may have just finished the same work); with it, the old
+  ``target`` is moved aside first and deleted only once the new one is in place."""
   old = None
-  if target.exists():
+  if overwrite and target.exists():
     old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
     target.rename(old)
   try:
