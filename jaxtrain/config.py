@@ -106,11 +106,16 @@ def base_config() -> ml_collections.ConfigDict:
       log_every=10,
   ))
 
-  c.checkpoint = ml_collections.ConfigDict(dict(
-      # Reserved for the checkpoint issue; validate() rejects every_steps > 0 until it lands.
-      dir="",
-      every_steps=0,
-  ))
+  c.checkpoint = ml_collections.ConfigDict({
+      "dir": "",  # default: <workdir>/checkpoints; local paths and gs:// alike
+      "every_steps": 0,  # save every N steps (0: off); the last step and preemptions always save
+      "every_minutes": 0.0,  # and/or at least every T minutes (0: off)
+      "keep_last": 3,  # retention: the newest K checkpoints ...
+      "keep_every": 0,  # ... plus every M-th step kept permanently (0: none)
+      "async": True,  # save in the background; the loop blocks only for the device-to-host copy
+      "restore_from": "",  # start from another run's checkpoint (folder of steps, or one step folder)
+      "restore_mode": "params",  # params | state: what restore_from takes from that checkpoint
+  })
   return c
 
 
@@ -187,7 +192,8 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
                         "train.steps", "train.global_batch_size", "data.prefetch", "train.microbatches", "train.log_every",
                         "optim.lr"])
   _check_positive(cfg, ["data.num_workers", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
-                        "optim.end_lr_ratio", "checkpoint.every_steps"], allow_zero=True)
+                        "optim.end_lr_ratio", "checkpoint.every_steps", "checkpoint.every_minutes",
+                        "checkpoint.keep_every"], allow_zero=True)
   _check_choice(cfg, "model.remat", REMAT_POLICIES)
   _check_choice(cfg, "model.dtype", DTYPES)
   _check_choice(cfg, "optim.schedule", SCHEDULES)
@@ -201,12 +207,12 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
   if t.global_batch_size % t.microbatches:
     raise ConfigError("train.microbatches", f"{t.microbatches} does not divide train.global_batch_size="
                       f"{t.global_batch_size}", "choose a divisor of the batch size")
-  if o.warmup_steps > t.steps:
-    raise ConfigError("optim.warmup_steps", f"{o.warmup_steps} is more than train.steps={t.steps}",
-                      "lower warmup_steps")
-  if cfg.checkpoint.every_steps:
-    raise ConfigError("checkpoint.every_steps", "checkpointing is not implemented yet",
-                      "leave it at 0 (see README 'Status')")
+  horizon = o.decay_steps or t.steps
+  if o.warmup_steps > horizon:
+    raise ConfigError("optim.warmup_steps", f"{o.warmup_steps} is longer than the {horizon}-step schedule "
+                      "(optim.decay_steps, default train.steps)", "lower warmup_steps")
+  _check_choice(cfg, "checkpoint.restore_mode", ("params", "state"))
+  _check_positive(cfg, ["checkpoint.keep_last"])
   if not cfg.workdir:
     raise ConfigError("workdir", "is empty", "set --config.workdir=DIR")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging as std_logging
 import sys
 
 from absl import app, flags, logging
@@ -46,8 +47,16 @@ def _unknown_key(argv: list[str]) -> config_lib.ConfigError | None:
   return None
 
 
+class _QuietLibraries(std_logging.Filter):
+  """Orbax logs every save phase at INFO; keep its warnings and errors, drop the rest from the console."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
+
+
 def main(argv: list[str]) -> None:
   del argv
+  logging.get_absl_handler().addFilter(_QuietLibraries())
   import jax  # after flag parsing, so a bad command line never pays for (or is hidden by) jax start-up
 
   from jaxtrain.train import trainer

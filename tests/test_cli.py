@@ -37,7 +37,7 @@ ERRORS = [
     ([TINY, "--config.train.microbatches=3"], "train.microbatches: 3 does not divide"),
     ([TINY, "--config.model.name=gpt9"], "model.name: 'gpt9' is not a registered model; use one of llama"),
     ([TINY, "--config.model.remat=everything"], "model.remat: 'everything' is not one of none, full, save_dots"),
-    ([TINY, "--config.optim.warmup_steps=500"], "optim.warmup_steps: 500 is more than train.steps=200"),
+    ([TINY, "--config.optim.warmup_steps=500"], "optim.warmup_steps: 500 is longer than the 200-step schedule"),
     ([TINY, "--config.sharding.preset=zero9"], "sharding.preset: 'zero9' is not a preset"),
     ([TINY, "--config.data.num_workers=3"], "data.num_workers: 3 does not divide the 16 rows"),
     (["--config=configs/missing.py"], "No such file or directory: 'configs/missing.py'"),

@@ -6,6 +6,8 @@ The loop reads top to bottom: next batch -> step -> every ``log_every`` steps fe
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import time
 from typing import Any, Iterator
 
@@ -17,6 +19,8 @@ from absl import logging
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import jaxtrain
+from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain import metrics as metrics_lib
@@ -26,6 +30,7 @@ from jaxtrain import sharding
 from jaxtrain.config import ConfigError
 from jaxtrain.data import batch as batch_lib
 from jaxtrain.train import state as state_lib
+from jaxtrain.train.preemption import PreemptionGuard
 from jaxtrain.train import step as step_lib
 from jaxtrain.train.state import TrainState
 
@@ -128,37 +133,89 @@ def write_config(config: ml_collections.ConfigDict) -> None:
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
 
 
+def make_checkpointer(config: ml_collections.ConfigDict) -> checkpoint_lib.Checkpointer:
+  c = config.checkpoint
+  directory = c.dir or os.fspath(epath.Path(config.workdir) / "checkpoints")
+  return checkpoint_lib.Checkpointer(directory, every_steps=c.every_steps, every_minutes=c.every_minutes,
+                                     keep_last=c.keep_last, keep_every=c.keep_every, async_save=c["async"])
+
+
+def restore_or_init(run: Run, checkpointer: checkpoint_lib.Checkpointer, data) -> tuple[TrainState, dict]:
+  """This run's newest good checkpoint (onto the current mesh, with the data position), else a fresh state,
+  optionally started from another run's checkpoint (``checkpoint.restore_from``)."""
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          state_lib.abstract(run.model, run.tx), run.state_shardings)
+  restored = checkpointer.restore(abstract, data)
+  if restored is not None:
+    state, meta = restored
+    logging.info("resumed from checkpoint step %d (%s)", int(state.step), checkpointer.directory)
+    return state, meta
+  state = init_state(run)
+  c = run.config.checkpoint
+  if c.restore_from:
+    other, step = checkpoint_lib.restore_from(c.restore_from, abstract, params_only=c.restore_mode == "params")
+    state = state.replace(params=other["params"]) if c.restore_mode == "params" else other
+    logging.info("started from %s of %s (step %d)", c.restore_mode, c.restore_from, step)
+  return state, {}
+
+
 def train(config: ml_collections.ConfigDict, devices=None, data: Iterator[dict] | None = None):
-  """Runs ``config.train.steps`` steps. Returns the final state and the logged metrics."""
+  """Runs (or resumes) training to ``config.train.steps``. Returns the final state and the logged metrics."""
   run = build(config, devices)
   data = data if data is not None else data_lib.open_train(config)
+  checkpointer = make_checkpointer(config)
   try:
-    return _train_loop(run, data)
+    return _train_loop(run, data, checkpointer)
   finally:
+    checkpointer.close()
     data_lib.close(data)
 
 
-def _train_loop(run: Run, data: Iterator[dict]):
+def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Checkpointer):
   config = run.config
   write_config(config)
   report(run)
   t0 = time.perf_counter()
   step_fn = compile_step(run)
-  state = init_state(run)
-  logging.info("compiled init + train step in %.1fs", time.perf_counter() - t0)
+  state, meta = restore_or_init(run, checkpointer, data)
+  logging.info("compiled and initialized in %.1fs", time.perf_counter() - t0)
 
   writer = metrics_lib.MetricWriter(config.workdir, config.train.steps)
-  history, pending = [], []
-  t_last = time.perf_counter()
-  for step in range(int(state.step), config.train.steps):
-    state, metrics = step_fn(state, data_lib.to_global(next(data), run.batch_sharding))
-    pending.append(metrics)
-    if (step + 1) % config.train.log_every == 0 or step + 1 == config.train.steps:
-      fetched = jax.device_get(pending)  # the only host sync: once per log interval
-      elapsed = time.perf_counter() - t_last
-      record = {**fetched[-1], "tokens_per_sec": sum(m["tokens"] for m in fetched) / elapsed,
-                "step_time": elapsed / len(fetched)}
-      writer.write(step + 1, record)
-      history.append({"step": step + 1, **record})
-      pending, t_last = [], time.perf_counter()
+  tokens_seen, wall_time = meta.get("tokens_seen", 0), meta.get("wall_time", 0.0)
+  history, pending, interval, last = [], [], [], {}
+  t_start = t_last = time.perf_counter()
+
+  def save(step: int, force: bool) -> None:
+    checkpointer.save(step, state, data, config=json.loads(config.to_json_best_effort()), force=force, meta={
+        "jaxtrain_version": jaxtrain.__version__, "step": step, "mesh": dict(run.mesh.shape),
+        "loss": float(last["loss"]) if last else None, "tokens_seen": tokens_seen, "seed": config.train.seed,
+        "wall_time": wall_time + time.perf_counter() - t_start, "saved_at": time.time()})
+
+  with PreemptionGuard() as preemption:
+    for step in range(int(state.step), config.train.steps):
+      state, metrics = step_fn(state, data_lib.to_global(next(data), run.batch_sharding))
+      pending.append(metrics)
+      done = step + 1
+      stop = preemption.requested(done)
+      log_now = done % config.train.log_every == 0 or done == config.train.steps
+      save_now = stop or done == config.train.steps or checkpointer.should_save(done)
+      if log_now or save_now:  # the only host syncs: at log and save steps
+        fetched = jax.device_get(pending)
+        tokens_seen += int(sum(m["tokens"] for m in fetched))
+        interval += fetched
+        pending, last = [], fetched[-1]
+      if log_now:
+        elapsed = time.perf_counter() - t_last
+        record = {**interval[-1], "tokens_per_sec": sum(m["tokens"] for m in interval) / elapsed,
+                  "step_time": elapsed / len(interval)}
+        writer.write(done, record)
+        history.append({"step": done, **record})
+        interval, t_last = [], time.perf_counter()
+      if save_now:
+        save(done, force=stop or done == config.train.steps)
+      if stop:
+        checkpointer.wait()
+        logging.info("preempted: saved step %d, exiting", done)
+        break
+  checkpointer.wait()
   return state, history

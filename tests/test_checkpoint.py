@@ -1,0 +1,221 @@
+"""Checkpoints: exact resume, resume on another mesh, kills, SIGTERM, corrupt fallback, 2 processes."""
+
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from jaxtrain.train import trainer
+from tests import multiprocess
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# A tiny run on the bundled corpus, every step logged, schedule fixed independently of train.steps.
+BASE = ["--config=configs/tiny.py", "--config.train.log_every=1", "--config.optim.decay_steps=40",
+        "--config.train.global_batch_size=8", "--config.data.seq_len=64"]
+
+
+def _start(workdir, *args):
+  return subprocess.Popen([sys.executable, "-m", "jaxtrain.main", *BASE, f"--config.workdir={workdir}", *args],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _run(workdir, *args, timeout=300):
+  p = _start(workdir, *args)
+  out, err = p.communicate(timeout=timeout)
+  assert p.returncode == 0, err[-3000:]
+  return err
+
+
+def _losses(workdir):
+  records = [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+  return {r["step"]: r["loss"] for r in records}  # a re-run step keeps its last value
+
+
+def _params(workdir, step):
+  with ocp.StandardCheckpointer() as ckptr:
+    state = ckptr.restore(pathlib.Path(workdir) / "checkpoints" / str(step) / "state")
+  return state["params"]
+
+
+def _committed(workdir):
+  root = pathlib.Path(workdir) / "checkpoints"
+  return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.exists() else []
+
+
+def _assert_bitwise(a, b):
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("uninterrupted")
+  _run(workdir, "--config.train.steps=20")
+  return workdir
+
+
+def test_exact_resume_is_bitwise(uninterrupted, tmp_path):
+  _run(tmp_path, "--config.train.steps=10")
+  err = _run(tmp_path, "--config.train.steps=20")
+  assert "resumed from checkpoint step 10" in err
+  full, resumed = _losses(uninterrupted), _losses(tmp_path)
+  assert [resumed[s] for s in range(11, 21)] == [full[s] for s in range(11, 21)]
+  _assert_bitwise(_params(tmp_path, 20), _params(uninterrupted, 20))
+
+
+def _logged_steps(workdir):
+  path = pathlib.Path(workdir) / "metrics.jsonl"
+  return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _saving(workdir):
+  root = pathlib.Path(workdir) / "checkpoints"
+  return root.exists() and any("tmp" in n for n in os.listdir(root))
+
+
+def test_kills_at_random_moments_resume_exactly(uninterrupted, tmp_path):
+  """SIGKILL after a random 1-3 new steps (plus jitter), and at least once while a save is in flight (the
+  loop saves right after logging an even step, so a kill then lands mid-save)."""
+  rng = random.Random(0)
+  args = ["--config.train.steps=20", "--config.checkpoint.every_steps=2"]
+  kills, during_save = 0, 0
+  while kills < 5 or not during_save:
+    assert kills < 12, "could not kill during a save"
+    before, logged = _committed(tmp_path), len(_logged_steps(tmp_path))
+    mid_save = not during_save and kills >= 2
+    wait_steps, jitter = rng.randint(1, 3), rng.uniform(0, 0.3)
+    p = _start(tmp_path, *args)
+    deadline = time.time() + 120
+    while p.poll() is None and time.time() < deadline:
+      steps = _logged_steps(tmp_path)[logged:]
+      if mid_save and steps and steps[-1] % 2 == 0 and steps[-1] not in _committed(tmp_path):
+        break
+      if not mid_save and len(steps) >= wait_steps:
+        time.sleep(jitter)
+        break
+      time.sleep(0.002)
+    assert p.poll() is None, "the run finished before it could be killed"
+    p.send_signal(signal.SIGKILL)
+    _, err = p.communicate(timeout=60)
+    during_save += _saving(tmp_path)
+    kills += 1
+    if before:  # the run resumed from the newest committed step there was when it started
+      assert f"resumed from checkpoint step {before[-1]}" in err, err[-2000:]
+  newest = _committed(tmp_path)
+  err = _run(tmp_path, *args)
+  if newest:
+    assert f"resumed from checkpoint step {newest[-1]}" in err
+  for step in _committed(tmp_path):  # every committed checkpoint reads back
+    _params(tmp_path, step)
+  _assert_bitwise(_params(tmp_path, 20), _params(uninterrupted, 20))
+  assert _losses(tmp_path)[20] == _losses(uninterrupted)[20]
+
+
+def test_sigterm_saves_exits_0_and_resumes_at_next_step(tmp_path):
+  p = _start(tmp_path, "--config.train.steps=500")
+  metrics = tmp_path / "metrics.jsonl"
+  deadline = time.time() + 120
+  while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+    time.sleep(0.05)
+  step_times = [json.loads(line)["step_time"] for line in metrics.read_text().splitlines()]
+  t = time.time()
+  p.send_signal(signal.SIGTERM)
+  _, err = p.communicate(timeout=120)
+  elapsed = time.time() - t
+  assert p.returncode == 0, err[-2000:]
+  saved = _committed(tmp_path)
+  assert len(saved) == 1 and "preempted: saved step" in err
+  assert elapsed < 2 * max(step_times) + 5.0  # one step plus one small save
+  err = _run(tmp_path, f"--config.train.steps={saved[0] + 2}")
+  assert f"resumed from checkpoint step {saved[0]}" in err
+  records = [json.loads(line) for line in metrics.read_text().splitlines()]
+  assert [r["step"] for r in records][-2:] == [saved[0] + 1, saved[0] + 2]
+
+
+def _config(make_config, workdir, **mesh):
+  config = make_config(**(mesh or {"fsdp": 8}))
+  config.workdir = str(workdir)
+  config.train.steps = 10
+  config.optim.decay_steps = 20
+  config.checkpoint.every_steps = 5
+  return config
+
+
+@pytest.mark.parametrize("mesh,devices", [(dict(data=2, fsdp=2, tensor=2), 8), (dict(fsdp=4), 4)],
+                         ids=["(1,8,1)->(2,2,2)", "8->4 devices"])
+def test_resume_on_another_mesh(make_config, tmp_path, mesh, devices):
+  full = _config(make_config, tmp_path / "full", fsdp=8)
+  full.train.steps = 20
+  _, h_full = trainer.train(full)
+  first = _config(make_config, tmp_path / "elastic", fsdp=8)
+  trainer.train(first)
+  second = _config(make_config, tmp_path / "elastic", **mesh)
+  second.train.steps = 20
+  state, h_resumed = trainer.train(second, devices=jax.devices()[:devices])
+  assert [h["step"] for h in h_resumed] == list(range(11, 21))
+  np.testing.assert_allclose([h["loss"] for h in h_resumed], [h["loss"] for h in h_full[10:]], rtol=1e-5)
+  assert [h["tokens"] for h in h_resumed] == [h["tokens"] for h in h_full[10:]]  # same data order
+  assert state.params["layers"]["mlp"]["up"]["kernel"].sharding.mesh.size == devices
+
+
+def test_truncated_newest_checkpoint_falls_back(make_config, tmp_path, caplog):
+  config = _config(make_config, tmp_path)
+  trainer.train(config)
+  newest = tmp_path / "checkpoints" / "10" / "state"
+  biggest = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 3])
+  config.train.steps = 12
+  with caplog.at_level("WARNING"):
+    _, history = trainer.train(config)
+  assert "checkpoint step 10" in caplog.text and "falling back" in caplog.text
+  assert [h["step"] for h in history] == list(range(6, 13))  # resumed from step 5
+  assert any(p.name.startswith("corrupt-10-") for p in (tmp_path / "checkpoints").iterdir())
+  assert _committed(tmp_path)[-1] == 12
+
+
+def test_restore_params_from_another_run(make_config, tmp_path):
+  source = _config(make_config, tmp_path / "a")
+  state_a, _ = trainer.train(source)
+  target = _config(make_config, tmp_path / "b", data=2, fsdp=4)
+  target.train.steps = 1
+  target.optim.update(lr=1e-12, warmup_steps=0)  # one step that barely moves the params
+  target.checkpoint.restore_from = str(tmp_path / "a" / "checkpoints")
+  state_b, history = trainer.train(target)
+  assert [h["step"] for h in history] == [1]  # a fresh run (step 0), not a resume
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6),
+               state_a.params, state_b.params)
+
+
+def test_unwritable_checkpoint_dir_is_a_clear_error(tmp_path):
+  p = _start(tmp_path, "--config.checkpoint.dir=/proc/jaxtrain-ckpt")
+  _, err = p.communicate(timeout=120)
+  errors = [line for line in err.splitlines() if line.startswith("jaxtrain: error:")]
+  assert p.returncode == 2 and len(errors) == 1 and "/proc/jaxtrain-ckpt" in errors[0], err[-2000:]
+  assert "Traceback" not in err
+
+
+def test_two_processes_save_restore_and_continue(tmp_path):
+  args = ["--config=configs/tiny.py", "--out", os.fspath(tmp_path / "out.json"), "--",
+          f"workdir={tmp_path / 'run'}", "train.global_batch_size=8", "data.seq_len=64", "train.log_every=1",
+          "optim.decay_steps=40", "checkpoint.every_steps=3", "train.steps=6"]
+  for r in multiprocess.run("tests/train_worker.py", args, timeout=300):
+    assert r.returncode == 0, r.stderr[-3000:]
+  assert _committed(tmp_path / "run") == [3, 6]
+  args[-1] = "train.steps=9"
+  results = multiprocess.run("tests/train_worker.py", args, timeout=300)
+  for r in results:
+    assert r.returncode == 0, r.stderr[-3000:]
+  history = json.loads((tmp_path / "out.json").read_text())["history"]
+  assert [h["step"] for h in history] == [7, 8, 9]  # resumed from step 6
+  # The same run on one process with 8 devices gives the same losses (fp32 tolerance).
+  single = tmp_path / "single"
+  _run(single, "--config.train.steps=9", "--config.checkpoint.every_steps=3")
+  np.testing.assert_allclose([h["loss"] for h in history], [_losses(single)[s] for s in (7, 8, 9)], rtol=1e-5)
