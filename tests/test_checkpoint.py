@@ -219,3 +219,22 @@ def test_two_processes_save_restore_and_continue(tmp_path):
   single = tmp_path / "single"
   _run(single, "--config.train.steps=9", "--config.checkpoint.every_steps=3")
   np.testing.assert_allclose([h["loss"] for h in history], [_losses(single)[s] for s in (7, 8, 9)], rtol=1e-5)
+
+
+def test_inspect_checkpoint_lists_steps_meta_and_tensors(make_config, tmp_path):
+  config = _config(make_config, tmp_path)
+  trainer.train(config)
+  r = subprocess.run([sys.executable, "tools/inspect_checkpoint.py", str(tmp_path), "--json"], cwd=ROOT,
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+  info = json.loads(r.stdout)
+  assert info["steps"] == [5, 10] and info["step"] == 10
+  assert info["meta"]["step"] == 10 and info["meta"]["tokens_seen"] == 10 * 16 * 32
+  tensors = {t["name"]: t for t in info["tensors"]}
+  assert tensors["params/lm_head/kernel"]["shape"] == [64, 256]
+  assert tensors["params/lm_head/kernel"]["bytes"] == 64 * 256 * 4
+  report = trainer.report(trainer.build(config))
+  assert info["total_bytes"] == report["param_bytes_total"] + report["opt_bytes_total"] + 4  # + step
+  table = subprocess.run([sys.executable, "tools/inspect_checkpoint.py", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+  assert "steps 5, 10" in table.stdout and "params/lm_head/kernel" in table.stdout

@@ -1,0 +1,91 @@
+"""List a run's checkpoints: steps, metadata, and every tensor with shape, dtype and bytes.
+
+  python tools/inspect_checkpoint.py PATH [--step=N] [--json]
+
+PATH is a run's checkpoint folder (``<workdir>/checkpoints``), a workdir, or one step folder. Reads only
+metadata (no tensor data), so it is fast on any size of checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import app, flags, logging
+from etils import epath
+
+_STEP = flags.DEFINE_integer("step", None, "Step to detail (default: the newest).")
+_JSON = flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
+
+
+def _root(path: epath.Path) -> epath.Path:
+  return path / "checkpoints" if (path / "checkpoints").exists() else path
+
+
+def describe(path: str, step: int | None = None) -> dict:
+  path = epath.Path(path)
+  if (path / "state").exists():  # one step folder
+    root, steps, step = path.parent, [int(path.name)], int(path.name)
+  else:
+    root = _root(path)
+    if not root.exists():
+      raise FileNotFoundError(f"{path}: no such folder")
+    steps = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / "state").exists())
+    if not steps:
+      raise FileNotFoundError(f"{root}: no committed checkpoints")
+    step = steps[-1] if step is None else step
+  step_dir = root / str(step)
+  meta_file = step_dir / "meta" / "metadata"
+  meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+  with ocp.StandardCheckpointer() as ckptr:
+    tree = ckptr.metadata(step_dir / "state").item_metadata.tree
+  tensors = []
+  for path_, leaf in _leaves(tree):
+    shape = tuple(leaf.shape)
+    dtype = np.dtype(leaf.dtype)
+    tensors.append({"name": path_, "shape": list(shape), "dtype": dtype.name,
+                    "bytes": math.prod(shape) * dtype.itemsize})
+  others = sorted(p.name for p in root.iterdir() if not p.name.isdigit())
+  return {"directory": str(root), "steps": steps, "step": step, "meta": meta, "tensors": tensors,
+          "total_bytes": sum(t["bytes"] for t in tensors), "not_committed_or_set_aside": others}
+
+
+def _leaves(tree, prefix=""):
+  if isinstance(tree, dict):
+    for k in sorted(tree):
+      yield from _leaves(tree[k], f"{prefix}/{k}" if prefix else str(k))
+  elif isinstance(tree, (list, tuple)):
+    for i, v in enumerate(tree):
+      yield from _leaves(v, f"{prefix}/{i}")
+  elif tree is not None and hasattr(tree, "shape"):
+    yield prefix, tree
+
+
+def main(argv):
+  logging.set_verbosity(logging.WARNING)  # Orbax narrates every read at INFO
+  if len(argv) != 2:
+    print("usage: inspect_checkpoint.py PATH [--step=N] [--json]", file=sys.stderr)
+    sys.exit(2)
+  try:
+    info = describe(argv[1], _STEP.value)
+  except (FileNotFoundError, ValueError) as e:
+    print(f"inspect_checkpoint: error: {e}", file=sys.stderr)
+    sys.exit(2)
+  if _JSON.value:
+    print(json.dumps(info, indent=2))
+    return
+  print(f"{info['directory']}: steps {', '.join(map(str, info['steps']))}")
+  if info["not_committed_or_set_aside"]:
+    print(f"  also present (ignored on restore): {', '.join(info['not_committed_or_set_aside'])}")
+  print(f"step {info['step']}: " + ", ".join(f"{k}={v}" for k, v in info["meta"].items()))
+  width = max(len(t["name"]) for t in info["tensors"])
+  for t in info["tensors"]:
+    print(f"  {t['name']:<{width}}  {str(tuple(t['shape'])):<22} {t['dtype']:<9} {t['bytes']:>14,}")
+  print(f"  {'total':<{width}}  {'':<22} {'':<9} {info['total_bytes']:>14,}")
+
+
+if __name__ == "__main__":
+  app.run(main)
