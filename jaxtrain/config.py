@@ -106,6 +106,32 @@ def base_config() -> ml_collections.ConfigDict:
       log_every=10,
   ))
 
+  c.metrics = ml_collections.ConfigDict(dict(
+      peak_tflops=0.0,  # per-device peak for MFU; 0 = from the device kind (TPU v4-v6e, A100, H100, H200)
+      tensorboard=True,  # event files in <workdir>/tensorboard
+      wandb=False,  # Weights & Biases, when installed
+      wandb_project="",
+      progress="auto",  # auto (a bar on a TTY, log lines otherwise) | bar | log
+      profile_start=-1,  # capture a jax.profiler trace from this step ...
+      profile_steps=3,  # ... for this many steps, into <workdir>/profile
+  ))
+
+  c.eval = ml_collections.ConfigDict(dict(
+      every_steps=0,  # eval loss and perplexity on the held-out split every N steps (0: off)
+      max_batches=0,  # 0 = the whole eval split
+  ))
+
+  c.monitor = ml_collections.ConfigDict(dict(
+      nan_policy="skip",  # non-finite loss or grads: skip (drop the update) | rollback (to the last
+      # checkpoint, skipping the offending batch) | stop. A non-finite update is never applied.
+      spike_sigma=6.0,  # warn when loss or grad norm exceeds the window mean + k sigma (0: off)
+      spike_window=50,  # logged steps in that window
+      stagnation_logs=0,  # warn when the loss has not improved for this many log intervals (0: off)
+      watchdog_multiple=10.0,  # exit (code 3, with stacks) if no step finishes in this x the median time
+      watchdog_min_s=120.0,  # ... but never sooner than this
+      watchdog_timeout_s=0.0,  # a hard limit instead (0: use the multiple)
+  ))
+
   c.checkpoint = ml_collections.ConfigDict({
       "dir": "",  # default: <workdir>/checkpoints; local paths and gs:// alike
       "every_steps": 0,  # save every N steps (0: off); the last step and preemptions always save
@@ -212,6 +238,12 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
     raise ConfigError("optim.warmup_steps", f"{o.warmup_steps} is longer than the {horizon}-step schedule "
                       "(optim.decay_steps, default train.steps)", "lower warmup_steps")
   _check_choice(cfg, "checkpoint.restore_mode", ("params", "state"))
+  _check_choice(cfg, "monitor.nan_policy", ("skip", "rollback", "stop"))
+  _check_choice(cfg, "metrics.progress", ("auto", "bar", "log"))
+  _check_positive(cfg, ["eval.every_steps", "eval.max_batches", "monitor.spike_sigma", "monitor.stagnation_logs",
+                        "monitor.watchdog_timeout_s", "metrics.peak_tflops"], allow_zero=True)
+  _check_positive(cfg, ["monitor.spike_window", "monitor.watchdog_multiple", "monitor.watchdog_min_s",
+                        "metrics.profile_steps"])
   _check_positive(cfg, ["checkpoint.keep_last"])
   if not cfg.workdir:
     raise ConfigError("workdir", "is empty", "set --config.workdir=DIR")

@@ -68,6 +68,9 @@ def main(argv: list[str]) -> None:
     trainer.train(config)
   except config_lib.UserError as e:
     _fail(str(e))
+  except trainer.TrainingStopped as e:
+    print(f"jaxtrain: stopped: {e}", file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,28 +1,109 @@
-"""Metric output: one console line and one JSON object in ``workdir/metrics.jsonl`` per logged step."""
+"""What a run reports: model FLOPs and MFU, and the writers (console or progress bar, JSONL, TensorBoard,
+optional Weights & Biases). Only process 0 writes.
+
+FLOPs per token (training, forward + backward), the formula of PaLM (Chowdhery et al., appendix B):
+  6 * N  +  12 * layers * heads * head_dim * seq_len
+N counts every parameter except the input embedding table (the unembedding matmul is counted; a tied table
+counts once, as the unembedding). The attention term is not halved for causal masking.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import sys
 
 import jax
 from absl import logging
 from etils import epath
 
+# Dense bf16 peak FLOP/s per chip.
+PEAK_FLOPS = (("v6 lite", 918e12), ("v6e", 918e12), ("v5 lite", 197e12), ("v5e", 197e12), ("v5p", 459e12),
+              ("v5", 459e12), ("v4", 275e12), ("a100", 312e12), ("h100", 989e12), ("h200", 989e12))
+
+
+def flops_per_token(model, seq_len: int) -> float:
+  """Training FLOPs per token of a Llama-style model (``model`` is a jaxtrain.models.Model)."""
+  cfg = model.cfg
+  n = model.num_params()
+  if not cfg.get("tie_embeddings", False) and "embed" in model.abstract_params:
+    n -= math.prod(model.abstract_params["embed"]["embedding"].shape)
+  return 6 * n + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+
+
+def peak_flops_per_device(override_tflops: float = 0.0, device=None) -> float | None:
+  """Peak FLOP/s of one device: the override if given, else from the device kind; None if unknown (CPU)."""
+  if override_tflops:
+    return override_tflops * 1e12
+  kind = (device or jax.devices()[0]).device_kind.lower()
+  return next((peak for name, peak in PEAK_FLOPS if name in kind), None)
+
+
+def device_memory_bytes() -> int | None:
+  """Bytes in use on this process's first device, where the backend reports it (GPU, TPU)."""
+  try:
+    stats = jax.local_devices()[0].memory_stats()
+  except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+    return None
+  return stats.get("bytes_in_use") if stats else None
+
 
 class MetricWriter:
-  """Writes on process 0 only; other processes keep quiet."""
+  """Console (a tqdm bar on a TTY, plain log lines otherwise), ``metrics.jsonl``, TensorBoard and W&B."""
 
-  def __init__(self, workdir: str, total_steps: int):
-    self.path = epath.Path(workdir) / "metrics.jsonl"
-    self.total_steps = total_steps
+  def __init__(self, workdir: str, total_steps: int, start_step: int, metrics_cfg, config_dict: dict):
     self.enabled = jax.process_index() == 0
+    self.total_steps = total_steps
+    self.path = epath.Path(workdir) / "metrics.jsonl"
+    self.tb = self.wandb = self.bar = None
+    if not self.enabled:
+      return
+    if metrics_cfg.tensorboard:
+      from tensorboardX import SummaryWriter
+      self.tb = SummaryWriter(str(epath.Path(workdir) / "tensorboard"))
+    if metrics_cfg.wandb:
+      try:
+        import wandb
+        self.wandb = wandb.init(project=metrics_cfg.wandb_project or "jaxtrain", config=config_dict,
+                                dir=str(workdir), resume="allow")
+      except ImportError:
+        logging.warning("metrics.wandb=True but wandb is not installed (pip install wandb); skipping W&B")
+    progress = metrics_cfg.progress
+    if progress == "bar" or (progress == "auto" and sys.stderr.isatty()):
+      from tqdm import tqdm
+      self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
     if not self.enabled:
       return
-    record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+    record = {"step": step, **{k: float(v) for k, v in metrics.items() if v is not None}}
     with self.path.open("a") as f:
       f.write(json.dumps(record) + "\n")
-    logging.info("step %d/%d | loss %.4f | grad_norm %.3f | lr %.2e | %s tok/s | %.3fs/step", step,
-                 self.total_steps, record["loss"], record["grad_norm"], record["lr"],
-                 f"{record['tokens_per_sec']:,.0f}", record["step_time"])
+    for k, v in record.items():
+      if k != "step" and self.tb is not None:
+        self.tb.add_scalar(k, v, step)
+    if self.tb is not None:
+      self.tb.flush()
+    if self.wandb is not None:
+      self.wandb.log(record, step=step)
+    if "loss" not in record:  # an eval-only record
+      logging.info("step %d | %s", step, " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
+      return
+    mfu = f" | MFU {100 * record['mfu']:.1f}%" if "mfu" in record else ""
+    line = (f"loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.3f} | lr {record['lr']:.2e} | "
+            f"{record['tokens_per_sec']:,.0f} tok/s | {record['tflops_per_device']:.3g} TFLOP/s/device{mfu} | "
+            f"{record['step_time']:.3f}s/step")
+    if self.bar is not None:
+      self.bar.n = step
+      self.bar.set_postfix_str(line, refresh=True)
+    else:
+      logging.info("step %d/%d | %s", step, self.total_steps, line)
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+    if self.tb is not None:
+      self.tb.close()
+    if self.wandb is not None:
+      self.wandb.finish()
+

@@ -25,6 +25,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from etils import epath  # noqa: E402
@@ -74,6 +75,7 @@ def bench_config(name: str) -> dict:
   source = SyntheticSource(config.data.seq_len, config.model.vocab_size, config.train.global_batch_size, 0)
   batch = data_lib.to_global(next(source), run.batch_sharding)
 
+  no_skip = np.bool_(False)
   hand = handwritten_step(run)
   with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
     hand = hand.lower(state.params, state.opt_state, batch).compile()
@@ -81,11 +83,11 @@ def bench_config(name: str) -> dict:
   hand_opt = jax.tree.map(lambda x: x.copy(), state.opt_state)
 
   for _ in range(2):  # warm-up both
-    (state, _), _ = timed(step_fn, state, batch)
+    (state, _), _ = timed(step_fn, state, batch, no_skip)
     (hand_params, hand_opt, _), _ = timed(hand, hand_params, hand_opt, batch)
   ours, theirs = [], []
   for _ in range(_STEPS.value):
-    (state, _), t = timed(step_fn, state, batch)
+    (state, _), t = timed(step_fn, state, batch, no_skip)
     ours.append(t)
     (hand_params, hand_opt, _), t = timed(hand, hand_params, hand_opt, batch)
     theirs.append(t)

@@ -25,6 +25,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from etils import epath  # noqa: E402
 
@@ -55,7 +56,7 @@ def loader_tokens_per_sec(config, workers: int, batches: int = 200) -> float:
 def run_round(step_fn, state, source, sharding, steps: int):
   t = time.perf_counter()
   for _ in range(steps):
-    state, metrics = step_fn(state, data_lib.to_global(next(source), sharding))
+    state, metrics = step_fn(state, data_lib.to_global(next(source), sharding), np.bool_(False))
   jax.block_until_ready(metrics)
   return state, (time.perf_counter() - t) / steps
 

@@ -36,6 +36,24 @@ def open_train(config) -> Iterator[dict]:
   return iter(dataset)
 
 
+def open_eval(config) -> list[dict]:
+  """This process's share of the held-out eval batches (``eval.max_batches`` of them; 0 = all): the
+  prepared data's eval split, or fixed synthetic batches of another seed."""
+  from jaxtrain.data import pipeline, prepare
+  from jaxtrain.data.synthetic import SyntheticSource
+
+  c, limit = config, config.eval.max_batches or None
+  if c.data.source == "synthetic":
+    source = SyntheticSource(c.data.seq_len, c.model.vocab_size, c.train.global_batch_size, c.train.seed + 10_000,
+                             jax.process_index(), jax.process_count())
+    return [next(source) for _ in range(limit or 4)]
+  root = c.data.path or os.fspath(prepare.bundled_corpus(c.data.cache_dir))
+  batches = pipeline.eval_batches(root, pipeline.load_manifest(root, verify_checksums=False),
+                                  seq_len=c.data.seq_len, global_batch=c.train.global_batch_size,
+                                  process_index=jax.process_index(), process_count=jax.process_count())
+  return batches[:limit]
+
+
 def close(iterator) -> None:
   """Stops a Grain iterator's threads and worker processes now. Left to interpreter shutdown, its per-lane
   prefetch threads are collected after their modules are gone and print spurious errors."""

@@ -29,11 +29,13 @@ def split_microbatches(batch, num: int):
 
 def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
                     microbatches: int, param_shardings=None):
-  """``(state, batch) -> (state, metrics)``. The loss is the mean over all real target tokens of the whole
-  batch, so k microbatches give the same update as one batch k times larger."""
+  """``(state, batch, skip) -> (state, metrics)``. The loss is the mean over all real target tokens of the
+  whole batch, so k microbatches give the same update as one batch k times larger. The update is applied
+  only if the loss and gradient norm are finite and ``skip`` (a host-side decision) is false; otherwise
+  params and optimizer state stay as they were and only the step counter advances."""
   grad_fn = jax.value_and_grad(lambda p, b: loss_fn(model, p, b), has_aux=True)
 
-  def train_step(state: TrainState, batch):
+  def train_step(state: TrainState, batch, skip):
     if microbatches == 1:
       (loss_sum, tokens), grads = grad_fn(state.params, batch)
     else:
@@ -49,8 +51,18 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
     grads = jax.tree.map(lambda g: g / denom, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss_sum / denom, "grad_norm": optax.tree.norm(grads),
-               "lr": lr_schedule(state.step), "tokens": tokens}
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    loss, grad_norm = loss_sum / denom, optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    apply = finite & ~skip
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)  # noqa: E731
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step), "tokens": tokens,
+               "nonfinite": (~finite).astype(jnp.float32), "skipped": (~apply).astype(jnp.float32)}
+    return TrainState(step=state.step + 1, params=keep(params, state.params),
+                      opt_state=keep(opt_state, state.opt_state)), metrics
 
   return train_step
+
+
+def make_eval_step(model: Model):
+  """``(params, batch) -> (sum of token losses, real target tokens)`` for eval loss and perplexity."""
+  return lambda params, batch: loss_fn(model, params, batch)

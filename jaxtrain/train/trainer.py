@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from typing import Any, Iterator
@@ -25,6 +26,7 @@ from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import models
+from jaxtrain import monitor
 from jaxtrain import optim
 from jaxtrain import sharding
 from jaxtrain.config import ConfigError
@@ -115,10 +117,11 @@ def compile_step(run: Run, train_step=None):
   train_step = train_step or step_lib.make_train_step(
       run.model, run.tx, run.lr_schedule, run.config.train.microbatches, run.state_shardings.params)
   replicated = NamedSharding(run.mesh, P())
-  jitted = jax.jit(train_step, in_shardings=(run.state_shardings, run.batch_sharding),
+  jitted = jax.jit(train_step, in_shardings=(run.state_shardings, run.batch_sharding, replicated),
                    out_shardings=(run.state_shardings, replicated), donate_argnums=0)
   with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
-    return jitted.lower(state_lib.abstract(run.model, run.tx), abstract_batch(run)).compile()
+    return jitted.lower(state_lib.abstract(run.model, run.tx), abstract_batch(run),
+                        jax.ShapeDtypeStruct((), np.bool_)).compile()
 
 
 def init_state(run: Run) -> TrainState:
@@ -159,6 +162,10 @@ def restore_or_init(run: Run, checkpointer: checkpoint_lib.Checkpointer, data) -
   return state, {}
 
 
+class TrainingStopped(Exception):
+  """Training stopped on purpose (``monitor.nan_policy=stop``); main prints it as one line, exit code 1."""
+
+
 def train(config: ml_collections.ConfigDict, devices=None, data: Iterator[dict] | None = None):
   """Runs (or resumes) training to ``config.train.steps``. Returns the final state and the logged metrics."""
   run = build(config, devices)
@@ -171,6 +178,27 @@ def train(config: ml_collections.ConfigDict, devices=None, data: Iterator[dict] 
     data_lib.close(data)
 
 
+class _Interval:
+  """What the steps since the last log add up to: fetched metrics, data wait, checkpoint blocking."""
+
+  def __init__(self):
+    self.steps, self.t_start = [], time.perf_counter()
+    self.data_wait = self.checkpoint_blocked = 0.0
+
+  def record(self, run: Run, flops_per_token: float, peak: float | None, skipped_total: int) -> dict:
+    elapsed = time.perf_counter() - self.t_start
+    n = len(self.steps)
+    c = run.config
+    tflops = flops_per_token * c.train.global_batch_size * c.data.seq_len * n / elapsed / run.mesh.size / 1e12
+    record = {**self.steps[-1], "tokens_per_sec": sum(m["tokens"] for m in self.steps) / elapsed,
+              "step_time": elapsed / n, "data_wait_s": self.data_wait / n,
+              "checkpoint_blocked_s": self.checkpoint_blocked, "tflops_per_device": tflops,
+              "skipped_steps": skipped_total, "device_memory_bytes": metrics_lib.device_memory_bytes()}
+    if peak:
+      record["mfu"] = tflops * 1e12 / peak
+    return record
+
+
 def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Checkpointer):
   config = run.config
   write_config(config)
@@ -178,44 +206,133 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
   t0 = time.perf_counter()
   step_fn = compile_step(run)
   state, meta = restore_or_init(run, checkpointer, data)
+  evaluate = make_evaluator(run) if config.eval.every_steps else None
   logging.info("compiled and initialized in %.1fs", time.perf_counter() - t0)
 
-  writer = metrics_lib.MetricWriter(config.workdir, config.train.steps)
+  flops = metrics_lib.flops_per_token(run.model, config.data.seq_len)
+  peak = metrics_lib.peak_flops_per_device(config.metrics.peak_tflops)
+  logging.info("%.3g model FLOPs per token (6N + attention); %s", flops,
+               f"peak {peak / 1e12:.0f} TFLOP/s per device" if peak else
+               "device peak unknown: MFU not reported (set metrics.peak_tflops)")
+  writer = metrics_lib.MetricWriter(config.workdir, config.train.steps, int(state.step), config.metrics,
+                                    json.loads(config.to_json_best_effort()))
+  m = config.monitor
+  anomalies = monitor.AnomalyDetector(m.spike_sigma, m.spike_window, m.stagnation_logs)
+  watchdog = monitor.Watchdog(m.watchdog_multiple, m.watchdog_min_s, m.watchdog_timeout_s).start()
   tokens_seen, wall_time = meta.get("tokens_seen", 0), meta.get("wall_time", 0.0)
-  history, pending, interval, last = [], [], [], {}
-  t_start = t_last = time.perf_counter()
+  bad_steps, skipped_total = set(meta.get("bad_steps", [])), meta.get("skipped_steps", 0)
+  history, interval, last = [], _Interval(), {}
+  t_start = time.perf_counter()
 
   def save(step: int, force: bool) -> None:
     checkpointer.save(step, state, data, config=json.loads(config.to_json_best_effort()), force=force, meta={
         "jaxtrain_version": jaxtrain.__version__, "step": step, "mesh": dict(run.mesh.shape),
         "loss": float(last["loss"]) if last else None, "tokens_seen": tokens_seen, "seed": config.train.seed,
-        "wall_time": wall_time + time.perf_counter() - t_start, "saved_at": time.time()})
+        "wall_time": wall_time + time.perf_counter() - t_start, "saved_at": time.time(),
+        "bad_steps": sorted(bad_steps), "skipped_steps": skipped_total})
+    interval.checkpoint_blocked += checkpointer.last_save_blocked_s
+
+  def finish(step: int, metrics) -> str | None:
+    """Step ``step`` is done: fetch its metrics (one step late), apply the NaN policy, log. Returns
+    'rollback' when the run must go back to its last checkpoint."""
+    nonlocal last, tokens_seen, skipped_total, interval
+    last = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    if not math.isfinite(last["tokens"]):  # a NaN loss mask: count no tokens for this step
+      last["tokens"] = 0.0
+    watchdog.beat()
+    tokens_seen += int(last["tokens"])
+    skipped_total += int(last["skipped"])
+    interval.steps.append(last)
+    action = None
+    if last["nonfinite"] and step not in bad_steps:  # a known bad step is skipped on replay: no new rollback
+      bad_steps.add(step)
+      logging.warning("step %d: non-finite loss or gradients; update not applied (policy %s)", step,
+                      m.nan_policy)
+      if m.nan_policy == "stop":
+        raise TrainingStopped(f"step {step}: non-finite loss or gradients and monitor.nan_policy=stop; the last "
+                              f"checkpoint is intact (steps: {checkpointer.steps() or 'none'})")
+      if m.nan_policy == "rollback":
+        action = "rollback"
+    if step % config.train.log_every == 0 or step == config.train.steps:
+      record = interval.record(run, flops, peak, skipped_total)
+      record["anomalies"] = len(anomalies(step, record))
+      writer.write(step, record)
+      history.append({"step": step, **record})
+      interval = _Interval()
+    if evaluate is not None and step % config.eval.every_steps == 0:
+      writer.write(step, evaluate(state.params))
+      watchdog.beat()
+    return action
 
   with PreemptionGuard() as preemption:
-    for step in range(int(state.step), config.train.steps):
-      state, metrics = step_fn(state, data_lib.to_global(next(data), run.batch_sharding))
-      pending.append(metrics)
-      done = step + 1
-      stop = preemption.requested(done)
-      log_now = done % config.train.log_every == 0 or done == config.train.steps
-      save_now = stop or done == config.train.steps or checkpointer.should_save(done)
-      if log_now or save_now:  # the only host syncs: at log and save steps
-        fetched = jax.device_get(pending)
-        tokens_seen += int(sum(m["tokens"] for m in fetched))
-        interval += fetched
-        pending, last = [], fetched[-1]
-      if log_now:
-        elapsed = time.perf_counter() - t_last
-        record = {**interval[-1], "tokens_per_sec": sum(m["tokens"] for m in interval) / elapsed,
-                  "step_time": elapsed / len(interval)}
-        writer.write(done, record)
-        history.append({"step": done, **record})
-        interval, t_last = [], time.perf_counter()
-      if save_now:
-        save(done, force=stop or done == config.train.steps)
+    pending = None  # (step, metrics) dispatched but not yet fetched
+    step = int(state.step)
+    while step < config.train.steps:
+      t = time.perf_counter()
+      batch = data_lib.to_global(next(data), run.batch_sharding)
+      interval.data_wait += time.perf_counter() - t
+      _profile(config, step, run)
+      state, metrics = step_fn(state, batch, np.bool_(step + 1 in bad_steps))
+      step += 1
+      if pending is not None and finish(*pending) == "rollback":
+        state, step, pending = _rollback(run, checkpointer, data, state, step - 1)
+        continue
+      pending = (step, metrics)
+      stop = preemption.requested(step)
+      if stop or step == config.train.steps or checkpointer.should_save(step):
+        if finish(*pending) == "rollback":  # a checkpoint must not follow a bad step under rollback
+          state, step, pending = _rollback(run, checkpointer, data, state, step)
+          continue
+        pending = None
+        save(step, force=stop or step == config.train.steps)
       if stop:
         checkpointer.wait()
-        logging.info("preempted: saved step %d, exiting", done)
+        logging.info("preempted: saved step %d, exiting", step)
         break
+    if pending is not None:
+      finish(*pending)
+  watchdog.stop()
+  writer.close()
   checkpointer.wait()
   return state, history
+
+
+def _rollback(run: Run, checkpointer, data, state, bad_step: int):
+  """Back to the newest checkpoint (params, optimizer state and data position); the loop then replays the
+  batches since, skipping the bad one."""
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          state_lib.abstract(run.model, run.tx), run.state_shardings)
+  restored = checkpointer.restore(abstract, data)
+  if restored is None:
+    logging.warning("rollback at step %d: no checkpoint yet; the update was skipped instead", bad_step)
+    return state, int(state.step), None
+  logging.warning("rollback: non-finite step %d; back to checkpoint step %d, that batch will be skipped",
+                  bad_step, int(restored[0].step))
+  return restored[0], int(restored[0].step), None
+
+
+def _profile(config, step: int, run: Run) -> None:
+  """A jax.profiler trace of steps [profile_start, profile_start + profile_steps) into <workdir>/profile."""
+  start = config.metrics.profile_start
+  if start < 0 or jax.process_index() != 0:
+    return
+  if step == start:
+    jax.profiler.start_trace(os.fspath(epath.Path(config.workdir) / "profile"))
+  elif step == start + config.metrics.profile_steps:
+    jax.profiler.stop_trace()
+
+
+def make_evaluator(run: Run):
+  """``params -> {eval_loss, eval_perplexity}`` over the held-out batches, one compiled step."""
+  batches = [data_lib.to_global(b, run.batch_sharding) for b in data_lib.open_eval(run.config)]
+  eval_step = jax.jit(step_lib.make_eval_step(run.model),
+                      in_shardings=(run.state_shardings.params, run.batch_sharding))
+
+  def evaluate(params) -> dict[str, float]:
+    with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
+      sums = [eval_step(params, b) for b in batches]
+    loss_sum, tokens = (sum(float(x[i]) for x in sums) for i in (0, 1))
+    loss = loss_sum / max(tokens, 1.0)
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": tokens}
+
+  return evaluate

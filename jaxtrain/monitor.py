@@ -1,0 +1,103 @@
+"""Acting on trouble: anomaly warnings (loss / grad-norm spikes, throughput drops, loss stagnation) and a
+hang watchdog that dumps every thread's stack and exits non-zero so the scheduler restarts the job.
+
+NaN/Inf handling itself lives in the train step (a non-finite update is never applied, so a NaN can never
+reach the state or a checkpoint) and in the trainer (the skip / rollback / stop policy).
+"""
+
+from __future__ import annotations
+
+import collections
+import faulthandler
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+
+from absl import logging
+
+
+class AnomalyDetector:
+  """Fed each logged record; returns the names of the anomalies it sees (also logged as warnings)."""
+
+  def __init__(self, sigma: float = 6.0, window: int = 50, stagnation_logs: int = 0, throughput_drop: float = 0.5):
+    self.sigma, self.stagnation_logs, self.throughput_drop = sigma, stagnation_logs, throughput_drop
+    self.history = {k: collections.deque(maxlen=window) for k in ("loss", "grad_norm", "tokens_per_sec")}
+    self.best_loss, self.since_best = float("inf"), 0
+
+  def __call__(self, step: int, record: dict[str, float]) -> list[str]:
+    if not all(math.isfinite(record[k]) for k in self.history):
+      return []  # the NaN policy deals with non-finite steps; they would poison the statistics
+    found = []
+    for key in ("loss", "grad_norm"):
+      past = self.history[key]
+      if self.sigma and len(past) >= 10:
+        mean, std = statistics.fmean(past), statistics.pstdev(past)
+        if record[key] > mean + self.sigma * max(std, 1e-6 * abs(mean)):
+          found.append(f"{key}_spike")
+          logging.warning("step %d: %s spike: %.4g > mean %.4g + %.1f sigma (%.3g)", step, key, record[key], mean,
+                          self.sigma, std)
+      past.append(record[key])
+    past = self.history["tokens_per_sec"]
+    if len(past) >= 5 and record["tokens_per_sec"] < self.throughput_drop * statistics.median(past):
+      found.append("throughput_drop")
+      logging.warning("step %d: throughput dropped to %.0f tok/s (median %.0f)", step, record["tokens_per_sec"],
+                      statistics.median(past))
+    past.append(record["tokens_per_sec"])
+    if record["loss"] < self.best_loss:
+      self.best_loss, self.since_best = record["loss"], 0
+    else:
+      self.since_best += 1
+      if self.stagnation_logs and self.since_best == self.stagnation_logs:
+        found.append("loss_stagnation")
+        logging.warning("step %d: loss has not improved on %.4f for %d log intervals", step, self.best_loss,
+                        self.since_best)
+    return found
+
+
+class Watchdog:
+  """A daemon thread that kills the process if no heartbeat arrives in time.
+
+  The limit is ``multiple`` x the median gap between heartbeats seen so far (at least ``min_s``), or
+  ``timeout_s`` when given. When it fires it prints every thread's stack to stderr and exits with code 3:
+  crashes are better than hangs, because a scheduler restarts a crashed job.
+  """
+
+  EXIT_CODE = 3
+
+  def __init__(self, multiple: float = 10.0, min_s: float = 60.0, timeout_s: float = 0.0):
+    self.multiple, self.min_s, self.timeout_s = multiple, min_s, timeout_s
+    self._last = time.monotonic()
+    self._gaps = collections.deque(maxlen=100)
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="jaxtrain-watchdog", daemon=True)
+
+  def start(self) -> "Watchdog":
+    self._last = time.monotonic()
+    self._thread.start()
+    return self
+
+  def beat(self) -> None:
+    now = time.monotonic()
+    self._gaps.append(now - self._last)
+    self._last = now
+
+  def limit(self) -> float:
+    if self.timeout_s:
+      return self.timeout_s
+    return max(self.min_s, self.multiple * statistics.median(self._gaps)) if self._gaps else self.min_s * 10
+
+  def _run(self) -> None:
+    while not self._stop.wait(min(1.0, self.limit() / 10)):
+      waited = time.monotonic() - self._last
+      if waited > self.limit():
+        print(f"jaxtrain: watchdog: no step finished for {waited:.1f}s (limit {self.limit():.1f}s); "
+              "stacks of all threads follow, then exit", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(self.EXIT_CODE)
+
+  def stop(self) -> None:
+    self._stop.set()

@@ -1,0 +1,70 @@
+"""Plot loss, throughput, grad norm and learning rate from the metrics.jsonl of one or several runs.
+
+  python tools/plot_metrics.py RUN_OR_JSONL [RUN_OR_JSONL ...] --out=plot.png
+
+Each argument is a workdir (its metrics.jsonl is read) or a JSONL file; runs are labelled by folder name.
+Eval records (eval_loss) are drawn on the loss panel as dots.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app, flags
+from etils import epath
+
+_OUT = flags.DEFINE_string("out", "metrics.png", "PNG file to write.")
+PANELS = (("loss", "loss"), ("tokens_per_sec", "tokens / s"), ("grad_norm", "grad norm"), ("lr", "learning rate"))
+
+
+def read(path: str) -> tuple[str, list[dict]]:
+  p = epath.Path(path)
+  jsonl = p / "metrics.jsonl" if p.is_dir() else p
+  if not jsonl.exists():
+    raise FileNotFoundError(f"{path}: no metrics.jsonl")
+  records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+  return (p.name if p.is_dir() else p.parent.name), records
+
+
+def plot(runs: list[tuple[str, list[dict]]], out: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+  for ax, (key, title) in zip(axes.flat, PANELS, strict=True):
+    for i, (label, records) in enumerate(runs):
+      color = f"C{i}"  # one colour per run in every panel
+      points = sorted({r["step"]: r[key] for r in records if key in r}.items())  # a re-run step: last value
+      if points:
+        ax.plot(*zip(*points), color=color, label=label)
+      if key == "loss":
+        evals = sorted({r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}.items())
+        if evals:
+          ax.plot(*zip(*evals), "o", color=color, label=f"{label} (eval)")
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if key in ("loss", "grad_norm"):
+      ax.set_yscale("log")
+  axes.flat[0].legend()
+  fig.tight_layout()
+  fig.savefig(out, dpi=100)
+
+
+def main(argv):
+  if len(argv) < 2:
+    print("usage: plot_metrics.py RUN_OR_JSONL [...] --out=plot.png", file=sys.stderr)
+    sys.exit(2)
+  try:
+    runs = [read(a) for a in argv[1:]]
+  except (FileNotFoundError, json.JSONDecodeError) as e:
+    print(f"plot_metrics: error: {e}", file=sys.stderr)
+    sys.exit(2)
+  plot(runs, _OUT.value)
+  print(f"wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)
