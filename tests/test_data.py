@@ -312,3 +312,18 @@ def test_main_trains_on_prepared_data(shakespeare, tmp_path):
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert records[-1]["loss"] < records[0]["loss"] < 6.0
   assert "Exception ignored" not in r.stderr
+
+
+def test_batches_record_their_documents(shakespeare):
+  manifest = pipeline.load_manifest(shakespeare)
+  b = next(iter(_dataset(shakespeare, seq_len=128)))
+  src = pipeline.TokenSource(shakespeare, manifest, "train")
+  for row in range(8):
+    for seg in np.unique(b["segment_ids"][row]):
+      piece = b["segment_ids"][row] == seg
+      (record,) = np.unique(b["records"][row][piece])
+      start = b["positions"][row][piece][0]
+      doc = src[int(record)]
+      np.testing.assert_array_equal(b["inputs"][row][piece], doc[start:start + piece.sum()])
+      shard, index = pipeline.locate(manifest, "train", int(record))
+      assert shard.startswith("train-") and 0 <= index < manifest["splits"]["train"]["documents"]

@@ -118,6 +118,8 @@ def test_nan_step_is_skipped_and_never_checkpointed(make_config, tmp_path, polic
   assert "step 5: non-finite loss or gradients" in caplog.text
   if policy == "rollback":
     assert "back to checkpoint step 3" in caplog.text
+  report = json.loads(pathlib.Path(config.workdir, "bad_batches.jsonl").read_text().splitlines()[0])
+  assert report["step"] == 5 and report["source"] == "synthetic (seed 0, batch 4)"
   # Skip drops the update once; rollback drops it when seen and again when the replay reaches that batch.
   assert int(state.step) == 8 and history[-1]["skipped_steps"] == (1 if policy == "skip" else 2)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7),

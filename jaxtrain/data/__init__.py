@@ -12,8 +12,10 @@ from jax.sharding import NamedSharding
 
 
 def to_global(local_batch: dict, sharding: NamedSharding) -> dict:
-  """This process's rows -> global arrays laid out with ``sharding`` (works on one host and on many)."""
-  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}
+  """This process's rows -> global arrays laid out with ``sharding`` (works on one host and on many).
+  Host-side fields (``records``: provenance) stay behind."""
+  from jaxtrain.data.batch import KEYS
+  return {k: jax.make_array_from_process_local_data(sharding, local_batch[k]) for k in KEYS}
 
 
 def open_train(config) -> Iterator[dict]:

@@ -91,7 +91,18 @@ class TokenSource(grain.sources.RandomAccessDataSource):
 
 
 def _to_train_batch(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  return batch_lib.from_packed(rows["tokens"], rows["segment_ids"], rows["positions"])
+  batch = batch_lib.from_packed(rows["tokens"], rows["segment_ids"], rows["positions"])
+  batch["records"] = rows["records"][:, :-1]  # host-side provenance: the record of each input token
+  return batch
+
+
+def locate(manifest: dict, split: str, record: int) -> tuple[str, int]:
+  """A split's record index -> (shard file, index within that shard)."""
+  for shard in (s for s in manifest["shards"] if s["split"] == split):
+    if record < shard["documents"]:
+      return shard["file"], record
+    record -= shard["documents"]
+  raise IndexError(record)
 
 
 def train_dataset(root: str, manifest: dict, *, seq_len: int, global_batch: int, seed: int,
@@ -100,10 +111,11 @@ def train_dataset(root: str, manifest: dict, *, seq_len: int, global_batch: int,
   """This process's share of an endless stream of training batches (numpy, jaxtrain batch format)."""
   if global_batch % process_count:
     raise ValueError(f"global batch {global_batch} does not split over {process_count} processes")
-  docs = grain.MapDataset.source(TokenSource(root, manifest, split)).seed(seed).shuffle().repeat(None)
+  source = TokenSource(root, manifest, split)
+  record_ids = grain.MapDataset.range(len(source)).seed(seed).shuffle().repeat(None)
   per_process = global_batch // process_count
   lanes = range(process_index * per_process, (process_index + 1) * per_process)
-  ds = packing_lib.PackedLanes(docs, lanes, global_batch, seq_len + 1, packing)
+  ds = packing_lib.PackedLanes(record_ids, source, lanes, global_batch, seq_len + 1, packing)
   if num_workers > 0:
     if per_process % num_workers:
       raise ValueError(f"{num_workers} workers do not divide the {per_process} rows of a process's batch")
@@ -118,9 +130,10 @@ def eval_batches(root: str, manifest: dict, *, seq_len: int, global_batch: int, 
                  process_count: int, split: str = "eval") -> list[dict[str, np.ndarray]]:
   """One pass over the eval split, packed in file order, this process's rows of each global batch.
   The last batch is padded with empty rows (loss mask 0), so every document counts exactly once."""
-  docs = grain.MapDataset.source(TokenSource(root, manifest, split))
-  rows = list(packing_lib.PackedLanes(docs, [0], 1, seq_len + 1))
+  source = TokenSource(root, manifest, split)
+  rows = list(packing_lib.PackedLanes(grain.MapDataset.range(len(source)), source, [0], 1, seq_len + 1))
   empty = {k: np.zeros(seq_len + 1, np.int32) for k in ("tokens", "segment_ids", "positions")}
+  empty["records"] = np.full(seq_len + 1, -1, np.int32)
   rows += [empty] * (-len(rows) % global_batch)
   per_process = global_batch // process_count
   batches = []

@@ -5,6 +5,7 @@ The loop reads top to bottom: next batch -> step -> every ``log_every`` steps fe
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -222,6 +223,7 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
   tokens_seen, wall_time = meta.get("tokens_seen", 0), meta.get("wall_time", 0.0)
   bad_steps, skipped_total = set(meta.get("bad_steps", [])), meta.get("skipped_steps", 0)
   history, interval, last = [], _Interval(), {}
+  recent_records = collections.deque(maxlen=4)  # (step, record ids of this process's rows): provenance
   t_start = time.perf_counter()
 
   def save(step: int, force: bool) -> None:
@@ -248,6 +250,7 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
       bad_steps.add(step)
       logging.warning("step %d: non-finite loss or gradients; update not applied (policy %s)", step,
                       m.nan_policy)
+      report_bad_batch(run, step, recent_records, "non-finite loss or gradients")
       if m.nan_policy == "stop":
         raise TrainingStopped(f"step {step}: non-finite loss or gradients and monitor.nan_policy=stop; the last "
                               f"checkpoint is intact (steps: {checkpointer.steps() or 'none'})")
@@ -255,7 +258,10 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
         action = "rollback"
     if step % config.train.log_every == 0 or step == config.train.steps:
       record = interval.record(run, flops, peak, skipped_total)
-      record["anomalies"] = len(anomalies(step, record))
+      found = anomalies(step, record)
+      record["anomalies"] = len(found)
+      if found:
+        report_bad_batch(run, step, recent_records, ", ".join(found))
       writer.write(step, record)
       history.append({"step": step, **record})
       interval = _Interval()
@@ -269,8 +275,10 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
     step = int(state.step)
     while step < config.train.steps:
       t = time.perf_counter()
-      batch = data_lib.to_global(next(data), run.batch_sharding)
+      local = next(data)
+      batch = data_lib.to_global(local, run.batch_sharding)
       interval.data_wait += time.perf_counter() - t
+      recent_records.append((step + 1, local.get("records")))
       _profile(config, step, run)
       state, metrics = step_fn(state, batch, np.bool_(step + 1 in bad_steps))
       step += 1
@@ -295,6 +303,28 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
   writer.close()
   checkpointer.wait()
   return state, history
+
+
+def report_bad_batch(run: Run, step: int, recent_records, why: str) -> None:
+  """Logs which documents formed this process's rows of ``step`` and appends them, with their shard files
+  and indices, to ``<workdir>/bad_batches.jsonl`` (one file per process)."""
+  records = dict(recent_records).get(step)
+  entry = {"step": step, "why": why, "process": jax.process_index()}
+  c = run.config
+  if records is None:
+    entry["source"] = f"synthetic (seed {c.train.seed}, batch {step - 1})" if c.data.source == "synthetic" else \
+        "unknown"
+  else:
+    from jaxtrain.data import pipeline, prepare
+    ids = sorted({int(r) for r in np.unique(records) if r >= 0})
+    root = c.data.path or os.fspath(prepare.bundled_corpus(c.data.cache_dir))
+    manifest = pipeline.load_manifest(root, verify_checksums=False)
+    entry.update(data=root, records=ids, shards=[pipeline.locate(manifest, "train", r) for r in ids])
+  logging.warning("step %d (%s): batch %s", step, why, json.dumps({k: v for k, v in entry.items()
+                                                                   if k != "shards"})[:500])
+  name = "bad_batches.jsonl" if jax.process_count() == 1 else f"bad_batches.p{jax.process_index()}.jsonl"
+  with (epath.Path(c.workdir) / name).open("a") as f:
+    f.write(json.dumps(entry) + "\n")
 
 
 def _rollback(run: Run, checkpointer, data, state, bad_step: int):
