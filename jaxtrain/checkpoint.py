@@ -55,6 +55,7 @@ class Checkpointer:
       raise CheckpointError(os.fspath(directory), f"cannot use the checkpoint folder ({e.strerror or e})",
                             "set checkpoint.dir to a writable folder") from None
     self.last_save_blocked_s = 0.0
+    self._warned_data = False
 
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
@@ -65,13 +66,15 @@ class Checkpointer:
   def save(self, step: int, state: Any, data_iterator, meta: dict, config: dict, force: bool = False) -> bool:
     """Starts (async) or does (sync) a save; returns whether one was started. Raises CheckpointError
     when the previous async save failed: that is where disk-full and permission errors surface."""
-    if data_iterator is not None and not isinstance(data_iterator, grain.DatasetIterator):
-      raise TypeError(f"data iterators must be grain DatasetIterators, got {type(data_iterator)}")
-    args = ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        data=grain.checkpoint.CheckpointSave(data_iterator),
-        meta=ocp.args.JsonSave(meta),
-        config=ocp.args.JsonSave(config))
+    items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
+                 config=ocp.args.JsonSave(config))
+    if isinstance(data_iterator, grain.DatasetIterator):
+      items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+    elif not self._warned_data:
+      logging.warning("the data iterator (%s) has no savable state; checkpoints will not hold the data position",
+                      type(data_iterator).__name__)
+      self._warned_data = True
+    args = ocp.args.Composite(**items)
     t = time.perf_counter()
     try:
       saved = self.manager.save(step, args=args, force=force)
@@ -98,10 +101,10 @@ class Checkpointer:
     reported, moved aside to ``corrupt-<step>`` and the previous one is tried. None if there is none."""
     for step in reversed(self.steps()):
       try:
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
-            data=grain.checkpoint.CheckpointRestore(data_iterator),
-            meta=ocp.args.JsonRestore()))
+        items = dict(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
+        if isinstance(data_iterator, grain.DatasetIterator) and (self.directory / str(step) / "data").exists():
+          items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         return restored["state"], dict(restored["meta"])
       except Exception as e:  # corrupt or truncated files: fall back to the previous checkpoint
         logging.warning("checkpoint step %d in %s cannot be restored (%s: %s); falling back to the previous "

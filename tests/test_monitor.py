@@ -182,3 +182,11 @@ def test_profiler_trace_is_written(make_config):
   config.metrics.update(profile_start=1, profile_steps=2)
   trainer.train(config)
   assert list(pathlib.Path(config.workdir, "profile").rglob("*.xplane.pb"))
+
+
+def test_progress_bar_shows_step_loss_throughput_and_mfu(make_config, capsys):
+  config = make_config(fsdp=8)
+  config.metrics.update(progress="bar", peak_tflops=0.01)
+  trainer.train(config)
+  err = capsys.readouterr().err
+  assert "5/5" in err and "loss" in err and "tok/s" in err and "MFU" in err

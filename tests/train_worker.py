@@ -36,4 +36,4 @@ for item in args.overrides:
 state, history = trainer.train(config)
 if jax.process_index() == 0:
   with open(args.out, "w") as f:
-    json.dump({"history": [{k: float(v) for k, v in h.items()} for h in history]}, f)
+    json.dump({"history": [{k: float(v) for k, v in h.items() if v is not None} for h in history]}, f)

@@ -1,0 +1,56 @@
+"""Joining a multi-process job: JAX's distributed runtime, started the way each cluster expects.
+
+- Explicit: ``distributed.coordinator_address`` (+ ``num_processes``, ``process_id``), e.g. for tests on
+  localhost or a cluster jaxtrain does not know.
+- Automatic (``distributed.auto``): TPU VM pods (GCE/GKE metadata), Slurm (``srun``), Kubernetes (indexed Jobs /
+  JobSets), Open MPI: whatever ``jax.distributed.initialize()`` detects from the environment.
+- Otherwise a single process: nothing to do.
+
+``heartbeat_timeout_s`` bounds how long the others wait for a process that died: they then fail instead of
+hanging (crashes are better than hangs; the scheduler restarts the job). CPU processes use gloo collectives.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+from absl import logging
+
+from jaxtrain.config import ConfigError
+
+def _multi_process_environment() -> bool:
+  """Whether the environment says this process is one of several (checked before JAX starts)."""
+  env = os.environ
+  return (int(env.get("SLURM_NTASKS", "1")) > 1  # srun with several tasks
+          or "JOB_COMPLETION_INDEX" in env  # Kubernetes indexed Job / JobSet
+          or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1  # mpirun
+          or "," in env.get("TPU_WORKER_HOSTNAMES", "")  # a multi-host TPU VM slice
+          or "MEGASCALE_COORDINATOR_ADDRESS" in env)  # multi-slice TPU
+
+
+def initialize(cfg) -> None:
+  """Joins the job described by the ``distributed`` config group (or its environment). Idempotent."""
+  if jax.distributed.is_initialized():
+    return
+  explicit = bool(cfg.coordinator_address)
+  if not explicit and not (cfg.auto and _multi_process_environment()):
+    return
+  if jax.config.jax_platforms in ("cpu",) or os.environ.get("JAX_PLATFORMS") == "cpu":
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  kwargs = dict(initialization_timeout=int(cfg.timeout_s), heartbeat_timeout_seconds=int(cfg.heartbeat_timeout_s))
+  if explicit:
+    if cfg.num_processes < 1 or not 0 <= cfg.process_id < cfg.num_processes:
+      raise ConfigError("distributed.process_id", f"{cfg.process_id} is not in [0, distributed.num_processes="
+                        f"{cfg.num_processes})", "give every process its index and the same process count")
+    kwargs.update(coordinator_address=cfg.coordinator_address, num_processes=cfg.num_processes,
+                  process_id=cfg.process_id)
+  try:
+    jax.distributed.initialize(**kwargs)
+  except Exception as e:  # unreachable coordinator, timeout, bad environment
+    where = cfg.coordinator_address or "the coordinator the cluster environment names"
+    raise ConfigError("distributed.coordinator_address", f"could not join the job at {where} within "
+                      f"{cfg.timeout_s:.0f}s ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})",
+                      "check that process 0 runs and the address/port is reachable") from None
+  logging.info("joined a %d-process job as process %d (%d local / %d global devices)", jax.process_count(),
+               jax.process_index(), jax.local_device_count(), jax.device_count())
