@@ -40,7 +40,17 @@ class DataError(UserError):
 def base_config() -> ml_collections.ConfigDict:
   """All keys with their defaults. Config files override values, never add keys."""
   c = ml_collections.ConfigDict()
-  c.workdir = "runs/default"  # run directory: resolved config, metrics.jsonl (checkpoints later)
+  c.workdir = "runs/default"  # run directory: resolved config, metrics, checkpoints
+  c.dry_run = False  # build the mesh, compile the step, print per-device memory and FLOPs, then exit
+
+  c.distributed = ml_collections.ConfigDict(dict(
+      coordinator_address="",  # host:port of process 0; empty = from the cluster environment, or one process
+      num_processes=1,
+      process_id=0,
+      auto=True,  # join automatically on TPU pods, Slurm, Kubernetes indexed jobs, Open MPI
+      timeout_s=300.0,  # give up (clear error) if the coordinator cannot be reached in this time
+      heartbeat_timeout_s=30.0,  # a process that stops answering this long fails the job instead of hanging it
+  ))
 
   c.model = ml_collections.ConfigDict(dict(
       name="llama",
@@ -239,6 +249,7 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
                       "(optim.decay_steps, default train.steps)", "lower warmup_steps")
   _check_choice(cfg, "checkpoint.restore_mode", ("params", "state"))
   _check_choice(cfg, "monitor.nan_policy", ("skip", "rollback", "stop"))
+  _check_positive(cfg, ["distributed.timeout_s", "distributed.heartbeat_timeout_s"])
   _check_choice(cfg, "metrics.progress", ("auto", "bar", "log"))
   _check_positive(cfg, ["eval.every_steps", "eval.max_batches", "monitor.spike_sigma", "monitor.stagnation_logs",
                         "monitor.watchdog_timeout_s", "metrics.peak_tflops"], allow_zero=True)

@@ -13,6 +13,8 @@ hanging (crashes are better than hangs; the scheduler restarts the job). CPU pro
 from __future__ import annotations
 
 import os
+import socket
+import time
 
 import jax
 from absl import logging
@@ -27,6 +29,22 @@ def _multi_process_environment() -> bool:
           or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1  # mpirun
           or "," in env.get("TPU_WORKER_HOSTNAMES", "")  # a multi-host TPU VM slice
           or "MEGASCALE_COORDINATOR_ADDRESS" in env)  # multi-slice TPU
+
+
+def _wait_for_coordinator(address: str, timeout_s: float) -> bool:
+  """Whether ``host:port`` accepts TCP connections within ``timeout_s``. jax.distributed.initialize aborts the
+  whole process (a C++ check failure, no Python exception) when it cannot connect, so the other processes
+  probe the coordinator first and can fail with a readable message instead."""
+  host, _, port = address.rpartition(":")
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+        return True
+    except (OSError, ValueError):
+      if time.monotonic() > deadline:
+        return False
+      time.sleep(0.5)
 
 
 def initialize(cfg) -> None:
@@ -45,6 +63,10 @@ def initialize(cfg) -> None:
                         f"{cfg.num_processes})", "give every process its index and the same process count")
     kwargs.update(coordinator_address=cfg.coordinator_address, num_processes=cfg.num_processes,
                   process_id=cfg.process_id)
+    if cfg.process_id != 0 and not _wait_for_coordinator(cfg.coordinator_address, cfg.timeout_s):
+      raise ConfigError("distributed.coordinator_address", f"could not join the job at {cfg.coordinator_address} "
+                        f"within {cfg.timeout_s:.0f}s (nothing accepts connections there)",
+                        "check that process 0 runs and the address/port is reachable")
   try:
     jax.distributed.initialize(**kwargs)
   except Exception as e:  # unreachable coordinator, timeout, bad environment

@@ -59,12 +59,22 @@ def main(argv: list[str]) -> None:
   logging.get_absl_handler().addFilter(_QuietLibraries())
   import jax  # after flag parsing, so a bad command line never pays for (or is hidden by) jax start-up
 
+  from jaxtrain import distributed
   from jaxtrain.train import trainer
 
   config = _CONFIG.value
+  try:
+    distributed.initialize(config.distributed)  # before anything starts JAX's backends
+  except config_lib.UserError as e:
+    _fail(str(e))
+  if jax.process_index() > 0:  # one voice: other processes report only warnings and errors
+    logging.set_verbosity(logging.WARNING)
   logging.info("jax %s on %d %s devices (%d processes)", jax.__version__, jax.device_count(),
                jax.default_backend(), jax.process_count())
   try:
+    if config.dry_run:
+      trainer.dry_run(config)
+      return
     trainer.train(config)
   except config_lib.UserError as e:
     _fail(str(e))

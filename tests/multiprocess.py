@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import portpicker
 
@@ -34,6 +35,40 @@ def run(script: str, args: list[str], num_processes: int = 2, local_devices: int
         p.kill()
         p.wait(timeout=30)
   return results
+
+
+def start_main(args: list[str], num_processes: int = 2, local_devices: int = 4) -> list[subprocess.Popen]:
+  """Starts ``python -m jaxtrain.main *args`` as a ``num_processes``-process job on localhost (explicit
+  coordinator config, a fresh port). stderr goes to a file per process, returned as ``p.err_path``."""
+  port = portpicker.pick_unused_port()
+  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": f"--xla_force_host_platform_device_count={local_devices}"}
+  procs = []
+  for i in range(num_processes):
+    err_path = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"jaxtrain-mp-{port}-{i}.err"
+    p = subprocess.Popen([sys.executable, "-m", "jaxtrain.main", *args,
+                          f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+                          f"--config.distributed.num_processes={num_processes}",
+                          f"--config.distributed.process_id={i}"],
+                         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err_path.open("w"))
+    p.err_path = err_path
+    procs.append(p)
+  return procs
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+  """Exit codes; every process still running after ``timeout`` seconds is killed (and fails the caller)."""
+  deadline = time.time() + timeout
+  for p in procs:
+    try:
+      p.wait(timeout=max(deadline - time.time(), 1))
+    except subprocess.TimeoutExpired:
+      pass
+  for p in procs:
+    if p.poll() is None:
+      p.kill()
+      p.wait(timeout=30)
+  return [p.returncode for p in procs]
 
 
 def init_distributed(coordinator: str, num_processes: int, process_id: int) -> None:

@@ -163,6 +163,40 @@ def restore_or_init(run: Run, checkpointer: checkpoint_lib.Checkpointer, data) -
   return state, {}
 
 
+def dry_run(config: ml_collections.ConfigDict, devices=None) -> dict[str, Any]:
+  """Validates, lays out and compiles the step without allocating or training; reports per-device memory
+  (from the compiled program) and FLOPs, and whether it fits where the device capacity is known."""
+  run = build(config, devices)
+  info = report(run)
+  t = time.perf_counter()
+  step_fn = compile_step(run)
+  info["compile_s"] = time.perf_counter() - t
+  mem = step_fn.memory_analysis()
+  per_device = {k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "temp", "alias")}
+  info["memory_per_device"] = per_device
+  info["peak_bytes_per_device"] = per_device["argument"] + per_device["output"] + per_device["temp"] - \
+      per_device["alias"]
+  tokens = config.train.global_batch_size * config.data.seq_len
+  info["flops_per_token"] = metrics_lib.flops_per_token(run.model, config.data.seq_len)
+  info["flops_per_step_per_device"] = info["flops_per_token"] * tokens / run.mesh.size
+  try:
+    capacity = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+  except Exception:  # noqa: BLE001 - backends without memory stats
+    capacity = None
+  info["device_capacity_bytes"] = capacity
+  mib = 2**20
+  verdict = ("fit unknown (this backend does not report device memory)" if not capacity else
+             f"{'fits' if info['peak_bytes_per_device'] <= capacity else 'DOES NOT FIT'} in "
+             f"{capacity / mib:,.0f} MiB per device")
+  logging.info("dry run: compiled in %.1fs | per device: arguments %.1f MiB, outputs %.1f MiB, temporaries %.1f MiB, "
+               "donated %.1f MiB -> peak %.1f MiB; %s | %.3g FLOPs/token, %.3g FLOPs/step/device",
+               info["compile_s"], per_device["argument"] / mib, per_device["output"] / mib, per_device["temp"] / mib,
+               per_device["alias"] / mib, info["peak_bytes_per_device"] / mib, verdict, info["flops_per_token"],
+               info["flops_per_step_per_device"])
+  print(json.dumps({k: v for k, v in info.items() if k != "replicated"}))
+  return info
+
+
 class TrainingStopped(Exception):
   """Training stopped on purpose (``monitor.nan_policy=stop``); main prints it as one line, exit code 1."""
 

@@ -1,0 +1,85 @@
+"""jaxtrain.main as a real 2-process job on localhost: train, checkpoint, kill, restart, resume, match one
+process; a dead process fails the job instead of hanging it; explicit config errors; dry run."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from tests import multiprocess
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ARGS = ["--config=configs/tiny.py", "--config.train.log_every=1", "--config.optim.decay_steps=40",
+        "--config.train.global_batch_size=8", "--config.data.seq_len=64", "--config.checkpoint.every_steps=4"]
+
+
+def _losses(workdir):
+  lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
+  return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def _logged(workdir):
+  path = pathlib.Path(workdir) / "metrics.jsonl"
+  return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_two_process_job_trains_is_killed_resumes_and_matches_one_process(tmp_path):
+  run = [*ARGS, f"--config.workdir={tmp_path / 'mp'}", "--config.train.steps=12"]
+  procs = multiprocess.start_main(run)
+  deadline = time.time() + 240
+  while time.time() < deadline and _logged(tmp_path / "mp") < 6 and all(p.poll() is None for p in procs):
+    time.sleep(0.05)
+  assert _logged(tmp_path / "mp") >= 6, procs[0].err_path.read_text()[-3000:]
+  for p in procs:
+    p.send_signal(signal.SIGKILL)
+  multiprocess.wait_all(procs, 30)
+  procs = multiprocess.start_main(run)
+  codes = multiprocess.wait_all(procs, 300)
+  err = procs[0].err_path.read_text()
+  assert codes == [0, 0], err[-3000:]
+  assert "resumed from checkpoint step 4" in err or "resumed from checkpoint step 8" in err
+  assert "resumed" not in procs[1].err_path.read_text()  # only process 0 prints info lines
+  single = subprocess.run([sys.executable, "-m", "jaxtrain.main", *ARGS, f"--config.workdir={tmp_path / 'one'}",
+                           "--config.train.steps=12"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert single.returncode == 0, single.stderr[-2000:]
+  mp, one = _losses(tmp_path / "mp"), _losses(tmp_path / "one")
+  np.testing.assert_allclose([mp[s] for s in range(1, 13)], [one[s] for s in range(1, 13)], rtol=1e-5)
+
+
+def test_a_dead_process_fails_the_job_within_60s(tmp_path):
+  procs = multiprocess.start_main([*ARGS, f"--config.workdir={tmp_path}", "--config.train.steps=100000"])
+  deadline = time.time() + 240
+  while time.time() < deadline and _logged(tmp_path) < 3 and all(p.poll() is None for p in procs):
+    time.sleep(0.05)
+  assert _logged(tmp_path) >= 3, procs[0].err_path.read_text()[-3000:]
+  procs[1].send_signal(signal.SIGKILL)
+  t = time.time()
+  code = multiprocess.wait_all(procs[:1], 90)[0]
+  assert code not in (0, None) and time.time() - t < 60, (code, procs[0].err_path.read_text()[-3000:])
+
+
+def test_unreachable_coordinator_is_a_clear_error(tmp_path):
+  r = subprocess.run([sys.executable, "-m", "jaxtrain.main", *ARGS, f"--config.workdir={tmp_path}",
+                      "--config.distributed.coordinator_address=127.0.0.1:1", "--config.distributed.num_processes=2",
+                      "--config.distributed.process_id=1", "--config.distributed.timeout_s=5"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=120,
+                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+  errors = [line for line in r.stderr.splitlines() if line.startswith("jaxtrain: error:")]
+  assert r.returncode == 2 and len(errors) == 1, r.stderr[-2000:]
+  assert "could not join the job at 127.0.0.1:1 within 5s" in errors[0]
+
+
+def test_dry_run_compiles_and_reports_without_training(tmp_path):
+  r = subprocess.run([sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py", "--config.dry_run=true",
+                      f"--config.workdir={tmp_path / 'dry'}"], cwd=ROOT, capture_output=True, text=True,
+                     timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  info = json.loads(r.stdout.strip().splitlines()[-1])
+  assert info["params"] == 853_120 and info["peak_bytes_per_device"] > info["memory_per_device"]["argument"] > 0
+  assert info["flops_per_token"] > 6 * 853_120 - 6 * 256 * 128
+  assert "dry run: compiled" in r.stderr and not (tmp_path / "dry").exists()
