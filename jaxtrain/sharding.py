@@ -109,11 +109,20 @@ def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:
   return NamedSharding(mesh, logical_to_mesh_spec(P("batch", *([None] * (ndim - 1))), rules))
 
 
-def batch_shards(mesh: Mesh, rules: Rules) -> tuple[tuple[str, ...], int]:
+def _axes(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def batch_shards(mesh_sizes: dict[str, int], rules: Rules) -> tuple[tuple[str, ...], int]:
   """The mesh axes the batch is split over, and the product of their sizes."""
-  spec = logical_to_mesh_spec(P("batch"), rules)[0]
-  axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
-  return axes, math.prod(mesh.shape[a] for a in axes)
+  axes = _axes(logical_to_mesh_spec(P("batch"), rules)[0])
+  return axes, math.prod(mesh_sizes[a] for a in axes)
+
+
+def shard_shape(shape: tuple[int, ...], logical: P, rules: Rules, mesh_sizes: dict[str, int]) -> tuple[int, ...]:
+  """One device's shape of an array with these logical axes, by arithmetic (no devices needed)."""
+  spec = tuple(logical_to_mesh_spec(logical, rules)) + (None,) * len(shape)
+  return tuple(d // math.prod(mesh_sizes[a] for a in _axes(s)) for d, s in zip(shape, spec))
 
 
 def check_shardable(abstract: Any, specs: Any, mesh: Mesh, rules: Rules) -> None:

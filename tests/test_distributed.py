@@ -1,6 +1,8 @@
 """jaxtrain.main as a real 2-process job on localhost: train, checkpoint, kill, restart, resume, match one
 process; a dead process fails the job instead of hanging it; explicit config errors; dry run."""
 
+import functools
+import importlib.util
 import json
 import os
 import pathlib
@@ -10,6 +12,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from tests import multiprocess
 
@@ -83,3 +86,32 @@ def test_dry_run_compiles_and_reports_without_training(tmp_path):
   assert info["params"] == 853_120 and info["peak_bytes_per_device"] > info["memory_per_device"]["argument"] > 0
   assert info["flops_per_token"] > 6 * 853_120 - 6 * 256 * 128
   assert "dry run: compiled" in r.stderr and not (tmp_path / "dry").exists()
+
+
+
+@functools.cache
+def _estimate_module():
+  spec = importlib.util.spec_from_file_location("estimate", ROOT / "tools" / "estimate.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.parametrize("config_file,overrides", [
+    ("configs/tiny.py", []),
+    ("configs/tiny.py:tp", []),
+    ("configs/tiny.py", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+    ("configs/cpu_50m.py", ["train.global_batch_size=8"]),
+], ids=["tiny-fsdp8", "tiny-fsdp4xtp2", "tiny-2x2x2", "cpu_50m-fsdp8"])
+def test_estimate_matches_compiled_memory(config_file, overrides):
+  from jaxtrain.data import batch as batch_lib
+  from jaxtrain.train import trainer
+  estimate = _estimate_module()
+  config = estimate.load_config(config_file, overrides)
+  predicted = estimate.estimate(config, 8)["params_plus_optimizer_per_device"]
+  run = trainer.build(config)
+  compiled = trainer.compile_step(run).memory_analysis()
+  rows = config.train.global_batch_size // (8 // run.mesh.shape["tensor"])  # batch split over data x fsdp
+  batch_bytes = len(batch_lib.KEYS) * rows * config.data.seq_len * 4 + 1  # + the skip flag
+  measured = compiled.argument_size_in_bytes - batch_bytes
+  assert abs(predicted - measured) / measured < 0.15, (predicted, measured)

@@ -62,7 +62,7 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Run:
     raise ConfigError("model.name", f"'{config.model.name}' is not a registered model",
                       f"use one of {', '.join(models.names())}") from None
   sharding.check_shardable(model.abstract_params, model.logical_specs, mesh, rules)
-  batch_axes, batch_shards = sharding.batch_shards(mesh, rules)
+  batch_axes, batch_shards = sharding.batch_shards(dict(mesh.shape), rules)
   per_microbatch = config.train.global_batch_size // config.train.microbatches
   if per_microbatch % batch_shards:
     axes = " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in batch_axes)

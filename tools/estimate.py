@@ -1,0 +1,122 @@
+"""Estimate per-device memory and per-step communication for a config and mesh, without any devices.
+
+  python tools/estimate.py --config=configs/llama3_8b.py --devices=256 [--set=mesh.tensor=4 ...] [--json]
+
+Shapes and shardings come from the model and the sharding rules exactly as training lays them out; sizes are
+then arithmetic over the mesh (no arrays are created, no program is compiled). Assumptions, printed too:
+- params and gradients float32, AdamW moments float32 (2 x params), sharded like the params;
+- activations per device, kept for the backward pass, per layer (b = local batch rows per microbatch,
+  t = seq_len, d = d_model, f = mlp_dim, h = heads x head_dim, kv = kv_heads x head_dim, in the compute dtype):
+  remat=full: the layer input b*t*d; save_dots: + the matmul outputs b*t*(h + 2 kv + d + 3 f);
+  none: + attention probabilities heads*b*t*t and the elementwise intermediates ~ b*t*(4 d + 2 f); plus the
+  float32 logits b*t*vocab (sharded over tensor). Activations shrink with tensor parallelism for h, kv, f, vocab.
+- communication per step (bytes sent per device, ring algorithms): fsdp: all-gather of the params in forward
+  and again in backward, reduce-scatter of the grads (each (n-1)/n x the fsdp-sharded bytes); data: all-reduce
+  of the grads (2 (n-1)/n x their size on the device); tensor: 2 all-reduces per layer forward and 2 backward
+  of b*t*d activations (2 (n-1)/n each); DCN axes multiply the same volumes over the slow links.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from jaxtrain import config as config_lib  # noqa: E402
+from jaxtrain import models, sharding  # noqa: E402
+
+_CONFIG = flags.DEFINE_string("config", "configs/tiny.py", "Config file.")
+_DEVICES = flags.DEFINE_integer("devices", 8, "Total devices of the target job.")
+_SLICES = flags.DEFINE_integer("slices", 1, "Slices (or processes) the DCN axes span.")
+_SET = flags.DEFINE_multi_string("set", [], "key=value overrides, e.g. mesh.tensor=4.")
+_JSON = flags.DEFINE_bool("json", False, "Print JSON.")
+
+
+def load_config(path: str, overrides: list[str]):
+  """``configs/x.py[:variant]`` plus ``key=value`` overrides, as on the jaxtrain.main command line."""
+  path, _, variant = path.partition(":")
+  spec = importlib.util.spec_from_file_location("cfg", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(variant) if variant else module.get_config()
+  for item in overrides:
+    key, value = item.split("=", 1)
+    try:
+      value = json.loads(value)
+    except json.JSONDecodeError:
+      pass
+    config.update_from_flattened_dict({key: value})
+  return config
+
+
+def estimate(config, devices: int, slices: int = 1) -> dict:
+  ici, dcn = config_lib.mesh_shape(config.mesh, devices, slices)
+  mesh = {a: ici[a] * dcn[a] for a in config_lib.MESH_AXES}
+  rules = sharding.rules_from_config(config.sharding)
+  model = models.Model.from_config(config.model)
+  specs = jax.tree.leaves(model.logical_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  params = 4 * sum(math.prod(sharding.shard_shape(a.shape, s, rules, mesh))
+                   for a, s in zip(jax.tree.leaves(model.abstract_params), specs, strict=True))
+  m, t = config.model, config.train
+  b = t.global_batch_size // t.microbatches // sharding.batch_shards(mesh, rules)[1]
+  seq, d, f = config.data.seq_len, m.d_model, m.mlp_dim
+  tp = mesh["tensor"]
+  h, kv = m.num_heads * m.head_dim // tp, m.num_kv_heads * m.head_dim // tp
+  act_bytes = 2 if m.dtype == "bfloat16" else 4
+  per_layer = b * seq * d
+  if m.remat in ("save_dots", "none"):
+    per_layer += b * seq * (h + 2 * kv + d + 3 * f // tp)
+  if m.remat == "none":
+    per_layer += (m.num_heads // tp) * b * seq * seq + b * seq * (4 * d + 2 * f // tp)
+  activations = m.num_layers * per_layer * act_bytes + b * seq * m.vocab_size // tp * 4
+  full_params = 4 * model.num_params()
+  comm = {}
+  for axis in config_lib.MESH_AXES:
+    n = mesh[axis]
+    if n == 1:
+      continue
+    if axis == "fsdp":
+      comm[axis] = 3 * (n - 1) / n * params * n  # gather fwd + gather bwd + reduce-scatter, of the full shard
+    elif axis == "data":
+      comm[axis] = 2 * (n - 1) / n * params
+    elif axis == "tensor":
+      comm[axis] = 4 * m.num_layers * 2 * (n - 1) / n * b * seq * d * act_bytes * t.microbatches
+  return {
+      "mesh": mesh, "devices": devices, "params": model.num_params(), "local_batch_rows": b,
+      "bytes_per_device": {"params": params, "grads": params, "optimizer": 2 * params + 4,
+                           "activations": activations, "total": 4 * params + 4 + activations},
+      "params_plus_optimizer_per_device": 3 * params + 4, "full_param_bytes": full_params,
+      "comm_bytes_per_step_per_device": comm,
+  }
+
+
+def main(argv):
+  del argv
+  config = load_config(_CONFIG.value, _SET.value)
+  try:
+    info = estimate(config, _DEVICES.value, _SLICES.value)
+  except config_lib.UserError as e:
+    print(f"estimate: error: {e}", file=sys.stderr)
+    sys.exit(2)
+  if _JSON.value:
+    print(json.dumps(info, indent=2))
+    return
+  gib = 2**30
+  print(__doc__.split("Assumptions, printed too:")[1].strip())
+  print(f"\n{_CONFIG.value}: {info['params']:,} params on mesh {info['mesh']} ({info['local_batch_rows']} rows "
+        f"per device per microbatch)")
+  for k, v in info["bytes_per_device"].items():
+    print(f"  {k:<12} {v / gib:10.3f} GiB per device")
+  for axis, v in info["comm_bytes_per_step_per_device"].items():
+    print(f"  comm {axis:<7} {v / gib:10.3f} GiB per step per device")
+
+
+if __name__ == "__main__":
+  app.run(main)
