@@ -247,6 +247,10 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
   if o.warmup_steps > horizon:
     raise ConfigError("optim.warmup_steps", f"{o.warmup_steps} is longer than the {horizon}-step schedule "
                       "(optim.decay_steps, default train.steps)", "lower warmup_steps")
+  for key in ("pipeline", "dcn_pipeline"):
+    if cfg.mesh[key] != 1:
+      raise ConfigError(f"mesh.{key}", "pipeline parallelism is not implemented yet (nothing would be split "
+                        "over that axis)", f"set mesh.{key}=1 and use data, fsdp or tensor")
   _check_choice(cfg, "checkpoint.restore_mode", ("params", "state"))
   _check_choice(cfg, "monitor.nan_policy", ("skip", "rollback", "stop"))
   _check_positive(cfg, ["distributed.timeout_s", "distributed.heartbeat_timeout_s"])

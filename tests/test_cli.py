@@ -40,6 +40,8 @@ ERRORS = [
     ([TINY, "--config.optim.warmup_steps=500"], "optim.warmup_steps: 500 is longer than the 200-step schedule"),
     ([TINY, "--config.sharding.preset=zero9"], "sharding.preset: 'zero9' is not a preset"),
     ([TINY, "--config.data.num_workers=3"], "data.num_workers: 3 does not divide the 16 rows"),
+    ([TINY, "--config.mesh.pipeline=2", "--config.mesh.fsdp=4"], "mesh.pipeline: pipeline parallelism is not "
+                                                                 "implemented yet"),
     (["--config=configs/missing.py"], "No such file or directory: 'configs/missing.py'"),
     (["--config=configs/tiny.py:nope"], "unknown variant 'nope'"),
 ]
