@@ -99,6 +99,7 @@ class Checkpointer:
     """Restores the newest committed checkpoint that reads back cleanly, onto the shardings in
     ``abstract_state``, and sets ``data_iterator``'s position. A checkpoint that fails to restore is
     reported, moved aside to ``corrupt-<step>`` and the previous one is tried. None if there is none."""
+    self.wait()  # a save still in flight (a rollback right after a save) must commit before it is read
     for step in reversed(self.steps()):
       try:
         items = dict(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())

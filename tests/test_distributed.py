@@ -115,3 +115,16 @@ def test_estimate_matches_compiled_memory(config_file, overrides):
   batch_bytes = len(batch_lib.KEYS) * rows * config.data.seq_len * 4 + 1  # + the skip flag
   measured = compiled.argument_size_in_bytes - batch_bytes
   assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
+
+
+def test_launch_scripts_parse():
+  import shutil
+  import yaml
+  for script in ("tools/launch/tpu_vm.sh", "tools/launch/slurm.sbatch"):
+    assert subprocess.run(["bash", "-n", script], cwd=ROOT).returncode == 0, script
+    if shutil.which("shellcheck"):
+      assert subprocess.run(["shellcheck", "-S", "error", script], cwd=ROOT).returncode == 0, script
+  jobset = yaml.safe_load((ROOT / "tools/launch/k8s_jobset.yaml").read_text())
+  assert jobset["kind"] == "JobSet"
+  container = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+  assert container["command"] == ["python", "-m", "jaxtrain.main"]

@@ -54,8 +54,7 @@ def main(argv):
   run = trainer.build(config)
   state = trainer.init_state(run)
   jax.block_until_ready(state)
-  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          state_lib.abstract(run.model, run.tx), run.state_shardings)
+  abstract = state_lib.abstract(run.model, run.tx, run.state_shardings)
   state_bytes = sharding.total_bytes(abstract)
   data = SyntheticSource(8, 256, 8, 0)
   shutil.rmtree(_DIR.value, ignore_errors=True)

@@ -32,8 +32,12 @@ def shardings(model: Model, tx: optax.GradientTransformation, mesh: Mesh, rules)
   return TrainState(step=replicated, params=params, opt_state=opt)
 
 
-def abstract(model: Model, tx: optax.GradientTransformation) -> TrainState:
-  return jax.eval_shape(lambda: _init(model, tx, jax.random.key(0)))
+def abstract(model: Model, tx: optax.GradientTransformation, shardings: TrainState | None = None) -> TrainState:
+  """ShapeDtypeStructs of the state; with ``shardings``, they carry them (a restore target for that mesh)."""
+  shapes = jax.eval_shape(lambda: _init(model, tx, jax.random.key(0)))
+  if shardings is None:
+    return shapes
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
 
 
 def _init(model: Model, tx, rng) -> TrainState:

@@ -147,8 +147,7 @@ def make_checkpointer(config: ml_collections.ConfigDict) -> checkpoint_lib.Check
 def restore_or_init(run: Run, checkpointer: checkpoint_lib.Checkpointer, data) -> tuple[TrainState, dict]:
   """This run's newest good checkpoint (onto the current mesh, with the data position), else a fresh state,
   optionally started from another run's checkpoint (``checkpoint.restore_from``)."""
-  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          state_lib.abstract(run.model, run.tx), run.state_shardings)
+  abstract = state_lib.abstract(run.model, run.tx, run.state_shardings)
   restored = checkpointer.restore(abstract, data)
   if restored is not None:
     state, meta = restored
@@ -364,8 +363,7 @@ def report_bad_batch(run: Run, step: int, recent_records, why: str) -> None:
 def _rollback(run: Run, checkpointer, data, state, bad_step: int):
   """Back to the newest checkpoint (params, optimizer state and data position); the loop then replays the
   batches since, skipping the bad one."""
-  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          state_lib.abstract(run.model, run.tx), run.state_shardings)
+  abstract = state_lib.abstract(run.model, run.tx, run.state_shardings)
   restored = checkpointer.restore(abstract, data)
   if restored is None:
     logging.warning("rollback at step %d: no checkpoint yet; the update was skipped instead", bad_step)
