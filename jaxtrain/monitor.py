@@ -101,3 +101,5 @@ class Watchdog:
 
   def stop(self) -> None:
     self._stop.set()
+    if self._thread.is_alive():
+      self._thread.join(timeout=5)

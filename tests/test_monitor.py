@@ -132,6 +132,8 @@ def test_nan_policy_stop(make_config, tmp_path):
   with pytest.raises(trainer.TrainingStopped, match="step 5: non-finite"):
     trainer.train(config, data=Poisoned(4, 32, 256, 16, 0))
   _assert_checkpoints_finite(config.workdir)
+  import threading  # the watchdog must not outlive the run (it would kill this process later)
+  assert not any(t.name == "jaxtrain-watchdog" for t in threading.enumerate())
 
 
 def test_anomaly_detector_flags_spikes_drops_and_stagnation():

@@ -299,41 +299,43 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
       history.append({"step": step, **record})
       interval = _Interval()
     if evaluate is not None and step % config.eval.every_steps == 0:
-      writer.write(step, evaluate(state.params))
+      writer.write(int(state.step), evaluate(state.params))  # the params are those of the newest step
       watchdog.beat()
     return action
 
-  with PreemptionGuard() as preemption:
-    pending = None  # (step, metrics) dispatched but not yet fetched
-    step = int(state.step)
-    while step < config.train.steps:
-      t = time.perf_counter()
-      local = next(data)
-      batch = data_lib.to_global(local, run.batch_sharding)
-      interval.data_wait += time.perf_counter() - t
-      recent_records.append((step + 1, local.get("records")))
-      _profile(config, step, run)
-      state, metrics = step_fn(state, batch, np.bool_(step + 1 in bad_steps))
-      step += 1
-      if pending is not None and finish(*pending) == "rollback":
-        state, step, pending = _rollback(run, checkpointer, data, state, step - 1)
-        continue
-      pending = (step, metrics)
-      stop = preemption.requested(step)
-      if stop or step == config.train.steps or checkpointer.should_save(step):
-        if finish(*pending) == "rollback":  # a checkpoint must not follow a bad step under rollback
-          state, step, pending = _rollback(run, checkpointer, data, state, step)
+  try:  # the watchdog and writers must not outlive the loop, whatever ends it
+    with PreemptionGuard() as preemption:
+      pending = None  # (step, metrics) dispatched but not yet fetched
+      step = int(state.step)
+      while step < config.train.steps:
+        t = time.perf_counter()
+        local = next(data)
+        batch = data_lib.to_global(local, run.batch_sharding)
+        interval.data_wait += time.perf_counter() - t
+        recent_records.append((step + 1, local.get("records")))
+        _profile(config, step, run)
+        state, metrics = step_fn(state, batch, np.bool_(step + 1 in bad_steps))
+        step += 1
+        if pending is not None and finish(*pending) == "rollback":
+          state, step, pending = _rollback(run, checkpointer, data, state, step - 1)
           continue
-        pending = None
-        save(step, force=stop or step == config.train.steps)
-      if stop:
-        checkpointer.wait()
-        logging.info("preempted: saved step %d, exiting", step)
-        break
-    if pending is not None:
-      finish(*pending)
-  watchdog.stop()
-  writer.close()
+        pending = (step, metrics)
+        stop = preemption.requested(step)
+        if stop or step == config.train.steps or checkpointer.should_save(step):
+          if finish(*pending) == "rollback":  # a checkpoint must not follow a bad step under rollback
+            state, step, pending = _rollback(run, checkpointer, data, state, step)
+            continue
+          pending = None
+          save(step, force=stop or step == config.train.steps)
+        if stop:
+          checkpointer.wait()
+          logging.info("preempted: saved step %d, exiting", step)
+          break
+      if pending is not None:
+        finish(*pending)
+  finally:
+    watchdog.stop()
+    writer.close()
   checkpointer.wait()
   return state, history
 
