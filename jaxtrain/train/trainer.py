@@ -248,8 +248,9 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
   logging.info("%.3g model FLOPs per token (6N + attention); %s", flops,
                f"peak {peak / 1e12:.0f} TFLOP/s per device" if peak else
                "device peak unknown: MFU not reported (set metrics.peak_tflops)")
+  config_dict = json.loads(config.to_json_best_effort())  # saved with every checkpoint
   writer = metrics_lib.MetricWriter(config.workdir, config.train.steps, int(state.step), config.metrics,
-                                    json.loads(config.to_json_best_effort()))
+                                    config_dict)
   m = config.monitor
   anomalies = monitor.AnomalyDetector(m.spike_sigma, m.spike_window, m.stagnation_logs)
   watchdog = monitor.Watchdog(m.watchdog_multiple, m.watchdog_min_s, m.watchdog_timeout_s).start()
@@ -260,7 +261,7 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
   t_start = time.perf_counter()
 
   def save(step: int, force: bool) -> None:
-    checkpointer.save(step, state, data, config=json.loads(config.to_json_best_effort()), force=force, meta={
+    checkpointer.save(step, state, data, config=config_dict, force=force, meta={
         "jaxtrain_version": jaxtrain.__version__, "step": step, "mesh": dict(run.mesh.shape),
         "loss": float(last["loss"]) if last else None, "tokens_seen": tokens_seen, "seed": config.train.seed,
         "wall_time": wall_time + time.perf_counter() - t_start, "saved_at": time.time(),
