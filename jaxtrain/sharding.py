@@ -133,8 +133,7 @@ def check_shardable(abstract: Any, specs: Any, mesh: Mesh, rules: Rules) -> None
     for size, logical, axes in zip(leaf.shape, spec, mesh_spec, strict=True):
       if axes is None:
         continue
-      axes = (axes,) if isinstance(axes, str) else tuple(axes)
-      config_lib.check_divisible(config_lib.config_key_for_logical_axis(logical), size, axes,
+      config_lib.check_divisible(config_lib.config_key_for_logical_axis(logical), size, _axes(axes),
                                  dict(mesh.shape), f"'{logical}' of {jax.tree_util.keystr(path)}")
 
 

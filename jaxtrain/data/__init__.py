@@ -18,17 +18,23 @@ def to_global(local_batch: dict, sharding: NamedSharding) -> dict:
   return {k: jax.make_array_from_process_local_data(sharding, local_batch[k]) for k in KEYS}
 
 
+def data_root(config) -> str:
+  """The prepared data folder: ``data.path``, or the bundled corpus (prepared on first use)."""
+  from jaxtrain.data import prepare
+  return config.data.path or os.fspath(prepare.bundled_corpus(config.data.cache_dir))
+
+
 def open_train(config) -> Iterator[dict]:
   """The training stream the config asks for, validated before anything is compiled. The iterator has
   ``get_state()`` / ``set_state()`` for checkpoints. Raises DataError / ConfigError on bad input."""
-  from jaxtrain.data import pipeline, prepare
+  from jaxtrain.data import pipeline
   from jaxtrain.data.synthetic import SyntheticSource
 
   c = config
   if c.data.source == "synthetic":
     return SyntheticSource(c.data.seq_len, c.model.vocab_size, c.train.global_batch_size, c.train.seed,
                            jax.process_index(), jax.process_count())
-  root = c.data.path or os.fspath(prepare.bundled_corpus(c.data.cache_dir))
+  root = data_root(c)
   manifest = pipeline.load_manifest(root, c.data.verify_checksums)
   pipeline.check_compatible(manifest, root, c.model.vocab_size, c.data.tokenizer)
   dataset = pipeline.train_dataset(
@@ -41,7 +47,7 @@ def open_train(config) -> Iterator[dict]:
 def open_eval(config) -> list[dict]:
   """This process's share of the held-out eval batches (``eval.max_batches`` of them; 0 = all): the
   prepared data's eval split, or fixed synthetic batches of another seed."""
-  from jaxtrain.data import pipeline, prepare
+  from jaxtrain.data import pipeline
   from jaxtrain.data.synthetic import SyntheticSource
 
   c, limit = config, config.eval.max_batches or None
@@ -49,7 +55,7 @@ def open_eval(config) -> list[dict]:
     source = SyntheticSource(c.data.seq_len, c.model.vocab_size, c.train.global_batch_size, c.train.seed + 10_000,
                              jax.process_index(), jax.process_count())
     return [next(source) for _ in range(limit or 4)]
-  root = c.data.path or os.fspath(prepare.bundled_corpus(c.data.cache_dir))
+  root = data_root(c)
   batches = pipeline.eval_batches(root, pipeline.load_manifest(root, verify_checksums=False),
                                   seq_len=c.data.seq_len, global_batch=c.train.global_batch_size,
                                   process_index=jax.process_index(), process_count=jax.process_count())

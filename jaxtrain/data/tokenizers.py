@@ -7,6 +7,7 @@ tokenizer by kind and content hash, so a manifest can prove which tokenizer made
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import numpy as np
@@ -53,6 +54,7 @@ class SentencePieceTokenizer:
     return self._sp.decode(list(map(int, ids)))
 
 
+@functools.cache  # one load (read + hash) per process, however many input files use it
 def load(spec: str):
   if spec in ("", "byte"):
     return ByteTokenizer()

@@ -351,9 +351,9 @@ def report_bad_batch(run: Run, step: int, recent_records, why: str) -> None:
     entry["source"] = f"synthetic (seed {c.train.seed}, batch {step - 1})" if c.data.source == "synthetic" else \
         "unknown"
   else:
-    from jaxtrain.data import pipeline, prepare
+    from jaxtrain.data import pipeline
     ids = sorted({int(r) for r in np.unique(records) if r >= 0})
-    root = c.data.path or os.fspath(prepare.bundled_corpus(c.data.cache_dir))
+    root = data_lib.data_root(c)
     manifest = pipeline.load_manifest(root, verify_checksums=False)
     entry.update(data=root, records=ids, shards=[pipeline.locate(manifest, "train", r) for r in ids])
   logging.warning("step %d (%s): batch %s", step, why, json.dumps({k: v for k, v in entry.items()
