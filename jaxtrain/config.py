@@ -112,8 +112,16 @@ def base_config() -> ml_collections.ConfigDict:
       steps=1000,
       seed=0,
       global_batch_size=8,
-      microbatches=1,  # gradient accumulation: the batch is split into this many sequential microbatches
+      # The batch is split into this many microbatches: accumulated one after the other, or, with
+      # mesh.pipeline > 1, flowing through the stages together. 0 = auto: 1, or the stage count when pipelined.
+      microbatches=0,
       log_every=10,
+  ))
+
+  # Pipeline parallelism: the layer stack split into mesh.pipeline x mesh.dcn_pipeline stages.
+  c.pipeline = ml_collections.ConfigDict(dict(
+      schedule="gpipe",  # gpipe | circular (each stage holds `repeats` non-adjacent groups of layers)
+      repeats=2,  # circular only; bubble (S - 1) / (repeats x microbatches + S - 1) for S stages
   ))
 
   c.metrics = ml_collections.ConfigDict(dict(
@@ -225,9 +233,9 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
   m, t, o = cfg.model, cfg.train, cfg.optim
   _check_positive(cfg, ["model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads",
                         "model.head_dim", "model.mlp_dim", "model.vocab_size", "data.seq_len",
-                        "train.steps", "train.global_batch_size", "data.prefetch", "train.microbatches", "train.log_every",
-                        "optim.lr"])
-  _check_positive(cfg, ["data.num_workers", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
+                        "train.steps", "train.global_batch_size", "data.prefetch", "train.log_every",
+                        "optim.lr", "pipeline.repeats"])
+  _check_positive(cfg, ["train.microbatches", "data.num_workers", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
                         "optim.end_lr_ratio", "checkpoint.every_steps", "checkpoint.every_minutes",
                         "checkpoint.keep_every"], allow_zero=True)
   _check_choice(cfg, "model.remat", REMAT_POLICIES)
@@ -240,17 +248,11 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
   if m.num_heads % m.num_kv_heads:
     raise ConfigError("model.num_kv_heads", f"{m.num_kv_heads} does not divide model.num_heads={m.num_heads}",
                       "grouped-query attention needs num_heads to be a multiple of num_kv_heads")
-  if t.global_batch_size % t.microbatches:
-    raise ConfigError("train.microbatches", f"{t.microbatches} does not divide train.global_batch_size="
-                      f"{t.global_batch_size}", "choose a divisor of the batch size")
+  _check_choice(cfg, "pipeline.schedule", ("gpipe", "circular"))
   horizon = o.decay_steps or t.steps
   if o.warmup_steps > horizon:
     raise ConfigError("optim.warmup_steps", f"{o.warmup_steps} is longer than the {horizon}-step schedule "
                       "(optim.decay_steps, default train.steps)", "lower warmup_steps")
-  for key in ("pipeline", "dcn_pipeline"):
-    if cfg.mesh[key] != 1:
-      raise ConfigError(f"mesh.{key}", "pipeline parallelism is not implemented yet (nothing would be split "
-                        "over that axis)", f"set mesh.{key}=1 and use data, fsdp or tensor")
   _check_choice(cfg, "checkpoint.restore_mode", ("params", "state"))
   _check_choice(cfg, "monitor.nan_policy", ("skip", "rollback", "stop"))
   _check_positive(cfg, ["distributed.timeout_s", "distributed.heartbeat_timeout_s"])

@@ -1,7 +1,7 @@
 """Mesh from the config, logical-axis rules, and everything that turns logical names into shardings.
 
 Models name logical axes only (``batch``, ``length``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``,
-``mlp``, ``vocab``, ``layers``). A rule table maps each logical name to mesh axes; this module is the one
+``mlp``, ``vocab``, ``layers``; ``stage`` is the pipeline's). A rule table maps each logical name to mesh axes; this module is the one
 place that resolves it, for parameters (:func:`logical_to_sharding`) and for activations
 (:func:`constrain`), using Flax's rule resolution: for each logical name the first rule whose mesh axes are
 still free in that array wins, so ``batch -> (data, fsdp)`` and ``embed -> fsdp`` coexist (an activation's
@@ -24,7 +24,10 @@ from jaxtrain.config import ConfigError, MESH_AXES
 
 Rules = tuple[tuple[str, Any], ...]
 
-_BATCH = (("batch", ("data", "fsdp")), ("length", None), ("layers", None), ("head_dim", None))
+# Every preset: the batch over data and fsdp; the layer stack over pipeline stages (contiguous blocks of
+# layers; a no-op when mesh.pipeline is 1), and ``stage``, the pipeline's own view of it, too.
+_BATCH = (("batch", ("data", "fsdp")), ("length", None), ("layers", "pipeline"), ("stage", "pipeline"),
+          ("head_dim", None))
 PRESETS: dict[str, Rules] = {
     # Pure data parallelism: every parameter replicated, the batch split over data and fsdp.
     "dp": _BATCH + (("embed", None), ("heads", None), ("kv_heads", None), ("mlp", None), ("vocab", None)),

@@ -40,8 +40,14 @@ ERRORS = [
     ([TINY, "--config.optim.warmup_steps=500"], "optim.warmup_steps: 500 is longer than the 200-step schedule"),
     ([TINY, "--config.sharding.preset=zero9"], "sharding.preset: 'zero9' is not a preset"),
     ([TINY, "--config.data.num_workers=3"], "data.num_workers: 3 does not divide the 16 rows"),
-    ([TINY, "--config.mesh.pipeline=2", "--config.mesh.fsdp=4"], "mesh.pipeline: pipeline parallelism is not "
-                                                                 "implemented yet"),
+    ([TINY, "--config.mesh.pipeline=4", "--config.pipeline.schedule=circular"],
+     "model.num_layers: 4 layers do not split evenly into 4 stages x 2 repeats"),
+    ([TINY, "--config.mesh.pipeline=4", "--config.train.microbatches=2"],
+     "train.microbatches: 2 microbatches are fewer than the 4 pipeline stages"),
+    ([TINY, "--config.mesh.pipeline=2", "--config.pipeline.schedule=1f1b"],
+     "pipeline.schedule: '1f1b' is not one of gpipe, circular"),
+    ([TINY, "--config.mesh.pipeline=2", "--config.sharding.rules=layers="],
+     "sharding.rules: 'layers' must map to the pipeline mesh axis when mesh.pipeline > 1"),
     (["--config=configs/missing.py"], "No such file or directory: 'configs/missing.py'"),
     (["--config=configs/tiny.py:nope"], "unknown variant 'nope'"),
 ]
@@ -66,3 +72,15 @@ def test_readme_command_trains_and_writes_metrics(tmp_path):
   resolved = json.loads((tmp_path / "config.json").read_text())
   assert resolved["train"]["steps"] == 50 and resolved["workdir"] == str(tmp_path)
   assert "step 50/50" in result.stderr
+
+
+def test_pipeline_command_trains_and_its_checkpoint_restores_without_pipeline(tmp_path):
+  first = _run(TINY, "--config.mesh.pipeline=2", "--config.train.steps=20", f"--config.workdir={tmp_path}")
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert "pipeline: 2 stages, GPipe, 2 microbatches, 2 layers per stage -> bubble 33.3%" in first.stderr
+  second = _run(TINY, "--config.train.steps=30", f"--config.workdir={tmp_path}")  # mesh.pipeline=1: fsdp=8
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert "resumed from checkpoint step 20" in second.stderr and "'pipeline': 1, 'fsdp': 8" in second.stderr
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == [10, 20, 30]
+  assert records[-1]["loss"] < records[0]["loss"]

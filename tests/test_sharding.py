@@ -15,15 +15,15 @@ FSDP_TP = {
     "embed/embedding": ("tensor", "fsdp"),
     "final_norm/scale": ("fsdp",),
     "lm_head/kernel": ("fsdp", "tensor"),
-    "layers/attn_norm/scale": (None, "fsdp"),
-    "layers/mlp_norm/scale": (None, "fsdp"),
-    "layers/attn/q/kernel": (None, "fsdp", "tensor", None),
-    "layers/attn/k/kernel": (None, "fsdp", "tensor", None),
-    "layers/attn/v/kernel": (None, "fsdp", "tensor", None),
-    "layers/attn/o/kernel": (None, "tensor", None, "fsdp"),
-    "layers/mlp/gate/kernel": (None, "fsdp", "tensor"),
-    "layers/mlp/up/kernel": (None, "fsdp", "tensor"),
-    "layers/mlp/down/kernel": (None, "tensor", "fsdp"),
+    "layers/attn_norm/scale": ("pipeline", "fsdp"),  # the layer stack in contiguous blocks per pipeline stage
+    "layers/mlp_norm/scale": ("pipeline", "fsdp"),
+    "layers/attn/q/kernel": ("pipeline", "fsdp", "tensor", None),
+    "layers/attn/k/kernel": ("pipeline", "fsdp", "tensor", None),
+    "layers/attn/v/kernel": ("pipeline", "fsdp", "tensor", None),
+    "layers/attn/o/kernel": ("pipeline", "tensor", None, "fsdp"),
+    "layers/mlp/gate/kernel": ("pipeline", "fsdp", "tensor"),
+    "layers/mlp/up/kernel": ("pipeline", "fsdp", "tensor"),
+    "layers/mlp/down/kernel": ("pipeline", "tensor", "fsdp"),
 }
 
 
@@ -43,9 +43,10 @@ def _adam_moments(opt_state):
           if isinstance(s, optax.ScaleByAdamState)]
 
 
-@pytest.mark.parametrize("data,fsdp,tensor", [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 1, 8)])
-def test_params_and_moments_sharded_as_declared(make_config, data, fsdp, tensor):
-  config = make_config(data=data, fsdp=fsdp, tensor=tensor)
+@pytest.mark.parametrize("data,fsdp,tensor,pipeline", [(8, 1, 1, 1), (1, 8, 1, 1), (2, 2, 2, 1), (1, 1, 8, 1),
+                                                       (1, 2, 2, 2)])
+def test_params_and_moments_sharded_as_declared(make_config, data, fsdp, tensor, pipeline):
+  config = make_config(data=data, fsdp=fsdp, tensor=tensor, pipeline=pipeline)
   config.model.num_kv_heads = 8  # the tensor-only mesh needs kv_heads divisible by 8
   run = trainer.build(config)
   state = trainer.init_state(run)
@@ -92,7 +93,7 @@ def test_rules_override_from_config(make_config):
   config.sharding.rules = "mlp=fsdp+tensor,embed="
   run = trainer.build(config)
   state = trainer.init_state(run)
-  assert _norm(state.params["layers"]["mlp"]["up"]["kernel"].sharding.spec) == (None, None, ("fsdp", "tensor"))
+  assert _norm(state.params["layers"]["mlp"]["up"]["kernel"].sharding.spec) == ("pipeline", None, ("fsdp", "tensor"))
   assert _norm(state.params["lm_head"]["kernel"].sharding.spec) == (None, "tensor")
 
 

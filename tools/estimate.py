@@ -65,7 +65,7 @@ def estimate(config, devices: int, slices: int = 1) -> dict:
   params = 4 * sum(math.prod(sharding.shard_shape(a.shape, s, rules, mesh))
                    for a, s in zip(jax.tree.leaves(model.abstract_params), specs, strict=True))
   m, t = config.model, config.train
-  b = t.global_batch_size // t.microbatches // sharding.batch_shards(mesh, rules)[1]
+  b = t.global_batch_size // (t.microbatches or 1) // sharding.batch_shards(mesh, rules)[1]
   seq, d, f = config.data.seq_len, m.d_model, m.mlp_dim
   tp = mesh["tensor"]
   h, kv = m.num_heads * m.head_dim // tp, m.num_kv_heads * m.head_dim // tp
@@ -87,7 +87,7 @@ def estimate(config, devices: int, slices: int = 1) -> dict:
     elif axis == "data":
       comm[axis] = 2 * (n - 1) / n * params
     elif axis == "tensor":
-      comm[axis] = 4 * m.num_layers * 2 * (n - 1) / n * b * seq * d * act_bytes * t.microbatches
+      comm[axis] = 4 * m.num_layers * 2 * (n - 1) / n * b * seq * d * act_bytes * (t.microbatches or 1)
   return {
       "mesh": mesh, "devices": devices, "params": model.num_params(), "local_batch_rows": b,
       "bytes_per_device": {"params": params, "grads": params, "optimizer": 2 * params + 4,

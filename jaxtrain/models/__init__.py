@@ -4,6 +4,10 @@ A model is an ``nnx.Module`` class registered under a name with :func:`register`
 ``(cfg, *, rngs)`` where ``cfg`` is the ``model`` config group, and calling it takes
 ``(tokens, positions, segment_ids)`` (int32, ``[batch, length]``) and returns float32 logits
 ``[batch, length, vocab]``. Parameters are ``nnx.Param`` annotated with logical axis names only.
+A model can be split into pipeline stages (jaxtrain/parallel/pipeline.py) when it also has the parts of that
+call as methods: ``embed_tokens(tokens) -> x``, a stacked layer module ``layers`` (leading ``layers`` axis),
+``apply_layer(weights, x, (positions, segment_ids)) -> x`` for one layer's slice of ``params['layers']``,
+and ``head(x) -> logits``.
 Adding an architecture = a new module in this package that calls :func:`register`; nothing else changes.
 """
 
@@ -18,6 +22,7 @@ from flax import nnx
 
 _REGISTRY: dict[str, type[nnx.Module]] = {}
 _BUILTIN = ("jaxtrain.models.llama",)
+_STAGE_METHODS = ("embed_tokens", "apply_layer", "head")
 
 
 def register(name: str) -> Callable[[type[nnx.Module]], type[nnx.Module]]:
@@ -71,8 +76,24 @@ class Model:
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
   def apply(self, params: dict, tokens, positions, segment_ids) -> jax.Array:
+    return self.bind(params)(tokens, positions, segment_ids)
+
+  def bind(self, params: dict) -> nnx.Module:
+    """The module with these parameter values (inside a traced function: tracers)."""
     with nnx.use_eager_sharding(False):
-      return nnx.merge(self.graphdef, params)(tokens, positions, segment_ids)
+      return nnx.merge(self.graphdef, params)
+
+  def why_not_stageable(self) -> str | None:
+    """Why this model cannot be split into pipeline stages, or None if it can."""
+    missing = [m for m in _STAGE_METHODS if not callable(getattr(self.cls, m, None))]
+    if missing:
+      return f"it has no {', '.join(missing)} method{'s' if len(missing) > 1 else ''}"
+    if "layers" not in self.abstract_params:
+      return "it has no stacked 'layers' parameters"
+    return None
+
+  def num_layers(self) -> int:
+    return jax.tree.leaves(self.abstract_params["layers"])[0].shape[0]
 
   def num_params(self) -> int:
     return sum(x.size for x in jax.tree.leaves(self.abstract_params))

@@ -110,19 +110,28 @@ class Llama(nnx.Module):
         kernel_init=_param(("embed", "vocab")), rngs=rngs)
     self.remat = cfg.remat
 
-  def __call__(self, tokens, positions, segment_ids):
+  def embed_tokens(self, tokens):
     # FSDP: gather the table's embed dim before the lookup (its gradient is then reduce-scattered), instead
     # of gathering from an embed-sharded table, which XLA can only reshard by replicating the activations.
     table = constrain(self.embed.embedding[...], ("vocab", None))
-    x = constrain(jnp.take(table, tokens, axis=0).astype(self.embed.dtype), ("batch", "length", "embed"))
-    graphdef, stacked = nnx.split(self.layers)
+    return constrain(jnp.take(table, tokens, axis=0).astype(self.embed.dtype), ("batch", "length", "embed"))
 
-    def layer(x, weights):
-      return nnx.merge(graphdef, weights)(x, positions, segment_ids), None
-
+  def apply_layer(self, weights, x, side):
+    """One layer of the stack ``self.layers`` (``weights``: its slice of the stacked state) on x, with
+    side = (positions, segment_ids). Rematerialized per ``model.remat``."""
+    graphdef = nnx.graphdef(self.layers)
+    layer = lambda w, h, side: nnx.merge(graphdef, w)(h, *side)  # noqa: E731
     if self.remat != "none":
       layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-    x, _ = jax.lax.scan(layer, x, stacked)
+    return layer(weights, x, side)
+
+  def head(self, x):
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
     return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+
+  def __call__(self, tokens, positions, segment_ids):
+    x = self.embed_tokens(tokens)
+    stacked = nnx.state(self.layers)
+    x, _ = jax.lax.scan(lambda h, w: (self.apply_layer(w, h, (positions, segment_ids)), None), x, stacked)
+    return self.head(x)

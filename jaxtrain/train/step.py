@@ -8,15 +8,42 @@ import optax
 
 from jaxtrain import sharding
 from jaxtrain.models import Model
+from jaxtrain.parallel import pipeline as pipeline_lib
 from jaxtrain.train.state import TrainState
 
 
-def loss_fn(model: Model, params, batch) -> tuple[jax.Array, jax.Array]:
-  """(sum of token cross-entropies over the loss mask, number of real target tokens)."""
+def loss_fn(model: Model, params, batch, pipeline: pipeline_lib.Schedule | None = None):
+  """(sum of token cross-entropies over the loss mask, number of real target tokens). With a pipeline
+  schedule the layer stack runs pipelined over ``pipeline.microbatches`` microbatches of the batch."""
+  if pipeline is not None:
+    return _pipelined_loss(model, params, batch, pipeline)
   logits = model.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
+  return _token_losses(logits, batch)
+
+
+def _token_losses(logits, batch):
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
   mask = batch["loss_mask"].astype(jnp.float32)
   return jnp.sum(losses * mask), jnp.sum(mask)
+
+
+def _pipelined_loss(model: Model, params, batch, schedule: pipeline_lib.Schedule):
+  """Embed the batch, run the layers pipelined, then head and loss one microbatch at a time (so the logits
+  of only one microbatch exist at once)."""
+  module = model.bind(params)
+  micro = split_microbatches(batch, schedule.microbatches)
+  x = split_microbatches(module.embed_tokens(batch["inputs"]), schedule.microbatches)
+  x = pipeline_lib.run(module.apply_layer, params["layers"], model.logical_specs["layers"], x,
+                       (micro["positions"], micro["segment_ids"]), schedule, ("batch", "length", "embed"))
+
+  @jax.checkpoint
+  def head_loss(carry, inputs):
+    x, b = inputs
+    return jax.tree.map(jnp.add, carry, _token_losses(module.head(x), b)), None
+
+  zero = jnp.zeros((), jnp.float32)
+  (loss_sum, tokens), _ = jax.lax.scan(head_loss, (zero, zero), (x, micro))
+  return loss_sum, tokens
 
 
 def split_microbatches(batch, num: int):
@@ -28,15 +55,16 @@ def split_microbatches(batch, num: int):
 
 
 def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
-                    microbatches: int, param_shardings=None):
+                    microbatches: int, param_shardings=None, pipeline: pipeline_lib.Schedule | None = None):
   """``(state, batch, skip) -> (state, metrics)``. The loss is the mean over all real target tokens of the
-  whole batch, so k microbatches give the same update as one batch k times larger. The update is applied
+  whole batch, so k microbatches give the same update as one batch k times larger: accumulated one after the
+  other, or, with a ``pipeline`` schedule, flowing through its stages together. The update is applied
   only if the loss and gradient norm are finite and ``skip`` (a host-side decision) is false; otherwise
   params and optimizer state stay as they were and only the step counter advances."""
-  grad_fn = jax.value_and_grad(lambda p, b: loss_fn(model, p, b), has_aux=True)
+  grad_fn = jax.value_and_grad(lambda p, b: loss_fn(model, p, b, pipeline), has_aux=True)
 
   def train_step(state: TrainState, batch, skip):
-    if microbatches == 1:
+    if microbatches == 1 or pipeline is not None:
       (loss_sum, tokens), grads = grad_fn(state.params, batch)
     else:
       def accumulate(carry, microbatch):
@@ -63,6 +91,6 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
   return train_step
 
 
-def make_eval_step(model: Model):
+def make_eval_step(model: Model, pipeline: pipeline_lib.Schedule | None = None):
   """``(params, batch) -> (sum of token losses, real target tokens)`` for eval loss and perplexity."""
-  return lambda params, batch: loss_fn(model, params, batch)
+  return lambda params, batch: loss_fn(model, params, batch, pipeline)

@@ -32,6 +32,7 @@ from jaxtrain import optim
 from jaxtrain import sharding
 from jaxtrain.config import ConfigError
 from jaxtrain.data import batch as batch_lib
+from jaxtrain.parallel import pipeline as pipeline_lib
 from jaxtrain.train import state as state_lib
 from jaxtrain.train.preemption import PreemptionGuard
 from jaxtrain.train import step as step_lib
@@ -49,6 +50,8 @@ class Run:
   lr_schedule: optax.Schedule
   state_shardings: TrainState
   batch_sharding: NamedSharding
+  microbatches: int
+  pipeline: pipeline_lib.Schedule | None  # None: no pipeline parallelism (mesh.pipeline = 1)
 
 
 def build(config: ml_collections.ConfigDict, devices=None) -> Run:
@@ -61,12 +64,27 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Run:
   except KeyError:
     raise ConfigError("model.name", f"'{config.model.name}' is not a registered model",
                       f"use one of {', '.join(models.names())}") from None
+  pipeline = None
+  if mesh.shape["pipeline"] > 1:
+    why = model.why_not_stageable()
+    if why:
+      raise ConfigError("mesh.pipeline", f"model '{config.model.name}' cannot be split into pipeline stages: {why}",
+                        "set mesh.pipeline=1 and dcn_pipeline=1, or give the model those parts (see jaxtrain/models)")
+    pipeline = pipeline_lib.schedule_from_config(config, mesh.shape["pipeline"], model.num_layers())
+    for logical in ("layers", "stage"):
+      if sharding.logical_to_mesh_spec(P(logical), rules)[0] != "pipeline":
+        raise ConfigError("sharding.rules", f"'{logical}' must map to the pipeline mesh axis when mesh.pipeline > 1",
+                          f"remove the '{logical}=' override")
+  microbatches = pipeline.microbatches if pipeline else config.train.microbatches or 1
+  if config.train.global_batch_size % microbatches:
+    raise ConfigError("train.microbatches", f"{microbatches} does not divide train.global_batch_size="
+                      f"{config.train.global_batch_size}", "choose a divisor of the batch size")
   sharding.check_shardable(model.abstract_params, model.logical_specs, mesh, rules)
   batch_axes, batch_shards = sharding.batch_shards(dict(mesh.shape), rules)
-  per_microbatch = config.train.global_batch_size // config.train.microbatches
+  per_microbatch = config.train.global_batch_size // microbatches
   if per_microbatch % batch_shards:
     axes = " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in batch_axes)
-    raise ConfigError("train.global_batch_size", f"each of the {config.train.microbatches} microbatches has "
+    raise ConfigError("train.global_batch_size", f"each of the {microbatches} microbatches has "
                       f"{per_microbatch} rows, not divisible by {axes}",
                       f"make global_batch_size / microbatches a multiple of {batch_shards}")
   per_process = config.train.global_batch_size // jax.process_count()
@@ -80,7 +98,7 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Run:
   return Run(config=config, mesh=mesh, rules=rules, model=model, tx=tx,
              lr_schedule=optim.schedule(config.optim, config.train.steps),
              state_shardings=state_lib.shardings(model, tx, mesh, rules),
-             batch_sharding=sharding.batch_sharding(mesh, rules))
+             batch_sharding=sharding.batch_sharding(mesh, rules), microbatches=microbatches, pipeline=pipeline)
 
 
 def report(run: Run) -> dict[str, Any]:
@@ -101,6 +119,11 @@ def report(run: Run) -> dict[str, Any]:
                "MiB/device (%.1f MiB total)", dict(run.mesh.shape), f"{info['params']:,}",
                info["param_bytes_per_device"] / mib, info["param_bytes_total"] / mib,
                info["opt_bytes_per_device"] / mib, info["opt_bytes_total"] / mib)
+  if run.pipeline:
+    p = run.pipeline
+    logging.info("pipeline: %d stages, %s, %d microbatches, %d layers per stage -> bubble %.1f%% "
+                 "((S-1)/(R*M+S-1))", p.stages, f"circular x {p.repeats} repeats" if p.repeats > 1 else "GPipe",
+                 p.microbatches, run.model.num_layers() // p.stages, 100 * p.bubble)
   for path, nbytes in info["replicated"]:
     logging.warning("fully replicated parameter %s (%.1f MiB): add a sharding rule for its axes",
                     path, nbytes / mib)
@@ -116,7 +139,7 @@ def abstract_batch(run: Run) -> dict[str, jax.ShapeDtypeStruct]:
 def compile_step(run: Run, train_step=None):
   """The jitted, donated, sharded train step compiled for this run's shapes (one compile)."""
   train_step = train_step or step_lib.make_train_step(
-      run.model, run.tx, run.lr_schedule, run.config.train.microbatches, run.state_shardings.params)
+      run.model, run.tx, run.lr_schedule, run.microbatches, run.state_shardings.params, run.pipeline)
   replicated = NamedSharding(run.mesh, P())
   jitted = jax.jit(train_step, in_shardings=(run.state_shardings, run.batch_sharding, replicated),
                    out_shardings=(run.state_shardings, replicated), donate_argnums=0)
@@ -390,7 +413,7 @@ def _profile(config, step: int, run: Run) -> None:
 def make_evaluator(run: Run):
   """``params -> {eval_loss, eval_perplexity}`` over the held-out batches, one compiled step."""
   batches = [data_lib.to_global(b, run.batch_sharding) for b in data_lib.open_eval(run.config)]
-  eval_step = jax.jit(step_lib.make_eval_step(run.model),
+  eval_step = jax.jit(step_lib.make_eval_step(run.model, run.pipeline),
                       in_shardings=(run.state_shardings.params, run.batch_sharding))
 
   def evaluate(params) -> dict[str, float]:

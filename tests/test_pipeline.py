@@ -1,0 +1,186 @@
+"""Pipeline parallelism: pipelined == unpipelined (loss and gradients), memory per stage, checkpoints that do
+not depend on the split, validation."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtrain import data as data_lib
+from jaxtrain import models
+from jaxtrain import sharding
+from jaxtrain.config import ConfigError
+from jaxtrain.parallel import pipeline as pipeline_lib
+from jaxtrain.train import step as step_lib
+from jaxtrain.train import trainer
+from tests.conftest import small_config
+
+LAYERS = 8  # divides 2 and 4 stages x 2 repeats
+
+
+def _packed_batch(rows=16, seq=32, vocab=256, seed=0):
+  """Rows of two packed documents with restarting positions, and unequal real-token counts per row."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, vocab, (rows, seq + 1))
+  cut = rng.integers(4, seq - 4, rows)
+  segment_ids = np.where(np.arange(seq + 1) < cut[:, None], 1, 2)
+  positions = np.where(segment_ids == 1, np.arange(seq + 1), np.arange(seq + 1) - cut[:, None])
+  segment_ids[: rows // 4, seq // 2:] = 0  # padding at the end of a quarter of the rows
+  return data_lib.batch.from_packed(tokens, segment_ids, positions)
+
+
+def _config(tmp_path, schedule="gpipe", microbatches=0, **mesh):
+  c = small_config(tmp_path, **mesh)
+  c.model.num_layers = LAYERS
+  c.pipeline.schedule = schedule
+  c.train.microbatches = microbatches
+  return c
+
+
+def _loss_and_grads(config, batch, devices):
+  run = trainer.build(config, devices)
+  params = trainer.init_state(run).params
+  fn = jax.jit(jax.value_and_grad(lambda p, b: step_lib.loss_fn(run.model, p, b, run.pipeline), has_aux=True))
+  with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
+    (loss_sum, tokens), grads = fn(params, data_lib.to_global(batch, run.batch_sharding))
+  return float(loss_sum / tokens), float(tokens), jax.device_get(grads), run
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """The unpipelined model on one device: the loss and gradients every pipelined layout must reproduce."""
+  config = _config(tmp_path_factory.mktemp("ref"))
+  return _loss_and_grads(config, _packed_batch(), jax.devices()[:1])[:3]
+
+
+CASES = [  # (mesh, devices, schedule, remat); alone = only the pipeline axis, on that many devices
+    (dict(pipeline=2), 2, "gpipe", "none"),
+    (dict(pipeline=4), 4, "gpipe", "none"),
+    (dict(pipeline=2), 2, "circular", "none"),
+    (dict(pipeline=4), 4, "circular", "full"),
+    (dict(pipeline=2, data=2, tensor=2), 8, "gpipe", "save_dots"),
+    (dict(pipeline=2, data=2, tensor=2), 8, "circular", "none"),
+    (dict(pipeline=4, data=2), 8, "gpipe", "none"),
+    (dict(pipeline=4, tensor=2), 8, "circular", "none"),
+    (dict(pipeline=2, fsdp=4), 8, "circular", "full"),
+]
+
+
+@pytest.mark.parametrize("mesh,devices,schedule,remat", CASES,
+                         ids=[f"{'x'.join(f'{k}{v}' for k, v in m.items())}-{s}-{r}" for m, _, s, r in CASES])
+def test_pipelined_loss_and_grads_equal_unpipelined(reference, tmp_path, mesh, devices, schedule, remat):
+  ref_loss, ref_tokens, ref_grads = reference
+  config = _config(tmp_path, schedule, microbatches=4, **mesh)
+  config.model.remat = remat
+  loss, tokens, grads, run = _loss_and_grads(config, _packed_batch(), jax.devices()[:devices])
+  assert run.pipeline.stages == mesh["pipeline"]
+  assert run.pipeline.repeats == (2 if schedule == "circular" else 1)
+  assert tokens == ref_tokens
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):
+    err = np.max(np.abs(g - r)) / np.max(np.abs(r))
+    assert err < 1e-5, f"{jax.tree_util.keystr(path)}: relative gradient error {err:.2e}"
+
+
+def test_circular_all_to_all_tables_cover_every_group():
+  """The weight exchange of the circular schedule puts group r*S + s in slot r of stage s, for shapes where
+  stages and repeats share factors or not."""
+  for stages, repeats in [(2, 2), (2, 4), (4, 2), (4, 3), (3, 4), (8, 2)]:
+    send, recv = pipeline_lib._all_to_all_tables(stages, repeats)
+    cap = send.shape[2]
+    for d in range(stages):
+      for r in range(repeats):
+        j, pos = divmod(int(recv[d, r]), cap)
+        source_slot = int(send[j, d, pos])
+        assert j * repeats + source_slot == r * stages + d
+
+
+def test_bf16_pipeline_trains_close_to_fp32(tmp_path):
+  batch = _packed_batch()
+  f32 = _config(tmp_path, "circular", microbatches=4, pipeline=2, fsdp=4)
+  bf16 = _config(tmp_path, "circular", microbatches=4, pipeline=2, fsdp=4)
+  bf16.model.dtype = "bfloat16"
+  loss32 = _loss_and_grads(f32, batch, jax.devices())[0]
+  loss16, _, grads16, _ = _loss_and_grads(bf16, batch, jax.devices())
+  assert abs(loss16 - loss32) < 2e-2 * loss32
+  assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads16))
+
+
+def test_layer_params_per_device_with_four_stages(tmp_path):
+  config = _config(tmp_path, "circular", pipeline=4, data=2)
+  run = trainer.build(config)
+  state = trainer.init_state(run)
+  device = jax.devices()[0]
+
+  def on_device(tree):
+    return sum(s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards
+               if s.device == device)
+
+  layers = state.params["layers"]
+  total = sum(leaf.nbytes for leaf in jax.tree.leaves(layers))
+  assert on_device(layers) <= 1.05 * total / 4
+  moments = [t for t in jax.tree.leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "mu")) if hasattr(t, "mu")]
+  assert moments and on_device(moments[0].mu["layers"]) <= 1.05 * total / 4
+
+
+def test_checkpoint_restores_across_pipeline_splits(tmp_path):
+  """pipeline=2 (GPipe) -> pipeline=4 (circular) -> no pipeline, each resuming the previous one's checkpoint:
+  the same losses and params as one unpipelined run."""
+  def config(workdir, steps, schedule="gpipe", **mesh):
+    c = _config(workdir, schedule, **mesh)
+    c.train.steps = steps
+    c.optim.update(warmup_steps=1, decay_steps=4)  # the same schedule whichever run stops where
+    return c
+
+  _, reference = trainer.train(config(tmp_path / "ref", 4, fsdp=8))
+  run_dir = tmp_path / "split"
+  _, first = trainer.train(config(run_dir, 2, pipeline=2, fsdp=4))
+  _, second = trainer.train(config(run_dir, 3, "circular", pipeline=4, tensor=2))
+  state, third = trainer.train(config(run_dir, 4, fsdp=8))
+  assert [h["step"] for h in first + second + third] == [1, 2, 3, 4]
+  np.testing.assert_allclose([h["loss"] for h in first + second + third], [h["loss"] for h in reference],
+                             rtol=1e-5)
+  ref_state, _ = trainer.train(config(tmp_path / "ref", 4, fsdp=8))  # resumes at its end: its final state
+  for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(ref_state.params))):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@models.register("flat_test")
+class Flat(nnx.Module):
+  """A model with no layer stack: it cannot be split into stages."""
+
+  def __init__(self, cfg, *, rngs):
+    self.table = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.vocab_size)) * 0.02,
+                           out_sharding=("vocab", "embed"))
+
+  def __call__(self, tokens, positions, segment_ids):
+    return self.table[...][tokens]
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(pipeline=2, layers=3), "model.num_layers: 3 layers do not split evenly into 2 stages"),
+    (dict(pipeline=2, schedule="circular", layers=6), "model.num_layers: 6 layers do not split evenly into 2 "
+                                                      "stages x 2 repeats"),
+    (dict(pipeline=4, microbatches=2), "train.microbatches: 2 microbatches are fewer than the 4 pipeline stages"),
+    (dict(pipeline=2, model="flat_test"), "mesh.pipeline: model 'flat_test' cannot be split into pipeline "
+                                          "stages: it has no embed_tokens, apply_layer, head methods"),
+    (dict(pipeline=2, rules="stage=data"), "sharding.rules: 'stage' must map to the pipeline mesh axis"),
+    (dict(pipeline=2, microbatches=4, batch=12), "train.global_batch_size: each of the 4 microbatches has 3 rows"),
+])
+def test_pipeline_config_mistakes(tmp_path, change, message):
+  c = small_config(tmp_path, pipeline=change["pipeline"], fsdp=-1)
+  c.model.num_layers = change.get("layers", 4)
+  c.model.name = change.get("model", "llama")
+  c.pipeline.schedule = change.get("schedule", "gpipe")
+  c.train.microbatches = change.get("microbatches", 0)
+  c.train.global_batch_size = change.get("batch", 16)
+  c.sharding.rules = change.get("rules", "")
+  with pytest.raises(ConfigError) as e:
+    trainer.build(c)
+  assert message in str(e.value)
+
+
+def test_schedule_bubble_formula():
+  assert pipeline_lib.Schedule(stages=4, repeats=1, microbatches=4).bubble == pytest.approx(3 / 7)
+  assert pipeline_lib.Schedule(stages=4, repeats=2, microbatches=8).bubble == pytest.approx(3 / 19)
+  assert pipeline_lib.Schedule(stages=4, repeats=2, microbatches=8).iterations == 19
