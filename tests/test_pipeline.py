@@ -162,6 +162,7 @@ class Flat(nnx.Module):
     (dict(pipeline=2, schedule="circular", layers=6), "model.num_layers: 6 layers do not split evenly into 2 "
                                                       "stages x 2 repeats"),
     (dict(pipeline=4, microbatches=2), "train.microbatches: 2 microbatches are fewer than the 4 pipeline stages"),
+    (dict(pipeline=2, microbatches=3), "train.microbatches: 3 is not a multiple of the 2 pipeline stages"),
     (dict(pipeline=2, model="flat_test"), "mesh.pipeline: model 'flat_test' cannot be split into pipeline "
                                           "stages: it has no embed_tokens, apply_layer, head methods"),
     (dict(pipeline=2, rules="stage=data"), "sharding.rules: 'stage' must map to the pipeline mesh axis"),

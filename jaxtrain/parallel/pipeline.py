@@ -60,6 +60,9 @@ def schedule_from_config(config, stages: int, num_layers: int) -> Schedule:
   if m < stages:
     raise ConfigError("train.microbatches", f"{m} microbatches are fewer than the {stages} pipeline stages",
                       f"use at least {stages} (2-4x the stage count keeps the bubble small)")
+  if m % stages:  # the head and loss run one microbatch per stage, S at a time
+    raise ConfigError("train.microbatches", f"{m} is not a multiple of the {stages} pipeline stages",
+                      f"use a multiple of {stages}")
   return Schedule(stages=stages, repeats=repeats, microbatches=m)
 
 
@@ -104,7 +107,7 @@ def _all_to_all_tables(stages: int, repeats: int) -> tuple[np.ndarray, np.ndarra
   return send, recv
 
 
-def _stage_axis() -> str | tuple[str, ...] | None:
+def stage_axis() -> str | tuple[str, ...] | None:
   """The mesh axis the ``stage`` logical axis maps to under the current rules."""
   return nn.logical_to_mesh_axes(("stage",))[0]
 
@@ -138,7 +141,7 @@ def run(layer: Callable[[Any, jax.Array, Any], jax.Array], stacked: Any, specs: 
     x, _ = jax.lax.scan(lambda h, w_layer: (layer(w_layer, h, side), None), x, w)
     return x
 
-  stages = jax.vmap(stage, in_axes=(1, 0, 0, 0), spmd_axis_name=_stage_axis())
+  stages = jax.vmap(stage, in_axes=(1, 0, 0, 0), spmd_axis_name=stage_axis())
   ids = jnp.arange(s_)
   is_first = (ids == 0).reshape((s_,) + (1,) * (x.ndim - 1))
 

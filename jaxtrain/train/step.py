@@ -28,21 +28,28 @@ def _token_losses(logits, batch):
 
 
 def _pipelined_loss(model: Model, params, batch, schedule: pipeline_lib.Schedule):
-  """Embed the batch, run the layers pipelined, then head and loss one microbatch at a time (so the logits
-  of only one microbatch exist at once)."""
+  """Embed the batch, run the layers pipelined, then head and loss S microbatches at a time, one on each
+  stage (so no stage repeats another's head, and only S microbatches' logits exist at once)."""
   module = model.bind(params)
-  micro = split_microbatches(batch, schedule.microbatches)
-  x = split_microbatches(module.embed_tokens(batch["inputs"]), schedule.microbatches)
+  m, s = schedule.microbatches, schedule.stages
+  micro = split_microbatches(batch, m)
+  x = split_microbatches(module.embed_tokens(batch["inputs"]), m)
   x = pipeline_lib.run(module.apply_layer, params["layers"], model.logical_specs["layers"], x,
                        (micro["positions"], micro["segment_ids"]), schedule, ("batch", "length", "embed"))
 
+  def by_stage(a, axes):  # [M, ...] -> [M / S, S, ...], microbatch c S + j on stage j
+    return sharding.constrain(a.reshape(m // s, s, *a.shape[1:]), (None, "stage") + axes)
+
+  per_stage_loss = jax.vmap(lambda x, b: _token_losses(module.head(x), b),
+                            spmd_axis_name=pipeline_lib.stage_axis())
+
   @jax.checkpoint
   def head_loss(carry, inputs):
-    x, b = inputs
-    return jax.tree.map(jnp.add, carry, _token_losses(module.head(x), b)), None
+    return jax.tree.map(lambda total, part: total + part.sum(), carry, per_stage_loss(*inputs)), None
 
   zero = jnp.zeros((), jnp.float32)
-  (loss_sum, tokens), _ = jax.lax.scan(head_loss, (zero, zero), (x, micro))
+  chunks = (by_stage(x, ("batch", "length", "embed")), jax.tree.map(lambda a: by_stage(a, ("batch", None)), micro))
+  (loss_sum, tokens), _ = jax.lax.scan(head_loss, (zero, zero), chunks)
   return loss_sum, tokens
 
 
