@@ -60,7 +60,6 @@ CASES = [  # (mesh, devices, schedule, remat); alone = only the pipeline axis, o
     (dict(pipeline=4), 4, "circular", "full"),
     (dict(pipeline=2, data=2, tensor=2), 8, "gpipe", "save_dots"),
     (dict(pipeline=2, data=2, tensor=2), 8, "circular", "none"),
-    (dict(pipeline=4, data=2), 8, "gpipe", "none"),
     (dict(pipeline=4, tensor=2), 8, "circular", "none"),
     (dict(pipeline=2, fsdp=4), 8, "circular", "full"),
 ]
