@@ -57,7 +57,7 @@ CASES = [  # (mesh, devices, schedule, remat); alone = only the pipeline axis, o
     (dict(pipeline=2), 2, "gpipe", "none"),
     (dict(pipeline=4), 4, "gpipe", "none"),
     (dict(pipeline=2), 2, "circular", "none"),
-    (dict(pipeline=4), 4, "circular", "full"),
+    (dict(pipeline=4), 4, "circular", "none"),
     (dict(pipeline=2, data=2, tensor=2), 8, "gpipe", "save_dots"),
     (dict(pipeline=2, data=2, tensor=2), 8, "circular", "none"),
     (dict(pipeline=4, tensor=2), 8, "circular", "none"),
@@ -94,14 +94,11 @@ def test_circular_all_to_all_tables_cover_every_group():
         assert j * repeats + source_slot == r * stages + d
 
 
-def test_bf16_pipeline_trains_close_to_fp32(tmp_path):
-  batch = _packed_batch()
-  f32 = _config(tmp_path, "circular", microbatches=4, pipeline=2, fsdp=4)
+def test_bf16_pipeline_close_to_fp32(reference, tmp_path):
   bf16 = _config(tmp_path, "circular", microbatches=4, pipeline=2, fsdp=4)
   bf16.model.dtype = "bfloat16"
-  loss32 = _loss_and_grads(f32, batch, jax.devices())[0]
-  loss16, _, grads16, _ = _loss_and_grads(bf16, batch, jax.devices())
-  assert abs(loss16 - loss32) < 2e-2 * loss32
+  loss16, _, grads16, _ = _loss_and_grads(bf16, _packed_batch(), jax.devices())
+  assert abs(loss16 - reference[0]) < 2e-2 * reference[0]
   assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads16))
 
 
