@@ -12,21 +12,18 @@ the background write is timed up to ``wait()``. Restore = reading the newest che
 from __future__ import annotations
 
 import os
-import sys
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import _bench  # tools/ is on sys.path when a script runs
+
+_bench.setup()
 
 import importlib  # noqa: E402
-import json  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
-from etils import epath  # noqa: E402
 
 from jaxtrain import checkpoint as checkpoint_lib  # noqa: E402
 from jaxtrain import sharding  # noqa: E402
@@ -84,10 +81,7 @@ def main(argv):
     print(f"{mode:<7}{r['blocked_s_median']:>25.3f}{r['save_total_s_median']:>14.3f}"
           f"{r['first_save_blocked_s']:>14.3f}{r['restore_s']:>11.3f}")
   print(f"async blocking / sync save = {results['async_blocking_vs_sync']:.3f}")
-  out = epath.Path(_OUT.value)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(results, indent=2))
-  print(f"wrote {out}")
+  print(f"wrote {_bench.write_json(_OUT.value, results)}")
   shutil.rmtree(_DIR.value, ignore_errors=True)
 
 

@@ -12,15 +12,11 @@ Prints a table and writes JSON. On CPU it simulates 8 devices unless XLA_FLAGS a
 
 from __future__ import annotations
 
-import os
-import sys
+import _bench  # tools/ is on sys.path when a script runs
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+_bench.setup()
 
 import importlib  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -28,7 +24,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from absl import app, flags  # noqa: E402
-from etils import epath  # noqa: E402
 
 from jaxtrain import data as data_lib  # noqa: E402
 from jaxtrain import sharding  # noqa: E402
@@ -125,11 +120,7 @@ def main(argv):
           f"{1e3 * r['step_s_median']:>10.1f}{1e3 * r['handwritten_step_s_median']:>10.1f}"
           f"{r['overhead_ratio']:>8.3f}{r['tokens_per_sec']:>10,.0f}{r['state_bytes_per_device'] / mib:>15.2f}"
           f"{r['state_ratio_vs_ideal']:>9.3f}{(r['compiled_argument_bytes_per_device'] or 0) / mib:>14.2f}")
-  out = epath.Path(_OUT.value)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({"backend": jax.default_backend(), "jax": jax.__version__,
-                             "device_kind": jax.devices()[0].device_kind, "results": results}, indent=2))
-  print(f"wrote {out}")
+  print(f"wrote {_bench.write_json(_OUT.value, {'results': results})}")
 
 
 if __name__ == "__main__":

@@ -12,22 +12,17 @@ For each config (on the bundled corpus, prepared on first use; 8 simulated CPU d
 
 from __future__ import annotations
 
-import os
-import sys
+import _bench  # tools/ is on sys.path when a script runs
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+_bench.setup()
 
 import importlib  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
-from etils import epath  # noqa: E402
 
 from jaxtrain import data as data_lib  # noqa: E402
 from jaxtrain.data.synthetic import SyntheticSource  # noqa: E402
@@ -109,11 +104,7 @@ def main(argv):
           f"{r['loader_vs_step_0_workers']:>9.1f}{r['loader_vs_step_2_workers']:>9.1f}"
           f"{1e3 * r['step_s_real_median']:>14.1f}{1e3 * r['step_s_synthetic_median']:>14.1f}"
           f"{r['stall_ratio']:>8.3f}")
-  out = epath.Path(_OUT.value)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({"backend": jax.default_backend(), "jax": jax.__version__, "results": results},
-                            indent=2))
-  print(f"wrote {out}")
+  print(f"wrote {_bench.write_json(_OUT.value, {'results': results})}")
 
 
 if __name__ == "__main__":

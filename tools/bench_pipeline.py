@@ -16,14 +16,10 @@ Prints a table and writes JSON. On CPU it simulates 8 devices unless XLA_FLAGS a
 
 from __future__ import annotations
 
-import os
-import sys
+import _bench  # tools/ is on sys.path when a script runs
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+_bench.setup()
 
-import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -31,7 +27,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
-from etils import epath  # noqa: E402
 
 from jaxtrain import data as data_lib  # noqa: E402
 from jaxtrain import sharding  # noqa: E402
@@ -154,12 +149,7 @@ def main(argv):
   for r in step:
     print(f"{r['stages']:>3} {r['schedule']:>9} {r['microbatches']:>4} {r['step_s_pipeline']:>8.3f} "
           f"{r['step_s_none']:>8.3f} {r['ratio']:>6.2f} {r['temp_mib_pipeline']:>9.1f}/{r['temp_mib_none']:<9.1f}")
-  out = epath.Path(_OUT.value)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({"backend": jax.default_backend(), "jax": jax.__version__, "devices": jax.device_count(),
-                             "device_kind": jax.devices()[0].device_kind, "bubble": bubble, "step": step},
-                            indent=2))
-  print(f"\nwrote {out}")
+  print(f"\nwrote {_bench.write_json(_OUT.value, {'bubble': bubble, 'step': step})}")
 
 
 if __name__ == "__main__":

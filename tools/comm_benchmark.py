@@ -11,22 +11,17 @@ the others), which is comparable across axis sizes. On CPU it simulates 8 device
 
 from __future__ import annotations
 
-import os
-import sys
+import _bench  # tools/ is on sys.path when a script runs
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+_bench.setup()
 
 import functools  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
-from etils import epath  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jaxtrain import sharding  # noqa: E402
@@ -80,11 +75,7 @@ def main(argv):
   for r in results:
     print(f"{r['axis']:<9}{r['axis_size']:>3} {r['op']:<15}{r['bytes_per_device']:>14,}{1e3 * r['time_s']:>10.3f}"
           f"{r['algbw_gbps']:>12.2f}{r['busbw_gbps']:>12.2f}")
-  out = epath.Path(_OUT.value)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({"backend": jax.default_backend(), "mesh": dict(mesh.shape), "results": results},
-                            indent=2))
-  print(f"wrote {out}")
+  print(f"wrote {_bench.write_json(_OUT.value, {'mesh': dict(mesh.shape), 'results': results})}")
 
 
 if __name__ == "__main__":
