@@ -6,13 +6,18 @@ loss, tokens seen, wall time, seed) and ``config`` (the resolved config). Saves 
 ``<step>.orbax-checkpoint-tmp`` and committed by rename, so a killed save is never mistaken for a checkpoint.
 This module knows nothing of the trainer: it saves the pytree it is given and restores against the abstract
 pytree (ShapeDtypeStructs with the *current* shardings) it is handed, which is what makes restoring onto
-another mesh work.
+another mesh work. Before reading a step it compares the saved tensor shapes with that pytree: another model
+or optimizer is the user's mistake (an error, nothing touched), not a corrupt checkpoint to fall back from.
+A data position saved by another number of processes is handed to the ``resplit_data`` callback.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grain
@@ -31,11 +36,20 @@ class CheckpointError(UserError):
   """A checkpoint could not be written or read (disk full, permissions, nothing to restore from)."""
 
 
+def describe(e: BaseException, limit: int = 240) -> str:
+  """``Type: message`` on one line. TensorStore nests the OS error ("File too large", "No space left on
+  device") at the end of a long message, so a long one keeps its head and its tail."""
+  text = " ".join(str(e).split())
+  if len(text) > limit:
+    text = f"{text[:limit // 3]} ... {text[-(limit - limit // 3):]}"
+  return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def _policies(every_steps: int, every_minutes: float, keep_last: int, keep_every: int):
   cm = ocp.checkpoint_managers
   save = [cm.FixedIntervalPolicy(every_steps)] if every_steps else []
   if every_minutes:
-    save.append(cm.ContinuousCheckpointingPolicy(minimum_interval_secs=int(every_minutes * 60)))
+    save.append(cm.ContinuousCheckpointingPolicy(minimum_interval_secs=max(1, round(every_minutes * 60))))
   keep = [cm.LatestN(keep_last)] + ([cm.EveryNSteps(keep_every)] if keep_every else [])
   # With no periodic policy, only forced saves (end of training, preemption) are written.
   return cm.AnySavePolicy(save or [cm.SpecificStepsPolicy(())]), cm.AnyPreservationPolicy(keep)
@@ -44,8 +58,13 @@ def _policies(every_steps: int, every_minutes: float, keep_last: int, keep_every
 class Checkpointer:
 
   def __init__(self, directory: str, *, every_steps: int = 0, every_minutes: float = 0, keep_last: int = 3,
-               keep_every: int = 0, async_save: bool = True):
+               keep_every: int = 0, async_save: bool = True,
+               resplit_data: Callable[[list[dict], dict], dict] | None = None):
+    """``resplit_data(saved_states, current_state)``: this process's data-iterator state from the states that
+    every process of a run with *another* process count saved (in process order); None: such a checkpoint
+    cannot be resumed."""
     self.directory = epath.Path(directory)
+    self._resplit_data = resplit_data
     save_policy, keep_policy = _policies(every_steps, every_minutes, keep_last, keep_every)
     options = ocp.CheckpointManagerOptions(save_decision_policy=save_policy, preservation_policy=keep_policy,
                                            enable_async_checkpointing=async_save, create=True)
@@ -91,27 +110,58 @@ class Checkpointer:
       raise self._write_error(e) from None
 
   def _write_error(self, e: Exception) -> CheckpointError:
-    return CheckpointError(os.fspath(self.directory), f"saving a checkpoint failed ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:200] if str(e) else ''})",
+    return CheckpointError(os.fspath(self.directory), f"saving a checkpoint failed ({describe(e)})",
                            "free disk space or fix permissions; earlier checkpoints are intact")
 
   def restore(self, abstract_state: Any, data_iterator) -> tuple[Any, dict] | None:
     """Restores the newest committed checkpoint that reads back cleanly, onto the shardings in
-    ``abstract_state``, and sets ``data_iterator``'s position. A checkpoint that fails to restore is
-    reported, moved aside to ``corrupt-<step>`` and the previous one is tried. None if there is none."""
+    ``abstract_state``, and sets ``data_iterator``'s position. A checkpoint that fails to read (corrupt or
+    truncated files) is reported, moved aside to ``corrupt-<step>-<time>`` and the previous one is tried;
+    one written for another model or optimizer raises CheckpointError and nothing is touched. None if there
+    is no checkpoint."""
     self.wait()  # a save still in flight (a rollback right after a save) must commit before it is read
     for step in reversed(self.steps()):
       try:
-        items = dict(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
-        if isinstance(data_iterator, grain.DatasetIterator) and (self.directory / str(step) / "data").exists():
-          items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
-        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        return restored["state"], dict(restored["meta"])
+        mismatch = _mismatch(saved_tensors(self.directory / str(step) / "state"), abstract_state)
+      except Exception as e:  # unreadable metadata: corrupt
+        self._fall_back(step, e)
+        continue
+      if mismatch:
+        raise CheckpointError(os.fspath(self.directory / str(step)), f"was written for another model or optimizer "
+                              f"({mismatch})", "use a new workdir (or checkpoint.dir) for this config, or go back "
+                              "to the config that wrote it; checkpoint.restore_from with restore_mode=params starts "
+                              "from its weights when only the optimizer differs")
+      try:
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+        self._restore_data_position(step, data_iterator)
+      except UserError:  # the data position does not fit this run (another global batch): the user's to fix
+        raise
       except Exception as e:  # corrupt or truncated files: fall back to the previous checkpoint
-        logging.warning("checkpoint step %d in %s cannot be restored (%s: %s); falling back to the previous "
-                        "one", step, self.directory, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
-        self._set_aside(step)
+        self._fall_back(step, e)
+        continue
+      return restored["state"], dict(restored["meta"])
     return None
+
+  def _restore_data_position(self, step: int, data_iterator) -> None:
+    folder = self.directory / str(step) / "data"
+    if not isinstance(data_iterator, grain.DatasetIterator) or not folder.exists():
+      return
+    saved = sorted(_process_files(folder).items())  # [(process index, file)] of the run that saved it
+    if len(saved) == jax.process_count():
+      self.manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iterator)))
+    elif self._resplit_data is None:
+      raise CheckpointError(os.fspath(folder), f"the data position was saved by {len(saved)} processes and this "
+                            f"job has {jax.process_count()}", f"resume with {len(saved)} processes")
+    else:  # Grain's handler reads only this process's file (process_<i>-of-<n>.json): gather all of them
+      states = [json.loads(f.read_text()) for _, f in saved]
+      data_iterator.set_state(self._resplit_data(states, data_iterator.get_state()))
+      logging.info("data position of %d processes re-split over %d", len(saved), jax.process_count())
+
+  def _fall_back(self, step: int, e: Exception) -> None:
+    logging.warning("checkpoint step %d in %s cannot be restored (%s); falling back to the previous one",
+                    step, self.directory, describe(e))
+    self._set_aside(step)
 
   def _set_aside(self, step: int) -> None:
     """Renames a bad step so that it is neither restored nor overwritten, and keeps it for inspection."""
@@ -125,6 +175,36 @@ class Checkpointer:
 
   def close(self) -> None:
     self.manager.close()
+
+
+def saved_tensors(state_dir) -> dict[str, Any]:
+  """``'params/layers/mlp/up/kernel' -> ArrayMetadata`` (shape, dtype) of a saved train state, from its
+  metadata alone (no tensor data is read)."""
+  tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(state_dir)).tree
+  return {_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _name(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _mismatch(saved: dict[str, Any], abstract_state: Any) -> str:
+  """What keeps a saved state from restoring into ``abstract_state`` (missing tensors, other shapes), or ''.
+  Dtypes may differ: Orbax casts on restore."""
+  wanted = {_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+  order = lambda names: sorted(names, key=lambda k: (not k.startswith("params"), k))  # params first
+  problems = [f"{k} is {tuple(saved[k].shape)} there, {tuple(wanted[k].shape)} here"
+              for k in order(saved.keys() & wanted.keys()) if tuple(saved[k].shape) != tuple(wanted[k].shape)]
+  problems += [f"{k} is not in it" for k in order(wanted.keys() - saved.keys())]
+  problems += [f"it has {k}, this run does not" for k in order(saved.keys() - wanted.keys())]
+  more = f" and {len(problems) - 2} more" if len(problems) > 2 else ""
+  return "; ".join(problems[:2]) + more
+
+
+def _process_files(folder: epath.Path) -> dict[int, epath.Path]:
+  """Grain's per-process data-position files in a checkpoint's ``data`` folder, by process index."""
+  found = (re.fullmatch(r"process_(\d+)-of-(\d+)\.json", f.name) for f in folder.iterdir())
+  return {int(m.group(1)): folder / m.group(0) for m in found if m}
 
 
 def restore_from(path: str, abstract_state: Any, params_only: bool) -> tuple[Any, int]:
@@ -149,7 +229,6 @@ def restore_from(path: str, abstract_state: Any, params_only: bool) -> tuple[Any
       with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(item, target)
   except Exception as e:
-    raise CheckpointError(os.fspath(step_dir), f"cannot restore ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200] if str(e) else ''})",
+    raise CheckpointError(os.fspath(step_dir), f"cannot restore ({describe(e)})",
                           "check that the checkpoint matches this model config") from None
   return restored, int(step_dir.name) if step_dir.name.isdigit() else -1

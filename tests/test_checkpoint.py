@@ -1,19 +1,23 @@
-"""Checkpoints: exact resume, resume on another mesh, kills, SIGTERM, corrupt fallback, 2 processes."""
+"""Checkpoints: exact resume, resume on another mesh, kills, SIGTERM, corrupt fallback, write errors, 2 processes."""
 
 import json
 import os
 import pathlib
 import random
+import resource
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain.train import trainer
 from tests import multiprocess
 
@@ -200,6 +204,63 @@ def test_unwritable_checkpoint_dir_is_a_clear_error(tmp_path):
   errors = [line for line in err.splitlines() if line.startswith("jaxtrain: error:")]
   assert p.returncode == 2 and len(errors) == 1 and "/proc/jaxtrain-ckpt" in errors[0], err[-2000:]
   assert "Traceback" not in err
+
+
+# Runs jaxtrain.main with a file-size limit: a write past it fails with EFBIG (SIGXFSZ ignored) instead of
+# killing the process. Set in a launcher that execs, not in preexec_fn (unsafe in a threaded parent).
+_LIMITED_MAIN = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+                 "limit = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)); "
+                 "os.execv(sys.executable, [sys.executable, '-m', 'jaxtrain.main', *sys.argv[2:]])")
+
+
+def test_write_error_during_save_is_clear_and_keeps_earlier_checkpoints(uninterrupted, tmp_path):
+  """A save that fails while writing (files over RLIMIT_FSIZE fail as a full disk does, but without root or a
+  small filesystem): one error line naming the OS error, exit 2, the earlier checkpoint byte for byte intact."""
+  shutil.copytree(uninterrupted, tmp_path, dirs_exist_ok=True)
+  committed = _committed(tmp_path)
+  before = {p: p.read_bytes() for p in (tmp_path / "checkpoints").rglob("*") if p.is_file()}
+  limit = 256 * 1024  # the state's data files are ~0.5-4 MB; config, metrics and event files stay below
+  p = subprocess.Popen([sys.executable, "-c", _LIMITED_MAIN, str(limit), *BASE, f"--config.workdir={tmp_path}",
+                        "--config.train.steps=25"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True)
+  _, err = p.communicate(timeout=300)
+  errors = [line for line in err.splitlines() if line.startswith("jaxtrain: error:")]
+  assert p.returncode == 2 and len(errors) == 1, err[-3000:]
+  assert "saving a checkpoint failed" in errors[0] and "File too large" in errors[0], errors[0]
+  assert "Traceback" not in err, err[-3000:]
+  assert _committed(tmp_path) == committed == [20]
+  assert all(path.read_bytes() == data for path, data in before.items())
+  _assert_bitwise(_params(tmp_path, 20), _params(uninterrupted, 20))
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("--config.model.mlp_dim=96", "was written for another model or optimizer (params/layers/mlp/"),
+    ("--config.train.global_batch_size=16", "train.global_batch_size changed")], ids=["model", "batch"])
+def test_resume_into_another_model_or_batch_is_a_clear_error_and_touches_nothing(uninterrupted, tmp_path,
+                                                                                 override, expected):
+  """Not corruption: the checkpoints must not be set aside (the run would silently start over)."""
+  shutil.copytree(uninterrupted, tmp_path, dirs_exist_ok=True)
+  before = {p: p.read_bytes() for p in (tmp_path / "checkpoints").rglob("*") if p.is_file()}
+  p = _start(tmp_path, "--config.train.steps=25", override)
+  _, err = p.communicate(timeout=300)
+  errors = [line for line in err.splitlines() if line.startswith("jaxtrain: error:")]
+  assert p.returncode == 2 and len(errors) == 1 and expected in errors[0], err[-3000:]
+  assert "Traceback" not in err
+  assert {p: p.read_bytes() for p in (tmp_path / "checkpoints").rglob("*") if p.is_file()} == before
+
+
+def test_every_minutes_saves_by_wall_clock(tmp_path):
+  ckpt = checkpoint_lib.Checkpointer(tmp_path, every_minutes=0.05, keep_last=5)  # at most one save per 3 s
+  state = {"w": jnp.arange(4.0)}
+  try:
+    assert ckpt.should_save(1)
+    ckpt.save(1, state, None, meta={}, config={})
+    ckpt.wait()
+    assert not ckpt.should_save(2)
+    time.sleep(3.2)
+    assert ckpt.should_save(3)
+  finally:
+    ckpt.close()
 
 
 def test_two_processes_save_restore_and_continue(tmp_path):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxtrain import data as data_lib
+from jaxtrain.config import DataError
 from jaxtrain.data import batch as batch_lib
 from jaxtrain.data import pipeline, prepare
 from jaxtrain.train import trainer
@@ -66,6 +67,47 @@ def test_state_survives_json(shakespeare):
   resumed = iter(_dataset(shakespeare))
   resumed.set_state(state)
   _assert_same(_take(resumed, 2), expected)
+
+
+@pytest.mark.parametrize("before,after,workers,steps", [(2, 1, 0, 3), (1, 2, 0, 3), (4, 2, 2, 3), (2, 4, 0, 3),
+                                                        (2, 1, 2, 0)])
+def test_data_position_moves_to_another_process_count(shakespeare, before, after, workers, steps):
+  """A position saved by ``before`` processes after ``steps`` batches, re-split for ``after`` (what a
+  checkpoint resumed on fewer or more hosts does): the global batches that follow equal the uninterrupted
+  one-process stream."""
+  single = iter(_dataset(shakespeare))
+  _take(single, steps)
+  expected = _take(single, 2)
+
+  def process(i, count, state=None):
+    it = iter(_dataset(shakespeare, process_index=i, process_count=count, num_workers=workers))
+    if state is not None:
+      it.set_state(data_lib.resplit_position(saved, it.get_state(), 8, i, count))
+    return it
+
+  saved = []
+  for i in range(before):
+    it = process(i, before)
+    _take(it, steps)
+    saved.append(json.loads(json.dumps(it.get_state())))
+    data_lib.close(it)
+  parts = []
+  for i in range(after):
+    it = process(i, after, state=True)
+    parts.append(_take(it, 2))
+    data_lib.close(it)
+  for step in range(2):
+    for k in batch_lib.KEYS:
+      np.testing.assert_array_equal(np.concatenate([p[step][k] for p in parts]), expected[step][k])
+
+
+def test_data_position_refuses_another_global_batch(shakespeare):
+  it = iter(_dataset(shakespeare))
+  _take(it, 2)
+  with pytest.raises(DataError, match="global_batch_size changed"):
+    data_lib.resplit_position([it.get_state()], iter(_dataset(shakespeare, global_batch=16)).get_state(), 16, 0, 2)
+  with pytest.raises(DataError, match="global_batch_size changed"):
+    iter(_dataset(shakespeare, global_batch=16)).set_state(it.get_state())
 
 
 def test_two_processes_split_the_epoch_and_build_the_same_global_batch(shakespeare, tmp_path):

@@ -1,5 +1,6 @@
-"""jaxtrain.main as a real 2-process job on localhost: train, checkpoint, kill, restart, resume, match one
-process; a dead process fails the job instead of hanging it; explicit config errors; dry run."""
+"""jaxtrain.main as a real 2-process job on localhost: train, checkpoint, kill, restart, resume, go on as one
+process, match one process; a dead process fails the job instead of hanging it; explicit config errors; dry
+run."""
 
 import functools
 import importlib.util
@@ -47,11 +48,20 @@ def test_two_process_job_trains_is_killed_resumes_and_matches_one_process(tmp_pa
   assert codes == [0, 0], err[-3000:]
   assert "resumed from checkpoint step 4" in err or "resumed from checkpoint step 8" in err
   assert "resumed" not in procs[1].err_path.read_text()  # only process 0 prints info lines
-  single = subprocess.run([sys.executable, "-m", "jaxtrain.main", *ARGS, f"--config.workdir={tmp_path / 'one'}",
-                           "--config.train.steps=12"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert single.returncode == 0, single.stderr[-2000:]
+  # The host count shrinks: the same workdir goes on as one process with 8 devices, from the 2-process
+  # checkpoint, its data position re-split over one process.
+  shrunk = _main_one_process(tmp_path / "mp", steps=16)
+  assert "resumed from checkpoint step 12" in shrunk and "re-split over 1" in shrunk, shrunk[-2000:]
+  _main_one_process(tmp_path / "one", steps=16)
   mp, one = _losses(tmp_path / "mp"), _losses(tmp_path / "one")
-  np.testing.assert_allclose([mp[s] for s in range(1, 13)], [one[s] for s in range(1, 13)], rtol=1e-5)
+  np.testing.assert_allclose([mp[s] for s in range(1, 17)], [one[s] for s in range(1, 17)], rtol=1e-5)
+
+
+def _main_one_process(workdir, steps):
+  r = subprocess.run([sys.executable, "-m", "jaxtrain.main", *ARGS, f"--config.workdir={workdir}",
+                      f"--config.train.steps={steps}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  return r.stderr
 
 
 def test_a_dead_process_fails_the_job_within_60s(tmp_path):

@@ -13,9 +13,10 @@ import math
 import sys
 
 import numpy as np
-import orbax.checkpoint as ocp
 from absl import app, flags, logging
 from etils import epath
+
+from jaxtrain import checkpoint as checkpoint_lib
 
 _STEP = flags.DEFINE_integer("step", None, "Step to detail (default: the newest).")
 _JSON = flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
@@ -40,10 +41,8 @@ def describe(path: str, step: int | None = None) -> dict:
   step_dir = root / str(step)
   meta_file = step_dir / "meta" / "metadata"
   meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
-  with ocp.StandardCheckpointer() as ckptr:
-    tree = ckptr.metadata(step_dir / "state").item_metadata.tree
   tensors = []
-  for path_, leaf in _leaves(tree):
+  for path_, leaf in sorted(checkpoint_lib.saved_tensors(step_dir / "state").items()):
     shape = tuple(leaf.shape)
     dtype = np.dtype(leaf.dtype)
     tensors.append({"name": path_, "shape": list(shape), "dtype": dtype.name,
@@ -51,17 +50,6 @@ def describe(path: str, step: int | None = None) -> dict:
   others = sorted(p.name for p in root.iterdir() if not p.name.isdigit())
   return {"directory": str(root), "steps": steps, "step": step, "meta": meta, "tensors": tensors,
           "total_bytes": sum(t["bytes"] for t in tensors), "not_committed_or_set_aside": others}
-
-
-def _leaves(tree, prefix=""):
-  if isinstance(tree, dict):
-    for k in sorted(tree):
-      yield from _leaves(tree[k], f"{prefix}/{k}" if prefix else str(k))
-  elif isinstance(tree, (list, tuple)):
-    for i, v in enumerate(tree):
-      yield from _leaves(v, f"{prefix}/{i}")
-  elif tree is not None and hasattr(tree, "shape"):
-    yield prefix, tree
 
 
 def main(argv):

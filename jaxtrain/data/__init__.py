@@ -10,6 +10,8 @@ from typing import Iterator
 import jax
 from jax.sharding import NamedSharding
 
+from jaxtrain.config import DataError
+
 
 def to_global(local_batch: dict, sharding: NamedSharding) -> dict:
   """This process's rows -> global arrays laid out with ``sharding`` (works on one host and on many).
@@ -60,6 +62,27 @@ def open_eval(config) -> list[dict]:
                                   seq_len=c.data.seq_len, global_batch=c.train.global_batch_size,
                                   process_index=jax.process_index(), process_count=jax.process_count())
   return batches[:limit]
+
+
+def resplit_position(saved: list[dict], current: dict, global_batch: int, process_index: int | None = None,
+                     process_count: int | None = None) -> dict:
+  """This process's data position from the iterator states that each process of a run with another process
+  count saved (``saved[i]``: process i's), ``current`` being this iterator's own state (its layout). The
+  global batch must be the one that saved them, so that the global position is the same."""
+  from jaxtrain.data import packing
+
+  index = jax.process_index() if process_index is None else process_index
+  count = jax.process_count() if process_count is None else process_count
+  if set(current) == {"step"}:  # the synthetic source: its position is the global step count
+    return {"step": saved[0]["step"]}
+  try:  # every row of the global batch, in order
+    lanes = [lane for state in saved for lane in packing.lane_positions(state, global_batch // len(saved))]
+  except ValueError as e:
+    raise DataError("data position", f"cannot be moved from {len(saved)} to {count} processes ({e}; "
+                    "train.global_batch_size changed?)", f"resume with {len(saved)} processes and the global "
+                    "batch size that saved it") from None
+  mine = global_batch // count
+  return packing.with_lane_positions(current, lanes[index * mine:(index + 1) * mine])
 
 
 def close(iterator) -> None:

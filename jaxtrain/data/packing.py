@@ -13,10 +13,13 @@ touching each document once, and its state is two integers per lane.
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import grain
 import numpy as np
+
+from jaxtrain.config import DataError
 
 
 class PackedLanes(grain.IterDataset):
@@ -97,4 +100,47 @@ class _PackedLanesIterator(grain.DatasetIterator):
     return {"doc": list(self._doc), "offset": list(self._offset), "next": self._next}
 
   def set_state(self, state: dict) -> None:
+    if len(state["doc"]) != len(self._ds.lanes):
+      raise DataError("data position", f"the checkpoint holds the position of {len(state['doc'])} rows per batch "
+                      f"and this run reads {len(self._ds.lanes)} (train.global_batch_size changed)",
+                      "resume with the global batch size that saved it, or start a new workdir from its weights "
+                      "with checkpoint.restore_from")
     self._doc, self._offset, self._next = list(state["doc"]), list(state["offset"]), int(state["next"])
+
+
+# The data position is per lane, i.e. per row of the *global* batch, so it does not depend on how many
+# processes read the lanes: a checkpoint saved by P processes resumes on P' by gathering the lanes' positions
+# in process order and giving each new process its own. Grain's worker pool (data.num_workers) holds the
+# lanes strided over its workers (worker w: lanes w, w+W, ...; before the workers start, its state lists every
+# lane under each worker); the state is taken between steps, where every lane's cycle is complete.
+
+
+def _lane_parts(state: dict) -> list[dict]:
+  """The lane iterators' states inside a pipeline state: itself, or one per Grain worker (in worker order)."""
+  if {"doc", "offset", "next"} <= state.keys():
+    return [state]
+  if "iterators_in_use_states" in state:
+    order = sorted(range(len(state["iterators_in_use_indices"])), key=lambda i: state["iterators_in_use_indices"][i])
+    return [state["iterators_in_use_states"][i] for i in order]
+  raise ValueError(f"unrecognised data iterator state (keys {sorted(state)})")
+
+
+def lane_positions(state: dict, lanes: int) -> list[tuple[int, int]]:
+  """(document, offset) of each of a process's ``lanes`` lanes, in lane order."""
+  parts = _lane_parts(state)
+  if len(parts) > 1 and all(len(p["doc"]) == lanes and p == parts[0] for p in parts):
+    parts = parts[:1]  # the worker pool has not started: every worker still lists every lane
+  if sum(len(p["doc"]) for p in parts) != lanes:
+    raise ValueError(f"the data iterator state holds {sum(len(p['doc']) for p in parts)} lanes, not {lanes}")
+  return [(parts[i % len(parts)]["doc"][i // len(parts)], parts[i % len(parts)]["offset"][i // len(parts)])
+          for i in range(lanes)]
+
+
+def with_lane_positions(template: dict, positions: Sequence[tuple[int, int]]) -> dict:
+  """``template`` (an iterator's own state, for its layout) with its lanes set to ``positions``."""
+  state = copy.deepcopy(template)
+  parts = _lane_parts(state)
+  for w, part in enumerate(parts):
+    mine = positions[w::len(parts)]
+    part.update(doc=[d for d, _ in mine], offset=[o for _, o in mine], next=0)
+  return state

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -164,7 +165,9 @@ def make_checkpointer(config: ml_collections.ConfigDict) -> checkpoint_lib.Check
   c = config.checkpoint
   directory = c.dir or os.fspath(epath.Path(config.workdir) / "checkpoints")
   return checkpoint_lib.Checkpointer(directory, every_steps=c.every_steps, every_minutes=c.every_minutes,
-                                     keep_last=c.keep_last, keep_every=c.keep_every, async_save=c["async"])
+                                     keep_last=c.keep_last, keep_every=c.keep_every, async_save=c["async"],
+                                     resplit_data=functools.partial(data_lib.resplit_position,
+                                                                    global_batch=config.train.global_batch_size))
 
 
 def restore_or_init(run: Run, checkpointer: checkpoint_lib.Checkpointer, data) -> tuple[TrainState, dict]:
