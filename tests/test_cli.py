@@ -75,12 +75,14 @@ def test_readme_command_trains_and_writes_metrics(tmp_path):
 
 
 def test_pipeline_command_trains_and_its_checkpoint_restores_without_pipeline(tmp_path):
-  first = _run(TINY, "--config.mesh.pipeline=2", "--config.train.steps=20", f"--config.workdir={tmp_path}")
+  small = [TINY, "--config.train.global_batch_size=8", "--config.data.seq_len=64", "--config.train.log_every=4",
+           "--config.optim.warmup_steps=2", "--config.optim.decay_steps=40", f"--config.workdir={tmp_path}"]
+  first = _run(*small, "--config.mesh.pipeline=2", "--config.train.steps=8")
   assert first.returncode == 0, first.stderr[-3000:]
   assert "pipeline: 2 stages, GPipe, 2 microbatches, 2 layers per stage -> bubble 33.3%" in first.stderr
-  second = _run(TINY, "--config.train.steps=30", f"--config.workdir={tmp_path}")  # mesh.pipeline=1: fsdp=8
+  second = _run(*small, "--config.train.steps=12")  # mesh.pipeline=1: fsdp=8
   assert second.returncode == 0, second.stderr[-3000:]
-  assert "resumed from checkpoint step 20" in second.stderr and "'pipeline': 1, 'fsdp': 8" in second.stderr
+  assert "resumed from checkpoint step 8" in second.stderr and "'pipeline': 1, 'fsdp': 8" in second.stderr
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in records] == [10, 20, 30]
+  assert [r["step"] for r in records] == [4, 8, 12]
   assert records[-1]["loss"] < records[0]["loss"]

@@ -69,19 +69,21 @@ def test_state_survives_json(shakespeare):
   _assert_same(_take(resumed, 2), expected)
 
 
-@pytest.mark.parametrize("before,after,workers,steps", [(2, 1, 0, 3), (1, 2, 0, 3), (4, 2, 2, 3), (2, 4, 0, 3),
-                                                        (2, 1, 2, 0)])
+@pytest.mark.parametrize("before,after,workers,steps", [
+    (2, 1, (0, 0), 3), (1, 2, (0, 0), 3), (2, 4, (0, 0), 3),
+    (2, 1, (2, 2), 3),  # Grain worker pools on both sides (lanes strided over workers)
+    (2, 1, (2, 0), 0)])  # saved before the worker pool started (every worker lists every lane)
 def test_data_position_moves_to_another_process_count(shakespeare, before, after, workers, steps):
   """A position saved by ``before`` processes after ``steps`` batches, re-split for ``after`` (what a
   checkpoint resumed on fewer or more hosts does): the global batches that follow equal the uninterrupted
-  one-process stream."""
+  one-process stream. ``workers``: Grain worker processes per process, before and after."""
   single = iter(_dataset(shakespeare))
   _take(single, steps)
   expected = _take(single, 2)
 
-  def process(i, count, state=None):
-    it = iter(_dataset(shakespeare, process_index=i, process_count=count, num_workers=workers))
-    if state is not None:
+  def process(i, count, resume=False):
+    it = iter(_dataset(shakespeare, process_index=i, process_count=count, num_workers=workers[resume]))
+    if resume:
       it.set_state(data_lib.resplit_position(saved, it.get_state(), 8, i, count))
     return it
 
@@ -93,7 +95,7 @@ def test_data_position_moves_to_another_process_count(shakespeare, before, after
     data_lib.close(it)
   parts = []
   for i in range(after):
-    it = process(i, after, state=True)
+    it = process(i, after, resume=True)
     parts.append(_take(it, 2))
     data_lib.close(it)
   for step in range(2):

@@ -85,8 +85,8 @@ def main(argv):
     jax.block_until_ready(restored[0])
     ckpt.close()
     results[mode] = {"first_save_blocked_s": blocked[0], "blocked_s_median": statistics.median(blocked[1:]),
-                     "save_total_s_median": statistics.median(written[1:]), "restore_s": restore_s, "disk_bytes": disk_bytes,
-                     "blocked_s": blocked, "save_total_s": written}
+                     "save_total_s_median": statistics.median(written[1:]), "restore_s": restore_s,
+                     "disk_bytes": disk_bytes, "blocked_s": blocked, "save_total_s": written}
   results["async_blocking_vs_sync"] = results["async"]["blocked_s_median"] / results["sync"]["blocked_s_median"]
 
   mb = state_bytes / 1e6
