@@ -4,7 +4,6 @@ import json
 import os
 import pathlib
 import random
-import resource
 import shutil
 import signal
 import subprocess
@@ -170,6 +169,8 @@ def test_resume_on_another_mesh(make_config, tmp_path, mesh, devices):
   assert state.params["layers"]["mlp"]["up"]["kernel"].sharding.mesh.size == devices
 
 
+# Orbax abandons the other reads of the failed restore; their coroutines are reported as unraisable.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_truncated_newest_checkpoint_falls_back(make_config, tmp_path, caplog):
   config = _config(make_config, tmp_path)
   trainer.train(config)
