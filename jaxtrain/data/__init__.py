@@ -10,8 +10,6 @@ from typing import Iterator
 import jax
 from jax.sharding import NamedSharding
 
-from jaxtrain.config import DataError
-
 
 def to_global(local_batch: dict, sharding: NamedSharding) -> dict:
   """This process's rows -> global arrays laid out with ``sharding`` (works on one host and on many).
@@ -75,12 +73,8 @@ def resplit_position(saved: list[dict], current: dict, global_batch: int, proces
   count = jax.process_count() if process_count is None else process_count
   if set(current) == {"step"}:  # the synthetic source: its position is the global step count
     return {"step": saved[0]["step"]}
-  try:  # every row of the global batch, in order
-    lanes = [lane for state in saved for lane in packing.lane_positions(state, global_batch // len(saved))]
-  except ValueError as e:
-    raise DataError("data position", f"cannot be moved from {len(saved)} to {count} processes ({e}; "
-                    "train.global_batch_size changed?)", f"resume with {len(saved)} processes and the global "
-                    "batch size that saved it") from None
+  # Every row of the global batch, in order (DataError if the saved run had another global batch).
+  lanes = [lane for state in saved for lane in packing.lane_positions(state, global_batch // len(saved))]
   mine = global_batch // count
   return packing.with_lane_positions(current, lanes[index * mine:(index + 1) * mine])
 

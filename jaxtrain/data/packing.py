@@ -102,10 +102,7 @@ class _PackedLanesIterator(grain.DatasetIterator):
 
   def set_state(self, state: dict) -> None:
     if len(state["doc"]) != len(self._ds.lanes):
-      raise DataError("data position", f"the checkpoint holds the position of {len(state['doc'])} rows per batch "
-                      f"and this run reads {len(self._ds.lanes)} (train.global_batch_size changed)",
-                      "resume with the global batch size that saved it, or start a new workdir from its weights "
-                      "with checkpoint.restore_from")
+      raise _rows_changed(len(state["doc"]), len(self._ds.lanes))
     self._doc, self._offset, self._next = list(state["doc"]), list(state["offset"]), int(state["next"])
 
 
@@ -116,6 +113,12 @@ class _PackedLanesIterator(grain.DatasetIterator):
 # lane under each worker); the state is taken between steps, where every lane's cycle is complete.
 
 
+def _rows_changed(saved: int, here: int) -> DataError:
+  return DataError("data position", f"the checkpoint holds the position of {saved} rows per process batch and "
+                   f"this run reads {here} (train.global_batch_size changed)", "resume with the global batch size "
+                   "that saved it, or start a new workdir from its weights with checkpoint.restore_from")
+
+
 def _lane_parts(state: dict) -> list[dict]:
   """The lane iterators' states inside a pipeline state: itself, or one per Grain worker (in worker order)."""
   if {"doc", "offset", "next"} <= state.keys():
@@ -123,7 +126,8 @@ def _lane_parts(state: dict) -> list[dict]:
   if "iterators_in_use_states" in state:
     order = sorted(range(len(state["iterators_in_use_indices"])), key=lambda i: state["iterators_in_use_indices"][i])
     return [state["iterators_in_use_states"][i] for i in order]
-  raise ValueError(f"unrecognised data iterator state (keys {sorted(state)})")
+  raise DataError("data position", f"the saved data-iterator state has an unknown layout (keys {sorted(state)})",
+                  "resume with the number of processes that saved it")
 
 
 def lane_positions(state: dict, lanes: int) -> list[tuple[int, int]]:
@@ -132,7 +136,7 @@ def lane_positions(state: dict, lanes: int) -> list[tuple[int, int]]:
   if len(parts) > 1 and all(len(p["doc"]) == lanes and p == parts[0] for p in parts):
     parts = parts[:1]  # the worker pool has not started: every worker still lists every lane
   if sum(len(p["doc"]) for p in parts) != lanes:
-    raise ValueError(f"the data iterator state holds {sum(len(p['doc']) for p in parts)} lanes, not {lanes}")
+    raise _rows_changed(sum(len(p["doc"]) for p in parts), lanes)
   return [(parts[i % len(parts)]["doc"][i // len(parts)], parts[i % len(parts)]["offset"][i // len(parts)])
           for i in range(lanes)]
 
