@@ -185,20 +185,24 @@ def saved_tensors(state_dir) -> dict[str, Any]:
 
 
 def _name(path) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+  return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def _mismatch(saved: dict[str, Any], abstract_state: Any) -> str:
   """What keeps a saved state from restoring into ``abstract_state`` (missing tensors, other shapes), or ''.
   Dtypes may differ: Orbax casts on restore."""
   wanted = {_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
-  order = lambda names: sorted(names, key=lambda k: (not k.startswith("params"), k))  # params first
   problems = [f"{k} is {tuple(saved[k].shape)} there, {tuple(wanted[k].shape)} here"
-              for k in order(saved.keys() & wanted.keys()) if tuple(saved[k].shape) != tuple(wanted[k].shape)]
-  problems += [f"{k} is not in it" for k in order(wanted.keys() - saved.keys())]
-  problems += [f"it has {k}, this run does not" for k in order(saved.keys() - wanted.keys())]
+              for k in _params_first(saved.keys() & wanted.keys())
+              if tuple(saved[k].shape) != tuple(wanted[k].shape)]
+  problems += [f"{k} is not in it" for k in _params_first(wanted.keys() - saved.keys())]
+  problems += [f"it has {k}, this run does not" for k in _params_first(saved.keys() - wanted.keys())]
   more = f" and {len(problems) - 2} more" if len(problems) > 2 else ""
   return "; ".join(problems[:2]) + more
+
+
+def _params_first(names) -> list[str]:
+  return sorted(names, key=lambda k: (not k.startswith("params"), k))
 
 
 def _process_files(folder: epath.Path) -> dict[int, epath.Path]:

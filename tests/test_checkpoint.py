@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, resume on another mesh, kills, SIGTERM, corrupt fallback, write errors, 2 processes."""
 
+import gc
 import json
 import os
 import pathlib
@@ -169,7 +170,8 @@ def test_resume_on_another_mesh(make_config, tmp_path, mesh, devices):
   assert state.params["layers"]["mlp"]["up"]["kernel"].sharding.mesh.size == devices
 
 
-# Orbax abandons the other reads of the failed restore; their coroutines are reported as unraisable.
+# Orbax abandons the other reads of the failed restore; their coroutines are reported as unraisable when
+# collected, so the test collects them itself (else the next test gets the warnings).
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_truncated_newest_checkpoint_falls_back(make_config, tmp_path, caplog):
   config = _config(make_config, tmp_path)
@@ -184,6 +186,7 @@ def test_truncated_newest_checkpoint_falls_back(make_config, tmp_path, caplog):
   assert [h["step"] for h in history] == list(range(6, 13))  # resumed from step 5
   assert any(p.name.startswith("corrupt-10-") for p in (tmp_path / "checkpoints").iterdir())
   assert _committed(tmp_path)[-1] == 12
+  gc.collect()
 
 
 def test_restore_params_from_another_run(make_config, tmp_path):
