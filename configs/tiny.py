@@ -1,7 +1,8 @@
 """A tiny Llama for CPU: trains in seconds on 8 simulated devices.
 
 Variants pick a parallelism layout: ``configs/tiny.py:dp`` (data parallel), ``:fsdp`` (default, ZeRO-3 over
-all devices), ``:tp`` (FSDP x 2-way tensor parallel).
+all devices), ``:tp`` (FSDP x 2-way tensor parallel). Each variant has its own workdir: ``runs/tiny`` for the
+default, ``runs/tiny_<variant>`` for the others.
 """
 
 from jaxtrain.config import base_config
@@ -9,7 +10,7 @@ from jaxtrain.config import base_config
 
 def get_config(variant: str = "fsdp"):
   c = base_config()
-  c.workdir = "runs/tiny"
+  c.workdir = "runs/tiny" if variant == "fsdp" else f"runs/tiny_{variant}"
   c.model.update(num_layers=4, d_model=128, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=384,
                  vocab_size=256)
   c.data.seq_len = 128

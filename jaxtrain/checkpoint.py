@@ -13,6 +13,7 @@ A data position saved by another number of processes is handed to the ``resplit_
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -27,6 +28,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
+from jaxtrain import paths
 from jaxtrain.config import UserError
 
 ITEMS = ("state", "data", "meta", "config")
@@ -34,6 +36,34 @@ ITEMS = ("state", "data", "meta", "config")
 
 class CheckpointError(UserError):
   """A checkpoint could not be written or read (disk full, permissions, nothing to restore from)."""
+
+
+class SaveFailed(Exception):
+  """A save failed for a reason other than the storage (not the user's to fix: a bug here or in a library).
+  Its ``__cause__`` is the original error with its traceback."""
+
+
+# What storage failures say, as OSError (local writes from Python) or inside TensorStore's messages (its
+# writes run in C++ and reach us as ValueError text naming the OS error or the object store's status).
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG, errno.EIO,
+                   errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EMFILE, errno.ENFILE, errno.ETIMEDOUT)
+_STORAGE_WORDS = tuple(os.strerror(n) for n in _STORAGE_ERRNOS) + (
+    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "UNAUTHENTICATED", "NOT_FOUND", "DEADLINE_EXCEEDED", "UNAVAILABLE")
+
+
+def storage_error(e: BaseException) -> BaseException | None:
+  """The OS or object-store error behind ``e`` (itself, its causes or contexts, an exception group's members),
+  or None if the failure did not come from the storage."""
+  seen, todo = set(), [e]
+  while todo:
+    x = todo.pop()
+    if x is None or id(x) in seen:
+      continue
+    seen.add(id(x))
+    if isinstance(x, OSError) or any(w in str(x) for w in _STORAGE_WORDS):
+      return x
+    todo += [x.__cause__, x.__context__, *getattr(x, "exceptions", ())]
+  return None
 
 
 def describe(e: BaseException, limit: int = 240) -> str:
@@ -63,7 +93,7 @@ class Checkpointer:
     """``resplit_data(saved_states, current_state)``: this process's data-iterator state from the states that
     every process of a run with *another* process count saved (in process order); None: such a checkpoint
     cannot be resumed."""
-    self.directory = epath.Path(directory)
+    self.directory = epath.Path(paths.resolve(os.fspath(directory)))  # Orbax wants absolute paths
     self._resplit_data = resplit_data
     save_policy, keep_policy = _policies(every_steps, every_minutes, keep_last, keep_every)
     options = ocp.CheckpointManagerOptions(save_decision_policy=save_policy, preservation_policy=keep_policy,
@@ -98,7 +128,7 @@ class Checkpointer:
     try:
       saved = self.manager.save(step, args=args, force=force)
     except Exception as e:  # an earlier async write failed, or this one could not start
-      raise self._write_error(e) from None
+      raise self._write_error(e) from e
     self.last_save_blocked_s = time.perf_counter() - t
     return saved
 
@@ -107,11 +137,19 @@ class Checkpointer:
     try:
       self.manager.wait_until_finished()
     except Exception as e:
-      raise self._write_error(e) from None
+      raise self._write_error(e) from e
 
-  def _write_error(self, e: Exception) -> CheckpointError:
-    return CheckpointError(os.fspath(self.directory), f"saving a checkpoint failed ({describe(e)})",
-                           "free disk space or fix permissions; earlier checkpoints are intact")
+  def _write_error(self, e: Exception) -> Exception:
+    """A storage failure is the user's to fix (CheckpointError, exit 2); anything else is reported as what it
+    is (SaveFailed, with the original error as its cause) and never blamed on the disk."""
+    cause = storage_error(e)
+    if cause is not None:
+      return CheckpointError(os.fspath(self.directory), f"saving a checkpoint failed ({describe(cause)})",
+                             "free disk space or fix permissions; earlier checkpoints are intact")
+    failed = SaveFailed(f"{os.fspath(self.directory)}: saving a checkpoint failed ({describe(e)}); this is not a "
+                        "storage problem but a bug in jaxtrain or a library it uses; earlier checkpoints are intact")
+    failed.__cause__ = e
+    return failed
 
   def restore(self, abstract_state: Any, data_iterator) -> tuple[Any, dict] | None:
     """Restores the newest committed checkpoint that reads back cleanly, onto the shardings in
@@ -122,15 +160,12 @@ class Checkpointer:
     self.wait()  # a save still in flight (a rollback right after a save) must commit before it is read
     for step in reversed(self.steps()):
       try:
-        mismatch = _mismatch(saved_tensors(self.directory / str(step) / "state"), abstract_state)
+        self.check_compatible(step, abstract_state)
+      except CheckpointError:
+        raise
       except Exception as e:  # unreadable metadata: corrupt
         self._fall_back(step, e)
         continue
-      if mismatch:
-        raise CheckpointError(os.fspath(self.directory / str(step)), f"was written for another model or optimizer "
-                              f"({mismatch})", "use a new workdir (or checkpoint.dir) for this config, or go back "
-                              "to the config that wrote it; checkpoint.restore_from with restore_mode=params starts "
-                              "from its weights when only the optimizer differs")
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
@@ -142,6 +177,16 @@ class Checkpointer:
         continue
       return restored["state"], dict(restored["meta"])
     return None
+
+  def check_compatible(self, step: int, abstract_state: Any) -> None:
+    """Raises CheckpointError if ``step`` was written for another model or optimizer (tensor names or shapes
+    differ from ``abstract_state``), reading only metadata. Unreadable metadata raises what the read raised."""
+    mismatch = _mismatch(saved_tensors(self.directory / str(step) / "state"), abstract_state)
+    if mismatch:
+      raise CheckpointError(os.fspath(self.directory / str(step)), f"was written for another model or optimizer "
+                            f"({mismatch})", "use a new workdir (or checkpoint.dir) for this config, or go back "
+                            "to the config that wrote it; checkpoint.restore_from with restore_mode=params starts "
+                            "from its weights when only the optimizer differs")
 
   def _restore_data_position(self, step: int, data_iterator) -> None:
     folder = self.directory / str(step) / "data"
@@ -214,7 +259,7 @@ def _process_files(folder: epath.Path) -> dict[int, epath.Path]:
 def restore_from(path: str, abstract_state: Any, params_only: bool) -> tuple[Any, int]:
   """Reads another run's checkpoint: ``path`` is a checkpoint folder (newest step) or one step folder.
   Returns the restored state pytree (only its ``params`` are meaningful when ``params_only``) and the step."""
-  root = epath.Path(path)
+  root = epath.Path(paths.resolve(path))
   step_dir = root if (root / "state").exists() else None
   if step_dir is None:
     steps = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.exists() else []

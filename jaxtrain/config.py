@@ -13,7 +13,10 @@ import math
 from typing import Iterable
 
 import ml_collections
+from absl import logging
 from ml_collections import config_dict
+
+from jaxtrain import paths
 
 MESH_AXES = ("data", "pipeline", "fsdp", "tensor")
 REMAT_POLICIES = ("none", "full", "save_dots")
@@ -249,10 +252,6 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
     raise ConfigError("model.num_kv_heads", f"{m.num_kv_heads} does not divide model.num_heads={m.num_heads}",
                       "grouped-query attention needs num_heads to be a multiple of num_kv_heads")
   _check_choice(cfg, "pipeline.schedule", ("gpipe", "circular"))
-  horizon = o.decay_steps or t.steps
-  if o.warmup_steps > horizon:
-    raise ConfigError("optim.warmup_steps", f"{o.warmup_steps} is longer than the {horizon}-step schedule "
-                      "(optim.decay_steps, default train.steps)", "lower warmup_steps")
   _check_choice(cfg, "checkpoint.restore_mode", ("params", "state"))
   _check_choice(cfg, "monitor.nan_policy", ("skip", "rollback", "stop"))
   _check_positive(cfg, ["distributed.timeout_s", "distributed.heartbeat_timeout_s"])
@@ -264,6 +263,27 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
   _check_positive(cfg, ["checkpoint.keep_last"])
   if not cfg.workdir:
     raise ConfigError("workdir", "is empty", "set --config.workdir=DIR")
+
+
+def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The config a run uses, as ``config.json`` records it: validated (:func:`validate_values`), every path
+  absolute (:mod:`jaxtrain.paths`; ``checkpoint.dir`` filled in), and a warmup longer than the schedule
+  clipped to it with a warning (so that ``--config.train.steps=N`` shortens any config). A new ConfigDict;
+  resolving twice changes nothing."""
+  validate_values(cfg)
+  out = cfg.copy_and_resolve_references()
+  for key in paths.CONFIG_KEYS:
+    group, _, name = key.rpartition(".")
+    holder = out[group] if group else out
+    if key != "data.tokenizer" or holder[name] != "byte":
+      holder[name] = paths.resolve(holder[name])
+  out.checkpoint.dir = out.checkpoint.dir or paths.join(out.workdir, "checkpoints")
+  horizon = out.optim.decay_steps or out.train.steps
+  if out.optim.warmup_steps > horizon:
+    logging.warning("optim.warmup_steps=%d is longer than the %d-step schedule (optim.decay_steps, default "
+                    "train.steps): warming up over all %d steps instead", out.optim.warmup_steps, horizon, horizon)
+    out.optim.warmup_steps = horizon
+  return out
 
 
 def config_key_for_logical_axis(axis: str) -> str:

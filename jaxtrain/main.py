@@ -103,6 +103,14 @@ def main(argv: list[str]) -> None:
   except trainer.TrainingStopped as e:
     print(f"jaxtrain: stopped: {e}", file=sys.stderr)
     sys.exit(1)
+  except Exception as e:  # not the user's mistake: a bug here or in a library
+    log_file = getattr(e, "log_file", None)
+    if log_file is None:  # it happened before the run had a log file: the traceback goes to the console
+      raise
+    from jaxtrain.checkpoint import SaveFailed, describe
+    what = str(e) if isinstance(e, SaveFailed) else f"unexpected {describe(e)}; this is a bug"
+    print(f"jaxtrain: error: {what}; the traceback is in {log_file}", file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -237,6 +237,29 @@ def test_write_error_during_save_is_clear_and_keeps_earlier_checkpoints(uninterr
   _assert_bitwise(_params(tmp_path, 20), _params(uninterrupted, 20))
 
 
+# Runs jaxtrain.main with Checkpointer.save handed a state with a leaf Orbax cannot serialize: a save that
+# fails for a reason that is not the storage's.
+_BROKEN_SAVE_MAIN = ("import runpy, sys; from jaxtrain import checkpoint as c; save = c.Checkpointer.save; "
+                     "c.Checkpointer.save = lambda self, step, state, *a, **k: save(self, step, "
+                     "{'state': state, 'bad': object()}, *a, **k); sys.argv[0] = 'jaxtrain.main'; "
+                     "runpy.run_module('jaxtrain.main', run_name='__main__')")
+
+
+def test_save_failing_for_another_reason_is_reported_as_a_bug_not_a_disk_problem(tmp_path):
+  p = subprocess.run([sys.executable, "-c", _BROKEN_SAVE_MAIN, *BASE, f"--config.workdir={tmp_path}",
+                      "--config.train.steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  errors = [line for line in p.stderr.splitlines() if line.startswith("jaxtrain: error:")]
+  assert p.returncode == 1 and len(errors) == 1, p.stderr[-3000:]
+  assert errors[0] == (f"jaxtrain: error: {tmp_path / 'checkpoints'}: saving a checkpoint failed (ValueError: "
+                       "Unsupported type: <class 'object'> for key: ('bad',).); this is not a storage problem but a "
+                       "bug in jaxtrain or a library it uses; earlier checkpoints are intact; the traceback is in "
+                       f"{tmp_path / 'train.log'}")
+  assert "Traceback" not in p.stderr and "disk" not in p.stderr.lower()
+  log = (tmp_path / "train.log").read_text()
+  assert "Traceback (most recent call last)" in log and "ValueError: Unsupported type" in log
+  assert _committed(tmp_path) == [] and not (tmp_path / "run.lock").exists()
+
+
 @pytest.mark.parametrize("override,expected", [
     ("--config.model.mlp_dim=96", "was written for another model or optimizer (params/layers/mlp/"),
     ("--config.train.global_batch_size=16", "train.global_batch_size changed")], ids=["model", "batch"])

@@ -17,6 +17,7 @@ from absl import app, flags, logging
 from etils import epath
 
 from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import paths
 
 _STEP = flags.DEFINE_integer("step", None, "Step to detail (default: the newest).")
 _JSON = flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
@@ -27,7 +28,7 @@ def _root(path: epath.Path) -> epath.Path:
 
 
 def describe(path: str, step: int | None = None) -> dict:
-  path = epath.Path(path)
+  path = epath.Path(paths.resolve(path))
   if (path / "state").exists():  # one step folder
     root, steps, step = path.parent, [int(path.name)], int(path.name)
   else:

@@ -14,12 +14,14 @@ import sys
 from absl import app, flags
 from etils import epath
 
+from jaxtrain import paths
+
 _OUT = flags.DEFINE_string("out", "metrics.png", "PNG file to write.")
 PANELS = (("loss", "loss"), ("tokens_per_sec", "tokens / s"), ("grad_norm", "grad norm"), ("lr", "learning rate"))
 
 
 def read(path: str) -> tuple[str, list[dict]]:
-  p = epath.Path(path)
+  p = epath.Path(paths.resolve(path))
   jsonl = p / "metrics.jsonl" if p.is_dir() else p
   if not jsonl.exists():
     raise FileNotFoundError(f"{path}: no metrics.jsonl")
@@ -62,7 +64,7 @@ def main(argv):
   except (FileNotFoundError, json.JSONDecodeError) as e:
     print(f"plot_metrics: error: {e}", file=sys.stderr)
     sys.exit(2)
-  plot(runs, _OUT.value)
+  plot(runs, paths.resolve(_OUT.value))
   print(f"wrote {_OUT.value}")
 
 

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from absl import app, flags  # noqa: E402
 
+from jaxtrain import paths  # noqa: E402
 from jaxtrain.config import UserError  # noqa: E402
 from jaxtrain.data import prepare  # noqa: E402
 
@@ -36,7 +37,8 @@ def main(argv):
   del argv
   try:
     manifest = prepare.prepare(prepare.Options(
-        inputs=_INPUT.value, output=_OUTPUT.value, tokenizer=_TOKENIZER.value, field=_FIELD.value,
+        inputs=[paths.resolve(i) for i in _INPUT.value], output=paths.resolve(_OUTPUT.value),
+        tokenizer=_TOKENIZER.value if _TOKENIZER.value == "byte" else paths.resolve(_TOKENIZER.value), field=_FIELD.value,
         seed=_SEED.value, eval_fraction=_EVAL.value, text_split=_SPLIT.value, shard_mib=_SHARD_MIB.value,
         workers=_WORKERS.value, overwrite=_OVERWRITE.value, progress=sys.stderr.isatty()))
   except UserError as e:

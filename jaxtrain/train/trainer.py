@@ -31,6 +31,7 @@ from jaxtrain import models
 from jaxtrain import monitor
 from jaxtrain import optim
 from jaxtrain import sharding
+from jaxtrain import workdir as workdir_lib
 from jaxtrain.config import ConfigError
 from jaxtrain.data import batch as batch_lib
 from jaxtrain.parallel import pipeline as pipeline_lib
@@ -56,8 +57,9 @@ class Run:
 
 
 def build(config: ml_collections.ConfigDict, devices=None) -> Run:
-  """Validates ``config`` against the devices and lays out the run. Raises ConfigError on user mistakes."""
-  config_lib.validate_values(config)
+  """Validates ``config`` against the devices and lays out the run (``Run.config`` is the resolved config,
+see :func:`jaxtrain.config.resolve`). Raises ConfigError on user mistakes."""
+  config = config_lib.resolve(config)
   mesh = sharding.make_mesh(config.mesh, devices)
   rules = sharding.rules_from_config(config.sharding)
   try:
@@ -163,8 +165,7 @@ def write_config(config: ml_collections.ConfigDict) -> None:
 
 def make_checkpointer(config: ml_collections.ConfigDict) -> checkpoint_lib.Checkpointer:
   c = config.checkpoint
-  directory = c.dir or os.fspath(epath.Path(config.workdir) / "checkpoints")
-  return checkpoint_lib.Checkpointer(directory, every_steps=c.every_steps, every_minutes=c.every_minutes,
+  return checkpoint_lib.Checkpointer(c.dir, every_steps=c.every_steps, every_minutes=c.every_minutes,
                                      keep_last=c.keep_last, keep_every=c.keep_every, async_save=c["async"],
                                      resplit_data=functools.partial(data_lib.resplit_position,
                                                                     global_batch=config.train.global_batch_size))
@@ -192,6 +193,7 @@ def dry_run(config: ml_collections.ConfigDict, devices=None) -> dict[str, Any]:
   """Validates, lays out and compiles the step without allocating or training; reports per-device memory
   (from the compiled program) and FLOPs, and whether it fits where the device capacity is known."""
   run = build(config, devices)
+  config = run.config
   info = report(run)
   t = time.perf_counter()
   step_fn = compile_step(run)
@@ -227,15 +229,36 @@ class TrainingStopped(Exception):
 
 
 def train(config: ml_collections.ConfigDict, devices=None, data: Iterator[dict] | None = None):
-  """Runs (or resumes) training to ``config.train.steps``. Returns the final state and the logged metrics."""
+  """Runs (or resumes) training to ``config.train.steps``. Returns the final state and the logged metrics;
+  ``(None, [])`` if the workdir's newest checkpoint is already at ``train.steps`` (nothing is compiled)."""
   run = build(config, devices)
+  config = run.config
   data = data if data is not None else data_lib.open_train(config)
-  checkpointer = make_checkpointer(config)
   try:
-    return _train_loop(run, data, checkpointer)
+    with workdir_lib.hold(config.workdir):  # nothing in the workdir is touched before this
+      checkpointer = make_checkpointer(config)
+      try:
+        if _already_done(run, checkpointer):
+          return None, []
+        return _train_loop(run, data, checkpointer)
+      finally:
+        checkpointer.close()
   finally:
-    checkpointer.close()
     data_lib.close(data)
+
+
+def _already_done(run: Run, checkpointer: checkpoint_lib.Checkpointer) -> bool:
+  """True (and says so) when the newest checkpoint is at or past ``train.steps``: a re-run of a finished run.
+  A checkpoint of another model still fails clearly (metadata only, no tensor is read)."""
+  steps = checkpointer.steps()
+  target = run.config.train.steps
+  if not steps or steps[-1] < target:
+    return False
+  checkpointer.check_compatible(steps[-1], state_lib.abstract(run.model, run.tx))
+  logging.info("%s is already at step %d (train.steps=%d): nothing to train. To train longer, run the same "
+               "command with --config.train.steps=N for some N > %d (the run resumes from step %d)",
+               run.config.workdir, steps[-1], target, steps[-1], steps[-1])
+  return True
 
 
 class _Interval:
@@ -282,7 +305,7 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
   watchdog = monitor.Watchdog(m.watchdog_multiple, m.watchdog_min_s, m.watchdog_timeout_s).start()
   tokens_seen, wall_time = meta.get("tokens_seen", 0), meta.get("wall_time", 0.0)
   bad_steps, skipped_total = set(meta.get("bad_steps", [])), meta.get("skipped_steps", 0)
-  history, interval, last = [], _Interval(), {}
+  history, interval, last, last_eval = [], _Interval(), {}, {}
   recent_records = collections.deque(maxlen=4)  # (step, record ids of this process's rows): provenance
   t_start = time.perf_counter()
 
@@ -326,7 +349,8 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
       history.append({"step": step, **record})
       interval = _Interval()
     if evaluate is not None and step % config.eval.every_steps == 0:
-      writer.write(int(state.step), evaluate(state.params))  # the params are those of the newest step
+      last_eval.update(evaluate(state.params))
+      writer.write(int(state.step), last_eval)  # the params are those of the newest step
       watchdog.beat()
     return action
 
@@ -364,7 +388,25 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
     watchdog.stop()
     writer.close()
   checkpointer.wait()
+  if step == config.train.steps:
+    _summary(config, checkpointer, step, last, last_eval, tokens_seen, wall_time + time.perf_counter() - t_start)
   return state, history
+
+
+def _summary(config, checkpointer, step: int, last: dict, last_eval: dict, tokens: int, wall_s: float) -> None:
+  """The run's last line: where it ended and where everything is."""
+  workdir = epath.Path(config.workdir)
+  loss = f"loss {last['loss']:.4f}" if last else "no step run"
+  if last_eval:
+    loss += f", eval loss {last_eval['eval_loss']:.4f}"
+  minutes, seconds = divmod(round(wall_s), 60)
+  saved = checkpointer.directory / str(step) if step in checkpointer.steps() else "not saved"
+  where = f"checkpoint {saved}, metrics {workdir / 'metrics.jsonl'}"
+  if config.metrics.tensorboard:
+    where += f", TensorBoard {workdir / 'tensorboard'}"
+  logging.info("done: step %d/%d, %s, %s tokens, %dm%02ds (this run and those it resumed); %s; plot: python "
+               "tools/plot_metrics.py %s --out=%s", step, config.train.steps, loss, f"{tokens:,}", minutes,
+               seconds, where, workdir, workdir / "metrics.png")
 
 
 def report_bad_batch(run: Run, step: int, recent_records, why: str) -> None:

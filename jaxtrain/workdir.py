@@ -1,0 +1,267 @@
+"""One live run per workdir: a lock that process 0 holds while it trains, and the run's log file.
+
+The lock is ``<workdir>/run.lock``, a small JSON file naming the holder (host, PID, process start time, since
+when) with a ``beat`` counter that a background thread increments every ``renew_s`` seconds. A second start
+while the holder is alive is refused (:class:`WorkdirBusy`, exit 2) before anything in the workdir is touched.
+A lock whose holder is gone is taken over with a warning, so a scheduler's restart after a SIGKILL, an OOM kill
+or a lost host resumes without manual cleanup. Whether the holder is alive:
+
+- same host: its PID exists, is not a zombie and started when the lock says (a reused PID is not the holder);
+- another host (or a PID we cannot see): the beat is watched for up to ``3 x renew_s``; a beat that moves
+  proves the holder alive, one that does not means it is gone. No clocks are compared across hosts.
+
+Creating the lock is atomic on local disks (``O_CREAT | O_EXCL``) and taking over a stale one is a rename that
+only one contender wins. On object stores (``gs://``) neither exists in etils.epath, so there the lock is
+written and read back (a contender that starts within the same second may race; a scheduler restarts one job
+at a time, which is the case this protects).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging as std_logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Iterator
+
+import jax
+import numpy as np
+from absl import logging
+from etils import epath
+from jax.experimental import multihost_utils
+
+from jaxtrain import paths
+from jaxtrain.config import UserError
+
+LOCK_FILE = "run.lock"
+LOG_FILE = "train.log"
+
+
+class WorkdirBusy(UserError):
+  """Another live run holds the workdir."""
+
+
+def _process_start(pid: int) -> str | None:
+  """The kernel's start time of ``pid`` (Linux ``/proc``), to tell a reused PID from the holder; None if
+  unknown. The second field may contain spaces: split after the closing parenthesis."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      fields = f.read().rsplit(")", 1)[1].split()
+  except (OSError, IndexError):
+    return None
+  return fields[19] if fields[0] != "Z" else "zombie"
+
+
+def _pid_alive(pid: int, start: str | None) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # exists, another user's
+    pass
+  now = _process_start(pid)
+  if now == "zombie":
+    return False
+  return start is None or now is None or now == start
+
+
+class WorkdirLock:
+  """``with WorkdirLock(workdir): ...`` holds the workdir for the block. Only process 0 should take it."""
+
+  def __init__(self, workdir: str, renew_s: float = 10.0):
+    self.dir = epath.Path(workdir)
+    self.path = self.dir / LOCK_FILE
+    self.renew_s = renew_s
+    self._token = uuid.uuid4().hex
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+    self._beat = 0
+
+  # -- reading and judging an existing lock
+
+  def _read(self) -> dict | None:
+    try:
+      return json.loads(self.path.read_text())
+    except FileNotFoundError:
+      return None
+    except (ValueError, OSError):  # a half-written lock (the holder was killed while writing it)
+      return {}
+
+  def _holder_alive(self, held: dict) -> bool:
+    if held.get("host") == socket.gethostname() and isinstance(held.get("pid"), int) and not paths.is_url(
+        os.fspath(self.dir)):
+      return _pid_alive(held["pid"], held.get("pid_start"))
+    # Another host: alive if its beat moves while we watch (the holder renews every renew_s).
+    wait = 3 * float(held.get("renew_s", self.renew_s))
+    logging.info("%s is held by %s (PID %s); watching for up to %.0fs whether that run is alive", self.path,
+                 held.get("host"), held.get("pid"), wait)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+      time.sleep(min(1.0, wait / 10))
+      now = self._read()
+      if now is None or now.get("token") != held.get("token"):
+        return True  # released or taken by someone else meanwhile: not ours to take
+      if now.get("beat") != held.get("beat"):
+        return True
+    return False
+
+  # -- writing
+
+  def _content(self) -> str:
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid()),
+                       "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "started_at": self._started,
+                       "renew_s": self.renew_s, "beat": self._beat, "token": self._token})
+
+  def _create(self) -> bool:
+    """Writes the lock if there is none; False if someone else has one."""
+    if paths.is_url(os.fspath(self.path)):
+      if self.path.exists():
+        return False
+      self.path.write_text(self._content())
+      return (self._read() or {}).get("token") == self._token
+    try:
+      fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+      return False
+    with os.fdopen(fd, "w") as f:
+      f.write(self._content())
+    return True
+
+  def _rewrite(self) -> None:
+    """Renewal: the new content replaces the old atomically (local: write aside, then rename)."""
+    if paths.is_url(os.fspath(self.path)):
+      self.path.write_text(self._content())
+      return
+    aside = self.dir / f".{LOCK_FILE}.{self._token}"
+    aside.write_text(self._content())
+    os.replace(aside, self.path)
+
+  def _take_over(self, stale: dict) -> bool:
+    """Moves a stale lock out of the way; False if it changed meanwhile (another contender took it)."""
+    if paths.is_url(os.fspath(self.path)):
+      self.path.unlink(missing_ok=True)
+      return True
+    aside = self.dir / f".{LOCK_FILE}.stale-{self._token}"
+    try:
+      os.rename(self.path, aside)
+    except FileNotFoundError:
+      return True  # gone meanwhile: try to create
+    moved = json.loads(aside.read_text() or "{}") if aside.exists() else {}
+    if stale and moved.get("token") != stale.get("token"):  # we moved a fresh lock: put it back
+      os.rename(aside, self.path)
+      return False
+    aside.unlink(missing_ok=True)
+    return True
+
+  def _describe(self, held: dict) -> str:
+    return (f"another run is using this workdir (host {held.get('host', '?')}, PID {held.get('pid', '?')}, "
+            f"since {held.get('since', '?')})")
+
+  def acquire(self) -> "WorkdirLock":
+    """Takes the lock or raises WorkdirBusy. Creates the workdir if needed (nothing else)."""
+    self._started = time.time()
+    self.dir.mkdir(parents=True, exist_ok=True)
+    for _ in range(3):  # a contender may create or take over between our look and our write
+      if self._create():
+        break
+      held = self._read()
+      if held is None:
+        continue
+      if self._holder_alive(held):
+        raise WorkdirBusy(os.fspath(self.dir), self._describe(held), "wait for it to finish or stop it, or use "
+                          "another --config.workdir; a lock left by a run that was killed is taken over "
+                          f"automatically ({LOCK_FILE})")
+      logging.warning("%s: the run that held it (host %s, PID %s, since %s) is gone; taking over", self.path,
+                      held.get("host"), held.get("pid"), held.get("since"))
+      self._take_over(held)
+    else:
+      held = self._read() or {}
+      raise WorkdirBusy(os.fspath(self.dir), self._describe(held), "another run started at the same moment")
+    self._thread = threading.Thread(target=self._renew, name="jaxtrain-workdir-lock", daemon=True)
+    self._thread.start()
+    return self
+
+  def _renew(self) -> None:
+    while not self._stop.wait(self.renew_s):
+      held = self._read()
+      if held is not None and held.get("token") != self._token:
+        logging.error("%s was taken over by another run (host %s, PID %s): two runs may now share this workdir",
+                      self.path, held.get("host"), held.get("pid"))
+        return
+      self._beat += 1
+      try:
+        self._rewrite()
+      except OSError as e:  # a full disk must not kill training; the next renewal tries again
+        logging.warning("could not renew %s: %s", self.path, e)
+
+  def release(self) -> None:
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join(timeout=30)
+      self._thread = None
+      if (self._read() or {}).get("token") == self._token:
+        self.path.unlink(missing_ok=True)
+
+  def __enter__(self) -> "WorkdirLock":
+    return self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+
+class LogFile:
+  """Process 0's log lines appended to ``<workdir>/train.log`` (local workdirs: object stores cannot append).
+  An unexpected exception leaving the block has its whole traceback written there, and the file's path set
+  on it as ``log_file``, so that the console can show one line and say where the rest is."""
+
+  def __init__(self, workdir: str):
+    self.path = None if paths.is_url(workdir) else os.path.join(workdir, LOG_FILE)
+    self._handler = None
+
+  def __enter__(self) -> "LogFile":
+    if self.path:
+      self._handler = std_logging.FileHandler(self.path)
+      self._handler.setFormatter(std_logging.Formatter("%(asctime)s %(levelname).1s %(module)s: %(message)s"))
+      # Orbax narrates every save phase at INFO: keep its warnings and errors only.
+      self._handler.addFilter(lambda r: r.levelno >= std_logging.WARNING or "/orbax/" not in r.pathname)
+      std_logging.getLogger().addHandler(self._handler)  # absl's logger propagates to the root logger
+    return self
+
+  def __exit__(self, exc_type, error, tb) -> None:
+    if self._handler is None:
+      return
+    if error is not None and not isinstance(error, UserError) and isinstance(error, Exception):
+      self._handler.handle(std_logging.LogRecord("jaxtrain", std_logging.ERROR, __file__, 0, "unexpected error",
+                                                 None, (exc_type, error, tb)))
+      error.log_file = self.path
+    std_logging.getLogger().removeHandler(self._handler)
+    self._handler.close()
+
+
+@contextlib.contextmanager
+def hold(workdir: str, renew_s: float = 10.0) -> Iterator[None]:
+  """The workdir for one run: process 0 takes the lock (every process fails with WorkdirBusy if it cannot)
+  and writes ``train.log``; both are released when the block ends, whatever ends it."""
+  lock, refused = None, None
+  if jax.process_index() == 0:
+    try:
+      lock = WorkdirLock(workdir, renew_s).acquire()
+    except WorkdirBusy as e:
+      refused = e
+  if jax.process_count() > 1:
+    taken = bool(multihost_utils.broadcast_one_to_all(np.int32(refused is None and jax.process_index() == 0)))
+    if not taken and refused is None:
+      refused = WorkdirBusy(workdir, "process 0 found another run using this workdir (its log names it)",
+                            "wait for that run to finish or use another --config.workdir")
+  if refused is not None:
+    raise refused
+  try:
+    with LogFile(workdir) if lock is not None else contextlib.nullcontext():
+      yield
+  finally:
+    if lock is not None:
+      lock.release()

@@ -1,0 +1,191 @@
+"""The README's commands, run as a new user types them.
+
+Each command is parsed from README.md (tests/readme.py), never copied here, and run with ``bash -c`` in a fresh
+copy of the repository as the current folder, with a fresh ``HOME``, none of the test suite's ``XLA_FLAGS`` /
+``JAX_*`` settings and the configs' default (relative) workdirs. The only change is ``--config.train.steps=N``
+appended to training commands, to keep them short. ``pip install`` runs too, in a new virtualenv that sees the
+already installed dependencies (a ``.pth`` file), so the editable install of the copy is real and the test
+environment's own install is left alone.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import site
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+from tests import readme
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# The README commands this module runs (a unique part of each), in the order a reader meets them.
+QUICK_START, TEST_COMMAND = readme.quick_start()
+TRAIN_LONGER = "--config.train.steps=300"
+INSPECT = "tools/inspect_checkpoint.py"
+PLOT = "tools/plot_metrics.py"
+TP = "configs/tiny.py:tp"
+DRY_RUN = "--config.dry_run=true"
+GPIPE = "--config.workdir=runs/gpipe"
+CIRCULAR = "--config.workdir=runs/circular"
+PREPARE = "tools/prepare_data.py"
+TRAIN_PREPARED = "--config.data.path=data/my_texts"
+# Shown but not runnable here, with the reason.
+NOT_RUN = {
+    TEST_COMMAND: "the test command itself: .ci/run runs it, read from the README (test_ci_runs_the_readme_test_command)",
+    "--config.workdir=gs://bucket/run1": "needs a Cloud Storage bucket and the memory of an 8B model",
+}
+
+
+def test_every_readme_command_is_run_by_a_test():
+  """A command added to the README without a test here (or one a test no longer finds) fails."""
+  run = [QUICK_START] + [readme.command(part) for part in (TRAIN_LONGER, INSPECT, PLOT, TP, DRY_RUN, GPIPE,
+                                                           CIRCULAR, PREPARE, TRAIN_PREPARED)]
+  not_run = [readme.command(part) for part in NOT_RUN]
+  assert sorted(run + not_run) == sorted(readme.commands())
+
+
+def test_ci_runs_the_readme_test_command():
+  result = subprocess.run([sys.executable, str(ROOT / "tests" / "readme.py"), "test-command"], capture_output=True,
+                          text=True, check=True)
+  assert result.stdout.strip() == TEST_COMMAND == "pip install -e '.[test]' && python -m pytest -q tests"
+  ci = (ROOT / ".ci" / "run").read_text()
+  assert 'command="$(python3 tests/readme.py test-command)"' in ci and 'bash -c "$command"' in ci
+
+
+class NewUser:
+  """A fresh copy of the repository, a fresh HOME and a new virtualenv; runs shell commands there."""
+
+  def __init__(self, base: pathlib.Path):
+    self.repo, self.home, venv = base / "jaxtrain", base / "home", base / "venv"
+    self.home.mkdir()
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for name in filter(None, files):
+      if (ROOT / name).is_file():
+        (self.repo / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, self.repo / name)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    purelib = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                              "['purelib'])"], capture_output=True, text=True, check=True).stdout.strip()
+    # The new venv sees the packages installed for the tests, so `pip install` finds its dependencies there.
+    outer = [p for p in site.getsitepackages() + [sysconfig.get_paths()["purelib"]] if os.path.isdir(p)]
+    pathlib.Path(purelib, "_test_environment.pth").write_text("\n".join(dict.fromkeys(outer)) + "\n")
+    self.env = {"HOME": str(self.home), "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
+                "LANG": "C.UTF-8", "TMPDIR": os.environ.get("TMPDIR", "/tmp")}
+
+  def run(self, command: str, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    result = subprocess.run(["bash", "-c", " ".join([command, *extra])], cwd=self.repo, env=self.env,
+                            capture_output=True, text=True, timeout=timeout)
+    result.command = command
+    return result
+
+  def records(self, workdir: str) -> list[dict]:
+    return [json.loads(line) for line in (self.repo / workdir / "metrics.jsonl").read_text().splitlines()]
+
+  def committed(self, workdir: str) -> list[int]:
+    return sorted(int(p.name) for p in (self.repo / workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def _ok(result: subprocess.CompletedProcess) -> str:
+  assert result.returncode == 0, f"{result.command}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+  return result.stderr
+
+
+@pytest.fixture(scope="module")
+def user(tmp_path_factory):
+  """The first quick-start command has run, shortened to 12 steps."""
+  u = NewUser(tmp_path_factory.mktemp("new_user"))
+  u.first = u.run(QUICK_START, "--config.train.steps=12")
+  return u
+
+
+def test_quick_start_trains_checkpoints_and_summarizes(user):
+  err = _ok(user.first)
+  assert "optim.warmup_steps=20 is longer than the 12-step schedule" in err  # clipped, not refused
+  assert user.committed("runs/tiny") == [12]
+  assert [r["step"] for r in user.records("runs/tiny")] == [10, 12]
+  resolved = json.loads((user.repo / "runs/tiny/config.json").read_text())
+  workdir = user.repo / "runs" / "tiny"
+  assert resolved["workdir"] == str(workdir) and resolved["checkpoint"]["dir"] == str(workdir / "checkpoints")
+  assert resolved["data"]["cache_dir"] == str(user.home / ".cache" / "jaxtrain")
+  assert (user.home / ".cache" / "jaxtrain").is_dir()  # the bundled corpus, prepared under the fresh HOME
+  summary = [line for line in err.splitlines() if "] done: step 12/12, loss " in line]
+  assert len(summary) == 1, err[-3000:]
+  loss = user.records("runs/tiny")[-1]["loss"]
+  assert f"loss {loss:.4f}," in summary[0] and f"checkpoint {workdir / 'checkpoints' / '12'}," in summary[0]
+  assert f"plot: python tools/plot_metrics.py {workdir} --out={workdir / 'metrics.png'}" in summary[0]
+  assert "train.log" in os.listdir(workdir) and "run.lock" not in os.listdir(workdir)
+  assert "done: step 12/12" in (workdir / "train.log").read_text()
+
+
+def test_same_command_again_says_it_is_done_without_compiling(user):
+  err = _ok(user.run(QUICK_START, "--config.train.steps=12"))
+  assert "runs/tiny is already at step 12 (train.steps=12): nothing to train" in err
+  assert "--config.train.steps=N for some N > 12" in err
+  assert "compiled" not in err and user.committed("runs/tiny") == [12]
+
+
+def test_train_longer_resumes(user):
+  command = readme.command(TRAIN_LONGER)
+  err = _ok(user.run(command, "--config.train.steps=16"))  # appended: the last value wins
+  assert "resumed from checkpoint step 12" in err and "done: step 16/16" in err
+  assert [r["step"] for r in user.records("runs/tiny")] == [10, 12, 16]
+  assert user.committed("runs/tiny") == [12, 16]
+
+
+def test_inspect_checkpoint(user):
+  out = _ok_out(user.run(readme.command(INSPECT)))
+  assert f"{user.repo / 'runs/tiny/checkpoints'}: steps 12" in out
+  assert "params/embed/embedding" in out and "total" in out
+
+
+def test_plot(user):
+  out = _ok_out(user.run(readme.command(PLOT)))
+  png = user.repo / "runs" / "tiny" / "metrics.png"
+  assert "wrote runs/tiny/metrics.png" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _ok_out(result):
+  _ok(result)
+  return result.stdout
+
+
+def test_tensor_parallel_variant_on_simulated_devices(user):
+  err = _ok(user.run(readme.command(TP), "--config.train.steps=3"))
+  assert "on 8 cpu devices" in err and "'fsdp': 4, 'tensor': 2" in err
+  assert user.committed("runs/tiny_tp") == [3]
+
+
+def test_dry_run(user):
+  result = user.run(readme.command(DRY_RUN))
+  _ok(result)
+  info = json.loads(result.stdout.strip().splitlines()[-1])
+  assert info["params"] == 8_030_261_248 and info["flops_per_token"] == 57_914_449_920
+  assert not (user.repo / "runs" / "llama3_8b").exists()  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("part,stages", [(GPIPE, "2 stages, GPipe, 2 microbatches"),
+                                         (CIRCULAR, "2 stages, circular x 2 repeats, 8 microbatches")])
+def test_pipeline_commands(user, part, stages):
+  err = _ok(user.run(readme.command(part), "--config.train.steps=4"))
+  assert f"pipeline: {stages}" in err
+  assert user.committed(part.split("=")[1]) == [4]
+
+
+def test_prepare_data_and_train_on_it(user):
+  docs = (user.repo / "jaxtrain/data/corpus/tinyshakespeare.txt").read_text().split("\n\n")[:400]
+  (user.repo / "my_texts").mkdir()
+  (user.repo / "my_texts" / "a.txt").write_text("\n\n".join(docs[:200]))
+  (user.repo / "my_texts" / "b.txt").write_text("\n\n".join(docs[200:]))
+  out = _ok_out(user.run(readme.command(PREPARE)))
+  manifest = json.loads((user.repo / "data" / "my_texts" / "manifest.json").read_text())
+  assert out.strip().endswith("-> data/my_texts") and manifest["documents"] + manifest["duplicates_removed"] == 400
+  err = _ok(user.run(readme.command(TRAIN_PREPARED), "--config.train.steps=3"))
+  resolved = json.loads((user.repo / "runs/my_texts/config.json").read_text())
+  assert resolved["data"]["path"] == str(user.repo / "data" / "my_texts")
+  assert user.committed("runs/my_texts") == [3] and "done: step 3/3" in err
