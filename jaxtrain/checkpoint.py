@@ -28,6 +28,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
+from jaxtrain import integrity
 from jaxtrain import paths
 from jaxtrain.config import UserError
 
@@ -41,6 +42,14 @@ class CheckpointError(UserError):
 class SaveFailed(Exception):
   """A save failed for a reason other than the storage (not the user's to fix: a bug here or in a library).
   Its ``__cause__`` is the original error with its traceback."""
+
+
+class CorruptCheckpoint(Exception):
+  """A checkpoint's data does not match the fingerprints written with it, or holds non-finite values."""
+
+
+class NonFiniteState(Exception):
+  """A state with non-finite values was handed to save(): it is not written."""
 
 
 # What storage failures say, as OSError (local writes from Python) or inside TensorStore's messages (its
@@ -88,11 +97,13 @@ def _policies(every_steps: int, every_minutes: float, keep_last: int, keep_every
 class Checkpointer:
 
   def __init__(self, directory: str, *, every_steps: int = 0, every_minutes: float = 0, keep_last: int = 3,
-               keep_every: int = 0, async_save: bool = True,
+               keep_every: int = 0, async_save: bool = True, verify: bool = True,
                resplit_data: Callable[[list[dict], dict], dict] | None = None):
-    """``resplit_data(saved_states, current_state)``: this process's data-iterator state from the states that
-    every process of a run with *another* process count saved (in process order); None: such a checkpoint
-    cannot be resumed."""
+    """``verify``: fingerprint every array at save time (in ``meta``) and, on restore, check the arrays against
+    them and for non-finite values; a mismatch is treated as corruption. ``resplit_data(saved_states,
+    current_state)``: this process's data-iterator state from the states that every process of a run with
+    *another* process count saved (in process order); None: such a checkpoint cannot be resumed."""
+    self.verify = verify
     self.directory = epath.Path(paths.resolve(os.fspath(directory)))  # Orbax wants absolute paths
     self._resplit_data = resplit_data
     save_policy, keep_policy = _policies(every_steps, every_minutes, keep_last, keep_every)
@@ -112,9 +123,20 @@ class Checkpointer:
   def should_save(self, step: int) -> bool:
     return self.manager.should_save(step)
 
-  def save(self, step: int, state: Any, data_iterator, meta: dict, config: dict, force: bool = False) -> bool:
-    """Starts (async) or does (sync) a save; returns whether one was started. Raises CheckpointError
-    when the previous async save failed: that is where disk-full and permission errors surface."""
+  def save(self, step: int, state: Any, data_iterator, meta: dict, config: dict, force: bool = False,
+           summary: tuple[dict[str, int], list[str]] | None = None) -> bool:
+    """Starts (async) or does (sync) a save; returns whether one was started. ``summary``: the state's
+    :func:`jaxtrain.integrity.read` if the train step already computed it (else it is computed here, one
+    pass over the state). Raises NonFiniteState (nothing written) if the state has non-finite values, and
+    CheckpointError when the previous async save failed: that is where disk-full and permission errors
+    surface."""
+    t = time.perf_counter()
+    if self.verify:
+      fingerprints, nonfinite = summary if summary is not None else integrity.summarize(state)
+      if nonfinite:
+        raise NonFiniteState(f"non-finite values in {_some(nonfinite)}")
+      dtypes = {integrity.name(p): str(x.dtype) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+      meta = {**meta, "fingerprints": {k: [v, dtypes[k]] for k, v in fingerprints.items()}}
     items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
                  config=ocp.args.JsonSave(config))
     if isinstance(data_iterator, grain.DatasetIterator):
@@ -124,7 +146,6 @@ class Checkpointer:
                       type(data_iterator).__name__)
       self._warned_data = True
     args = ocp.args.Composite(**items)
-    t = time.perf_counter()
     try:
       saved = self.manager.save(step, args=args, force=force)
     except Exception as e:  # an earlier async write failed, or this one could not start
@@ -169,6 +190,8 @@ class Checkpointer:
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+        if self.verify:
+          verify(restored["state"], restored["meta"])
         self._restore_data_position(step, data_iterator)
       except UserError:  # the data position does not fit this run (another global batch): the user's to fix
         raise
@@ -204,8 +227,8 @@ class Checkpointer:
       logging.info("data position of %d processes re-split over %d", len(saved), jax.process_count())
 
   def _fall_back(self, step: int, e: Exception) -> None:
-    logging.warning("checkpoint step %d in %s cannot be restored (%s); falling back to the previous one",
-                    step, self.directory, describe(e))
+    logging.warning("checkpoint step %d in %s cannot be restored (%s); set aside, falling back to the previous "
+                    "one", step, self.directory, describe(e))
     self._set_aside(step)
 
   def _set_aside(self, step: int) -> None:
@@ -222,21 +245,39 @@ class Checkpointer:
     self.manager.close()
 
 
+def verify(state: Any, meta: dict) -> None:
+  """Raises CorruptCheckpoint if an array of a restored ``state`` differs from the fingerprint its checkpoint's
+  ``meta`` recorded at save time, or holds non-finite values. Arrays restored into another dtype than they
+  were saved in (Orbax casts) are checked for finiteness only; checkpoints written before fingerprints
+  existed, likewise."""
+  fingerprints, nonfinite = integrity.summarize(state)
+  dtypes = {integrity.name(p): str(x.dtype) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+  saved = meta.get("fingerprints") or {}
+  wrong = [k for k, (fp, dtype) in saved.items() if k in fingerprints and dtypes[k] == dtype
+           and fingerprints[k] != fp]
+  if wrong:
+    raise CorruptCheckpoint(f"{_some(wrong)} {'does' if len(wrong) == 1 else 'do'} not match the fingerprints "
+                            "written at save time")
+  if nonfinite:
+    raise CorruptCheckpoint(f"non-finite values in {_some(nonfinite)}")
+
+
+def _some(names: list[str]) -> str:
+  names = sorted(names, key=lambda k: (not k.startswith("params"), k))
+  return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+
+
 def saved_tensors(state_dir) -> dict[str, Any]:
   """``'params/layers/mlp/up/kernel' -> ArrayMetadata`` (shape, dtype) of a saved train state, from its
   metadata alone (no tensor data is read)."""
   tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(state_dir)).tree
-  return {_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def _name(path) -> str:
-  return jax.tree_util.keystr(path, simple=True, separator="/")
+  return {integrity.name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _mismatch(saved: dict[str, Any], abstract_state: Any) -> str:
   """What keeps a saved state from restoring into ``abstract_state`` (missing tensors, other shapes), or ''.
   Dtypes may differ: Orbax casts on restore."""
-  wanted = {_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+  wanted = {integrity.name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
   problems = [f"{k} is {tuple(saved[k].shape)} there, {tuple(wanted[k].shape)} here"
               for k in _params_first(saved.keys() & wanted.keys())
               if tuple(saved[k].shape) != tuple(wanted[k].shape)]
@@ -277,6 +318,10 @@ def restore_from(path: str, abstract_state: Any, params_only: bool) -> tuple[Any
     else:
       with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(item, target)
+    meta_file = step_dir / "meta" / "metadata"
+    verify(restored, json.loads(meta_file.read_text()) if meta_file.exists() else {})
+  except CorruptCheckpoint as e:
+    raise CheckpointError(os.fspath(step_dir), f"is corrupt ({e})", "restore from another step or run") from None
   except Exception as e:
     raise CheckpointError(os.fspath(step_dir), f"cannot restore ({describe(e)})",
                           "check that the checkpoint matches this model config") from None

@@ -143,8 +143,10 @@ def base_config() -> ml_collections.ConfigDict:
   ))
 
   c.monitor = ml_collections.ConfigDict(dict(
-      nan_policy="skip",  # non-finite loss or grads: skip (drop the update) | rollback (to the last
-      # checkpoint, skipping the offending batch) | stop. A non-finite update is never applied.
+      nan_policy="skip",  # non-finite loss, grads or updated state: skip (drop the update) | rollback (to the
+      # last checkpoint, skipping the offending batch) | stop. A non-finite update is never applied.
+      max_consecutive_nonfinite=5,  # skip: this many in a row (or one at the last step) roll back; a second
+      # such rollback to the same checkpoint stops the run (exit 1). rollback: at most this many to one checkpoint
       spike_sigma=6.0,  # warn when loss or grad norm exceeds the window mean + k sigma (0: off)
       spike_window=50,  # logged steps in that window
       stagnation_logs=0,  # warn when the loss has not improved for this many log intervals (0: off)
@@ -160,6 +162,7 @@ def base_config() -> ml_collections.ConfigDict:
       "keep_last": 3,  # retention: the newest K checkpoints ...
       "keep_every": 0,  # ... plus every M-th step kept permanently (0: none)
       "async": True,  # save in the background; the loop blocks only for the device-to-host copy
+      "verify": True,  # fingerprint every array at save, check them (and finiteness) at restore
       "restore_from": "",  # start from another run's checkpoint (folder of steps, or one step folder)
       "restore_mode": "params",  # params | state: what restore_from takes from that checkpoint
   })
@@ -233,7 +236,7 @@ def _check_positive(cfg, keys: Iterable[str], allow_zero: bool = False):
 
 def validate_values(cfg: ml_collections.ConfigDict) -> None:
   """Checks that need no devices and no model: ranges, choices and simple relations."""
-  m, t, o = cfg.model, cfg.train, cfg.optim
+  m = cfg.model
   _check_positive(cfg, ["model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads",
                         "model.head_dim", "model.mlp_dim", "model.vocab_size", "data.seq_len",
                         "train.steps", "train.global_batch_size", "data.prefetch", "train.log_every",
@@ -259,7 +262,7 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
   _check_positive(cfg, ["eval.every_steps", "eval.max_batches", "monitor.spike_sigma", "monitor.stagnation_logs",
                         "monitor.watchdog_timeout_s", "metrics.peak_tflops"], allow_zero=True)
   _check_positive(cfg, ["monitor.spike_window", "monitor.watchdog_multiple", "monitor.watchdog_min_s",
-                        "metrics.profile_steps"])
+                        "metrics.profile_steps", "monitor.max_consecutive_nonfinite"])
   _check_positive(cfg, ["checkpoint.keep_last"])
   if not cfg.workdir:
     raise ConfigError("workdir", "is empty", "set --config.workdir=DIR")

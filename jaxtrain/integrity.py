@@ -11,7 +11,6 @@ Orbax's own checksums cover only its index, not the data (zarr3's crc32c is on t
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -52,20 +51,35 @@ def all_finite(tree: Any) -> jax.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
-@functools.partial(jax.jit, static_argnums=())
-def _summarize(tree: Any) -> tuple[Any, Any]:
+def summary(tree: Any) -> tuple[Any, Any]:
+  """(fingerprint, finite) per array of ``tree``, as two pytrees of scalars (traceable: the train step
+  computes it for the state it is about to hand to a checkpoint)."""
   return jax.tree.map(_fingerprint, tree), jax.tree.map(_finite, tree)
 
 
-def summarize(tree: Any) -> tuple[dict[str, int], list[str]]:
-  """``({array name: fingerprint}, [names of arrays with non-finite values])`` of a pytree of jax arrays, in
-  one jitted pass. Names are paths like ``params/layers/attn/o/kernel``."""
-  fingerprints, finite = jax.device_get(_summarize(tree))
+def no_summary(tree: Any) -> tuple[Any, Any]:
+  """What :func:`summary` returns when nothing was computed (the other branch of a ``lax.cond``)."""
+  return (jax.tree.map(lambda _: jnp.zeros((), jnp.uint32), tree),
+          jax.tree.map(lambda _: jnp.bool_(True), tree))
+
+
+def read(summarized: tuple[Any, Any]) -> tuple[dict[str, int], list[str]]:
+  """``({array name: fingerprint}, [names of arrays with non-finite values])`` from a (fetched) summary.
+  Names are paths like ``params/layers/attn/o/kernel``."""
+  fingerprints, finite = jax.device_get(summarized)
   flat_fp = jax.tree_util.tree_flatten_with_path(fingerprints)[0]
-  flat_ok = jax.tree.leaves(finite)
   names = [name(path) for path, _ in flat_fp]
   return ({n: int(v) for n, (_, v) in zip(names, flat_fp)},
-          [n for n, ok in zip(names, flat_ok) if not ok])
+          [n for n, ok in zip(names, jax.tree.leaves(finite)) if not ok])
+
+
+_summary = jax.jit(summary)
+
+
+def summarize(tree: Any) -> tuple[dict[str, int], list[str]]:
+  """:func:`read` of :func:`summary`, computed now in one jitted pass (restores, and saves the step did not
+  summarize)."""
+  return read(_summary(tree))
 
 
 def name(path) -> str:

@@ -189,6 +189,70 @@ def test_truncated_newest_checkpoint_falls_back(make_config, tmp_path, caplog):
   gc.collect()
 
 
+def _flip(path: pathlib.Path, fraction: float) -> None:
+  """What a bad disk or a faulty copy does: 3 bytes inverted at ``fraction`` of the file."""
+  data = bytearray(path.read_bytes())
+  at = int(len(data) * fraction)
+  data[at:at + 3] = bytes(b ^ 0xFF for b in data[at:at + 3])
+  path.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_in_any_data_file_are_detected_and_the_run_falls_back(make_config, tmp_path, caplog):
+  """Orbax reads these back without complaint (its checksums cover only its index); the fingerprints written at
+  save time catch them. The fallback run then continues exactly as an uncorrupted one."""
+  def config(workdir, steps):
+    c = _config(make_config, workdir)
+    c.train.steps, c.checkpoint.every_steps = steps, 4
+    return c
+
+  _, first = trainer.train(config(tmp_path / "run", 12))
+  shutil.copytree(tmp_path / "run", tmp_path / "clean")
+  _, clean = trainer.train(config(tmp_path / "clean", 16))  # resumes from 12
+  expected = {h["step"]: h["loss"] for h in first + clean if h["step"] > 8}
+  files = sorted((p for p in (tmp_path / "run" / "checkpoints" / "12" / "state").rglob("*")
+                  if p.is_file() and p.parent.name == "d"), key=lambda p: -p.stat().st_size)
+  named = set()
+  for rank, fraction in [(0, 0.1), (0, 0.5), (0, 0.9), (1, 0.5), (2, 0.5), (3, 0.3)]:
+    workdir = tmp_path / f"flip-{rank}-{fraction}"
+    shutil.copytree(tmp_path / "run", workdir)
+    _flip(workdir / files[rank].relative_to(tmp_path / "run"), fraction)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+      _, history = trainer.train(config(workdir, 16))
+    warning = [r.getMessage() for r in caplog.records if "cannot be restored" in r.getMessage()]
+    assert len(warning) == 1 and f"checkpoint step 12 in {workdir / 'checkpoints'} cannot be restored (" \
+        "CorruptCheckpoint: " in warning[0] and "the fingerprints written at save time" in warning[0], caplog.text
+    named.add(warning[0].split("CorruptCheckpoint: ")[1].split("/")[0])
+    assert {h["step"]: h["loss"] for h in history} == expected  # fell back to 8, then bitwise the clean run
+    assert [p.name.split("-")[0] for p in (workdir / "checkpoints").iterdir() if not p.name.isdigit()] == \
+        ["corrupt"]
+  assert named == {"params", "opt_state"}  # both parts of the state were hit and caught
+  gc.collect()
+
+
+def test_non_finite_state_is_never_saved_and_a_non_finite_checkpoint_is_corrupt(tmp_path, caplog):
+  good = {"w": jnp.arange(4.0), "moment": jnp.ones((2, 2))}
+  bad = {"w": jnp.array([0.0, jnp.nan, 2.0, 3.0]), "moment": jnp.ones((2, 2))}
+  data = iter([])
+  ckpt = checkpoint_lib.Checkpointer(tmp_path, keep_last=5)
+  ckpt.save(1, good, data, meta={}, config={}, force=True)
+  with pytest.raises(checkpoint_lib.NonFiniteState, match="non-finite values in w"):
+    ckpt.save(2, bad, data, meta={}, config={}, force=True)
+  ckpt.wait()
+  assert ckpt.steps() == [1]
+  unverified = checkpoint_lib.Checkpointer(tmp_path, keep_last=5, verify=False)  # writes it anyway
+  unverified.save(2, bad, data, meta={}, config={}, force=True)
+  unverified.close()
+  ckpt.manager.reload()
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), good)
+  with caplog.at_level("WARNING"):
+    state, _ = ckpt.restore(abstract, data)
+  ckpt.close()
+  assert "checkpoint step 2" in caplog.text and "CorruptCheckpoint: non-finite values in w" in caplog.text
+  np.testing.assert_array_equal(np.asarray(state["w"]), np.arange(4.0))
+  assert [p.name.split("-")[:2] for p in tmp_path.iterdir() if not p.name.isdigit()] == [["corrupt", "2"]]
+
+
 def test_restore_params_from_another_run(make_config, tmp_path):
   source = _config(make_config, tmp_path / "a")
   state_a, _ = trainer.train(source)
@@ -247,7 +311,8 @@ _BROKEN_SAVE_MAIN = ("import runpy, sys; from jaxtrain import checkpoint as c; s
 
 def test_save_failing_for_another_reason_is_reported_as_a_bug_not_a_disk_problem(tmp_path):
   p = subprocess.run([sys.executable, "-c", _BROKEN_SAVE_MAIN, *BASE, f"--config.workdir={tmp_path}",
-                      "--config.train.steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                      "--config.train.steps=2", "--config.checkpoint.verify=false"],  # fingerprints need arrays
+                     cwd=ROOT, capture_output=True, text=True, timeout=300)
   errors = [line for line in p.stderr.splitlines() if line.startswith("jaxtrain: error:")]
   assert p.returncode == 1 and len(errors) == 1, p.stderr[-3000:]
   assert errors[0] == (f"jaxtrain: error: {tmp_path / 'checkpoints'}: saving a checkpoint failed (ValueError: "

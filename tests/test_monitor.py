@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import llama3_8b
-from jaxtrain import metrics, models, monitor
+from jaxtrain import integrity, metrics, models, monitor
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.train import trainer
 
@@ -115,7 +115,7 @@ def test_nan_step_is_skipped_and_never_checkpointed(make_config, tmp_path, polic
   config = _nan_config(make_config, tmp_path / policy, policy, 8)
   with caplog.at_level("WARNING"):
     state, history = trainer.train(config, data=Poisoned(4, *args))
-  assert "step 5: non-finite loss or gradients" in caplog.text
+  assert "step 5: non-finite loss, gradients or updated state; update not applied" in caplog.text
   if policy == "rollback":
     assert "back to checkpoint step 3" in caplog.text
   report = json.loads(pathlib.Path(config.workdir, "bad_batches.jsonl").read_text().splitlines()[0])
@@ -134,6 +134,75 @@ def test_nan_policy_stop(make_config, tmp_path):
   _assert_checkpoints_finite(config.workdir)
   import threading  # the watchdog must not outlive the run (it would kill this process later)
   assert not any(t.name == "jaxtrain-watchdog" for t in threading.enumerate())
+
+
+# A learning rate of 1e30 turns the params huge (but finite) at step 1; every later step's loss is non-finite:
+# a problem that persists whatever the batch, as a diverged model or a bad optimizer state would.
+DIVERGING = ["--config=configs/tiny.py", "--config.train.global_batch_size=8", "--config.data.seq_len=64",
+             "--config.train.log_every=1", "--config.optim.lr=1e30", "--config.optim.warmup_steps=0",
+             "--config.optim.schedule=constant"]
+
+
+def _main(*args):
+  return subprocess.run([sys.executable, "-m", "jaxtrain.main", *DIVERGING, *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300)
+
+
+def test_persistent_non_finite_steps_under_skip_roll_back_then_stop(tmp_path):
+  r = _main(f"--config.workdir={tmp_path}", "--config.train.steps=20", "--config.checkpoint.every_steps=1",
+            "--config.monitor.max_consecutive_nonfinite=3")
+  assert r.returncode == 1, r.stderr[-3000:]
+  # Steps 2-4 fail: back to checkpoint 1; the replay skips their batches, 5-7 fail again: stop.
+  assert "rollback at step 4 (3 non-finite step(s) in a row): back to checkpoint step 1" in r.stderr
+  assert r.stderr.strip().splitlines()[-1] == (
+      "jaxtrain: stopped: step 7: 3 non-finite step(s) in a row again after 1 rollback(s) to checkpoint step 1; "
+      f"the checkpoints are intact (steps: [1]): look at {tmp_path / 'bad_batches.jsonl'}, lower optim.lr or fix "
+      "the data")
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]  # never carried past the problem
+  _assert_checkpoints_finite(tmp_path)
+
+
+def test_a_run_never_exits_0_when_its_last_steps_were_non_finite(tmp_path):
+  r = _main(f"--config.workdir={tmp_path}", "--config.train.steps=3")  # steps 2 and 3 fail, fewer than the limit
+  assert r.returncode == 1, r.stderr[-3000:]
+  assert r.stderr.strip().splitlines()[-1] == (
+      "jaxtrain: stopped: step 3: 2 non-finite step(s) in a row and no checkpoint to roll back to; nothing was "
+      "saved: lower optim.lr or fix the data, or save earlier with checkpoint.every_steps")
+  assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_non_finite_values_injected_into_a_live_state_never_reach_a_checkpoint(make_config, tmp_path, caplog,
+                                                                               monkeypatch):
+  """A fault in device memory (here: NaN written into AdamW's second moment before step 7): the step's guard
+  reports it non-finite and keeps it out of the params, no checkpoint is written from it, and the run rolls back
+  to the last good checkpoint and finishes."""
+  compile_step, poisoned = trainer.compile_step, []
+
+  def compile_with_fault(run, train_step=None):
+    step_fn = compile_step(run, train_step)
+
+    def faulty(state, batch, control):
+      if int(state.step) == 6 and not poisoned:
+        def poison(path, x):
+          if integrity.name(path) != "1/0/nu/layers/attn/o/kernel":
+            return x
+          return jax.device_put(x.at[(0,) * x.ndim].set(np.nan), x.sharding)
+        state = state.replace(opt_state=jax.tree_util.tree_map_with_path(poison, state.opt_state))
+        poisoned.append(True)
+      return step_fn(state, batch, control)
+    return faulty
+
+  monkeypatch.setattr(trainer, "compile_step", compile_with_fault)
+  config = _nan_config(make_config, tmp_path, "skip", 12)
+  config.monitor.max_consecutive_nonfinite = 3
+  with caplog.at_level("WARNING"):
+    state, history = trainer.train(config)
+  assert poisoned and int(state.step) == 12
+  assert "step 7: non-finite loss, gradients or updated state; update not applied" in caplog.text
+  assert "rollback at step 9 (3 non-finite step(s) in a row): back to checkpoint step 6" in caplog.text
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
+  assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [3, 6, 12]  # not 9: it replayed a skipped step
+  _assert_checkpoints_finite(tmp_path)
 
 
 def test_anomaly_detector_flags_spikes_drops_and_stagnation():

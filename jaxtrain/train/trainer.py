@@ -26,6 +26,7 @@ import jaxtrain
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
+from jaxtrain import integrity
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import models
 from jaxtrain import monitor
@@ -146,9 +147,9 @@ def compile_step(run: Run, train_step=None):
   replicated = NamedSharding(run.mesh, P())
   jitted = jax.jit(train_step, in_shardings=(run.state_shardings, run.batch_sharding, replicated),
                    out_shardings=(run.state_shardings, replicated), donate_argnums=0)
+  control = jax.tree.map(lambda x: jax.ShapeDtypeStruct((), x.dtype), step_lib.control())
   with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
-    return jitted.lower(state_lib.abstract(run.model, run.tx), abstract_batch(run),
-                        jax.ShapeDtypeStruct((), np.bool_)).compile()
+    return jitted.lower(state_lib.abstract(run.model, run.tx), abstract_batch(run), control).compile()
 
 
 def init_state(run: Run) -> TrainState:
@@ -167,6 +168,7 @@ def make_checkpointer(config: ml_collections.ConfigDict) -> checkpoint_lib.Check
   c = config.checkpoint
   return checkpoint_lib.Checkpointer(c.dir, every_steps=c.every_steps, every_minutes=c.every_minutes,
                                      keep_last=c.keep_last, keep_every=c.keep_every, async_save=c["async"],
+                                     verify=c.verify,
                                      resplit_data=functools.partial(data_lib.resplit_position,
                                                                     global_batch=config.train.global_batch_size))
 
@@ -309,18 +311,29 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
   recent_records = collections.deque(maxlen=4)  # (step, record ids of this process's rows): provenance
   t_start = time.perf_counter()
 
+  streak = 0  # consecutive new non-finite steps (known bad batches being replayed neither count nor reset)
+  rollbacks = collections.Counter()  # checkpoint step -> rollbacks to it
+  summary = None  # (step, integrity summary) of the newest step that computed one, for its checkpoint
+  summarized = set()  # steps dispatched with summarize=True
+
   def save(step: int, force: bool) -> None:
     checkpointer.save(step, state, data, config=config_dict, force=force, meta={
         "jaxtrain_version": jaxtrain.__version__, "step": step, "mesh": dict(run.mesh.shape),
         "loss": float(last["loss"]) if last else None, "tokens_seen": tokens_seen, "seed": config.train.seed,
         "wall_time": wall_time + time.perf_counter() - t_start, "saved_at": time.time(),
-        "bad_steps": sorted(bad_steps), "skipped_steps": skipped_total})
+        "bad_steps": sorted(bad_steps), "skipped_steps": skipped_total},
+        summary=integrity.read(summary[1]) if summary and summary[0] == step else None)
     interval.checkpoint_blocked += checkpointer.last_save_blocked_s
 
   def finish(step: int, metrics) -> str | None:
     """Step ``step`` is done: fetch its metrics (one step late), apply the NaN policy, log. Returns
-    'rollback' when the run must go back to its last checkpoint."""
-    nonlocal last, tokens_seen, skipped_total, interval
+    'rollback' (policy rollback) or 'escalate' (too many non-finite steps in a row under skip, or a run that
+    would end on one) when the run must go back to its last checkpoint."""
+    nonlocal last, tokens_seen, skipped_total, interval, streak, summary
+    metrics = dict(metrics)
+    computed = metrics.pop("summary")
+    if step in summarized:  # fetched only if this step's state is saved
+      summary = (step, computed)
     last = {k: float(v) for k, v in jax.device_get(metrics).items()}
     if not math.isfinite(last["tokens"]):  # a NaN loss mask: count no tokens for this step
       last["tokens"] = 0.0
@@ -329,16 +342,21 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
     skipped_total += int(last["skipped"])
     interval.steps.append(last)
     action = None
-    if last["nonfinite"] and step not in bad_steps:  # a known bad step is skipped on replay: no new rollback
+    if not last["nonfinite"]:
+      streak = 0
+    elif step not in bad_steps:  # a known bad step is skipped on replay: no new rollback
       bad_steps.add(step)
-      logging.warning("step %d: non-finite loss or gradients; update not applied (policy %s)", step,
-                      m.nan_policy)
-      report_bad_batch(run, step, recent_records, "non-finite loss or gradients")
+      streak += 1
+      logging.warning("step %d: non-finite loss, gradients or updated state; update not applied (policy %s)",
+                      step, m.nan_policy)
+      report_bad_batch(run, step, recent_records, "non-finite loss, gradients or updated state")
       if m.nan_policy == "stop":
-        raise TrainingStopped(f"step {step}: non-finite loss or gradients and monitor.nan_policy=stop; the last "
-                              f"checkpoint is intact (steps: {checkpointer.steps() or 'none'})")
+        raise TrainingStopped(f"step {step}: non-finite loss, gradients or updated state and monitor.nan_policy="
+                              f"stop; the last checkpoint is intact (steps: {checkpointer.steps() or 'none'})")
       if m.nan_policy == "rollback":
         action = "rollback"
+      elif streak >= m.max_consecutive_nonfinite or step == config.train.steps:
+        action = "escalate"
     if step % config.train.log_every == 0 or step == config.train.steps:
       record = interval.record(run, flops, peak, skipped_total)
       found = anomalies(step, record)
@@ -354,6 +372,28 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
       watchdog.beat()
     return action
 
+  def recover(action: str, bad_step: int, why: str = ""):
+    """Back to the newest checkpoint (see _rollback), within limits: under skip, a second escalation to the
+    same checkpoint stops the run (exit 1), as do more than max_consecutive_nonfinite policy rollbacks to it."""
+    nonlocal streak
+    steps = checkpointer.steps()
+    why = why or (f"{streak} non-finite step(s) in a row" if action == "escalate" else "a non-finite step")
+    if steps:
+      rollbacks[steps[-1]] += 1
+      limit = 1 if action == "escalate" else m.max_consecutive_nonfinite
+      if rollbacks[steps[-1]] > limit:
+        raise TrainingStopped(f"step {bad_step}: {why} again after {rollbacks[steps[-1]] - 1} rollback(s) to "
+                              f"checkpoint step {steps[-1]}; the checkpoints are intact (steps: {steps}): look at "
+                              f"{epath.Path(config.workdir) / 'bad_batches.jsonl'}, lower optim.lr or fix the data")
+    elif action == "escalate":
+      raise TrainingStopped(f"step {bad_step}: {why} and no checkpoint to roll back to; nothing was saved: lower "
+                            "optim.lr or fix the data, or save earlier with checkpoint.every_steps")
+    streak = 0
+    return _rollback(run, checkpointer, data, state, bad_step, why)
+
+  def will_save(step: int) -> bool:  # before the step runs: should it summarize its state for a checkpoint?
+    return checkpointer.verify and (step == config.train.steps or checkpointer.should_save(step))
+
   try:  # the watchdog and writers must not outlive the loop, whatever ends it
     with PreemptionGuard() as preemption:
       pending = None  # (step, metrics) dispatched but not yet fetched
@@ -365,22 +405,41 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
         interval.data_wait += time.perf_counter() - t
         recent_records.append((step + 1, local.get("records")))
         _profile(config, step, run)
-        state, metrics = step_fn(state, batch, np.bool_(step + 1 in bad_steps))
+        summarized.discard(step + 1)
+        if will_save(step + 1):
+          summarized.add(step + 1)
+        state, metrics = step_fn(state, batch, step_lib.control(skip=step + 1 in bad_steps,
+                                                                summarize=step + 1 in summarized))
         step += 1
-        if pending is not None and finish(*pending) == "rollback":
-          state, step, pending = _rollback(run, checkpointer, data, state, step - 1)
+        if pending is not None and (action := finish(*pending)):
+          state, step, pending = recover(action, step - 1)
           continue
         pending = (step, metrics)
         stop = preemption.requested(step)
         if stop or step == config.train.steps or checkpointer.should_save(step):
-          if finish(*pending) == "rollback":  # a checkpoint must not follow a bad step under rollback
-            state, step, pending = _rollback(run, checkpointer, data, state, step)
+          if action := finish(*pending):  # a checkpoint must not follow a bad step under rollback
+            state, step, pending = recover(action, step)
             continue
           pending = None
-          save(step, force=stop or step == config.train.steps)
+          forced = stop or step == config.train.steps
+          # A step that did not apply its update leaves a finite state (the step's guard) that has not moved:
+          # a periodic save then waits for a step that does (else replays of known bad batches would carry the
+          # checkpoints past a problem that persists); a forced one only for new non-finite steps.
+          if streak or (last["skipped"] and not forced):
+            logging.warning("step %d: not saving a checkpoint after a step whose update was not applied", step)
+          else:
+            try:
+              save(step, force=forced)
+            except checkpoint_lib.NonFiniteState as e:
+              logging.warning("step %d: not saved: %s", step, e)
+              state, step, pending = recover("escalate", step, why=f"a state with {e}")
+              continue
         if stop:
           checkpointer.wait()
-          logging.info("preempted: saved step %d, exiting", step)
+          if streak:
+            logging.warning("preempted at step %d, not saved (in a run of non-finite steps), exiting", step)
+          else:
+            logging.info("preempted: saved step %d, exiting", step)
           break
       if pending is not None:
         finish(*pending)
@@ -431,16 +490,16 @@ def report_bad_batch(run: Run, step: int, recent_records, why: str) -> None:
     f.write(json.dumps(entry) + "\n")
 
 
-def _rollback(run: Run, checkpointer, data, state, bad_step: int):
+def _rollback(run: Run, checkpointer, data, state, bad_step: int, why: str):
   """Back to the newest checkpoint (params, optimizer state and data position); the loop then replays the
-  batches since, skipping the bad one."""
+  batches since, skipping the bad ones."""
   abstract = state_lib.abstract(run.model, run.tx, run.state_shardings)
   restored = checkpointer.restore(abstract, data)
   if restored is None:
     logging.warning("rollback at step %d: no checkpoint yet; the update was skipped instead", bad_step)
     return state, int(state.step), None
-  logging.warning("rollback: non-finite step %d; back to checkpoint step %d, that batch will be skipped",
-                  bad_step, int(restored[0].step))
+  logging.warning("rollback at step %d (%s): back to checkpoint step %d; the batches of the non-finite steps "
+                  "will be skipped", bad_step, why, int(restored[0].step))
   return restored[0], int(restored[0].step), None
 
 
