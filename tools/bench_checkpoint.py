@@ -7,9 +7,12 @@ Uses the real train state of the config (params + AdamW state, sharded over 8 si
 ~609 MB) after ``--train_steps`` real optimizer steps on synthetic batches, so that it is the state of a run in
 progress: a freshly initialised state has all-zero Adam moments, which Orbax's compressed writes store almost
 for free and which would flatter the synchronous save. Then the real Checkpointer and a synthetic data
-iterator. Per mode, ``--saves`` saves at new steps; the first is reported apart (it sets Orbax up). Blocking =
-the time ``save()`` takes to return, which is what the training loop waits for; for async saves the
-background write is timed up to ``wait()``. Restore = reading the newest checkpoint back onto the mesh.
+iterator. Per mode (sync / async, with and without integrity verification), ``--saves`` saves at new steps; the
+first is reported apart (it sets Orbax up). Blocking = the time ``save()`` takes to return, which is what the
+training loop waits for; for async saves the background write is timed up to ``wait()``. With verification the
+save is handed the state's fingerprints as the train step computes them; the pass that computes them is timed
+apart (it is device work of the save step, not blocking). Restore = reading the newest checkpoint back onto the
+mesh (median of 3), with verification: plus recomputing and comparing the fingerprints and finiteness.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from jaxtrain import checkpoint as checkpoint_lib  # noqa: E402
 from jaxtrain import data as data_lib  # noqa: E402
+from jaxtrain import integrity  # noqa: E402
 from jaxtrain import sharding  # noqa: E402
 from jaxtrain.data.synthetic import SyntheticSource  # noqa: E402
 from jaxtrain.train import state as state_lib  # noqa: E402
@@ -71,34 +75,54 @@ def main(argv):
   results = {"config": _CONFIG.value, "state_bytes": state_bytes, "devices": jax.device_count(),
              "train_steps_before_saving": _TRAIN_STEPS.value}
 
-  for mode in ("sync", "async"):
-    ckpt = checkpoint_lib.Checkpointer(os.path.join(_DIR.value, mode), keep_last=2, async_save=mode == "async")
+  # What a save step's device work grows by with verification: the fingerprints and finiteness of the state,
+  # which the train step computes (lax.cond) when its state is about to be saved.
+  summary_fn = jax.jit(integrity.summary)
+  jax.block_until_ready(summary_fn(state))
+  passes = [timed(lambda: jax.block_until_ready(summary_fn(state)))[1] for _ in range(5)]
+  results["fingerprint_pass_s_median"] = statistics.median(passes)
+  summary = integrity.read(summary_fn(state))
+
+  modes = [(m, v) for v in (False, True) for m in ("sync", "async")]
+  for mode, verify in modes:
+    key = f"{mode}_verified" if verify else mode
+    ckpt = checkpoint_lib.Checkpointer(os.path.join(_DIR.value, key), keep_last=2, async_save=mode == "async",
+                                       verify=verify)
     blocked, written = [], []
     for step in range(1, _SAVES.value + 1):
-      _, b = timed(ckpt.save, step, state, data, meta={"step": step}, config={}, force=True)
+      _, b = timed(ckpt.save, step, state, data, meta={"step": step}, config={}, force=True,
+                   summary=summary if verify else None)
       _, w = timed(ckpt.wait)
       blocked.append(b)
       written.append(b + w)
-    newest = pathlib.Path(_DIR.value, mode, str(ckpt.steps()[-1]))
+    newest = pathlib.Path(_DIR.value, key, str(ckpt.steps()[-1]))
     disk_bytes = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
-    restored, restore_s = timed(ckpt.restore, abstract, data)
-    jax.block_until_ready(restored[0])
+    restores = []
+    for _ in range(3):
+      restored, restore_s = timed(lambda: jax.block_until_ready(ckpt.restore(abstract, data)[0]))
+      restores.append(restore_s)
     ckpt.close()
-    results[mode] = {"first_save_blocked_s": blocked[0], "blocked_s_median": statistics.median(blocked[1:]),
-                     "save_total_s_median": statistics.median(written[1:]), "restore_s": restore_s,
-                     "disk_bytes": disk_bytes, "blocked_s": blocked, "save_total_s": written}
-  results["async_blocking_vs_sync"] = results["async"]["blocked_s_median"] / results["sync"]["blocked_s_median"]
+    results[key] = {"first_save_blocked_s": blocked[0], "blocked_s_median": statistics.median(blocked[1:]),
+                    "save_total_s_median": statistics.median(written[1:]),
+                    "restore_s_median": statistics.median(restores), "disk_bytes": disk_bytes,
+                    "blocked_s": blocked, "save_total_s": written, "restore_s": restores}
+  for suffix in ("", "_verified"):
+    results[f"async_blocking_vs_sync{suffix}"] = (results[f"async{suffix}"]["blocked_s_median"] /
+                                                 results[f"sync{suffix}"]["blocked_s_median"])
 
   mb = state_bytes / 1e6
   print(f"{_CONFIG.value}: params + optimizer state = {mb:,.0f} MB on {jax.device_count()} devices, "
         f"after {_TRAIN_STEPS.value} optimizer steps")
-  print(f"{'mode':<7}{'loop blocked s (median)':>25}{'save total s':>14}{'first save s':>14}{'restore s':>11}"
-        f"{'on disk MB':>12}")
-  for mode in ("sync", "async"):
-    r = results[mode]
-    print(f"{mode:<7}{r['blocked_s_median']:>25.3f}{r['save_total_s_median']:>14.3f}"
-          f"{r['first_save_blocked_s']:>14.3f}{r['restore_s']:>11.3f}{r['disk_bytes'] / 1e6:>12,.0f}")
-  print(f"async blocking / sync save = {results['async_blocking_vs_sync']:.3f}")
+  print(f"{'mode':<7}{'verify':>7}{'loop blocked s (median)':>25}{'save total s':>14}{'first save s':>14}"
+        f"{'restore s':>11}{'on disk MB':>12}")
+  for mode, verify in modes:
+    r = results[f"{mode}_verified" if verify else mode]
+    print(f"{mode:<7}{'yes' if verify else 'no':>7}{r['blocked_s_median']:>25.3f}{r['save_total_s_median']:>14.3f}"
+          f"{r['first_save_blocked_s']:>14.3f}{r['restore_s_median']:>11.3f}{r['disk_bytes'] / 1e6:>12,.0f}")
+  print(f"async blocking / sync save = {results['async_blocking_vs_sync_verified']:.3f} with verification, "
+        f"{results['async_blocking_vs_sync']:.3f} without")
+  print(f"fingerprint + finiteness pass over the state (device work of a save step) = "
+        f"{results['fingerprint_pass_s_median']:.3f} s")
   print(f"wrote {_bench.write_json(_OUT.value, results)}")
   shutil.rmtree(_DIR.value, ignore_errors=True)
 
