@@ -47,7 +47,7 @@ def _one_step(config, batch):
   run = trainer.build(config)
   step = trainer.compile_step(run)
   state = trainer.init_state(run)
-  state, metrics = step(state, data_lib.to_global(batch, run.batch_sharding), step_lib.control())
+  state, metrics = step(state, data_lib.to_global(batch, run.batch_sharding), np.bool_(False))
   return jax.device_get(state.params), jax.device_get(metrics)
 
 

@@ -30,6 +30,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from jaxtrain import checkpoint as checkpoint_lib  # noqa: E402
@@ -38,7 +39,6 @@ from jaxtrain import integrity  # noqa: E402
 from jaxtrain import sharding  # noqa: E402
 from jaxtrain.data.synthetic import SyntheticSource  # noqa: E402
 from jaxtrain.train import state as state_lib  # noqa: E402
-from jaxtrain.train import step as step_lib  # noqa: E402
 from jaxtrain.train import trainer  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "cpu_50m", "Config module under configs/.")
@@ -66,7 +66,7 @@ def main(argv):
   step_fn = trainer.compile_step(run)
   batches = SyntheticSource(config.data.seq_len, config.model.vocab_size, config.train.global_batch_size, 0)
   for _ in range(_TRAIN_STEPS.value):
-    state, _ = step_fn(state, data_lib.to_global(next(batches), run.batch_sharding), step_lib.control())
+    state, _ = step_fn(state, data_lib.to_global(next(batches), run.batch_sharding), np.bool_(False))
   jax.block_until_ready(state)
   abstract = state_lib.abstract(run.model, run.tx, run.state_shardings)
   state_bytes = sharding.total_bytes(abstract)

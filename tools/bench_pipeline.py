@@ -33,7 +33,6 @@ from jaxtrain import sharding  # noqa: E402
 from jaxtrain.config import base_config  # noqa: E402
 from jaxtrain.data.synthetic import SyntheticSource  # noqa: E402
 from jaxtrain.parallel import pipeline as pipeline_lib  # noqa: E402
-from jaxtrain.train import step as step_lib  # noqa: E402
 from jaxtrain.train import trainer  # noqa: E402
 
 _STAGES = flags.DEFINE_list("stages", ["2", "4"], "Pipeline stage counts to measure.")
@@ -118,12 +117,12 @@ def bench_step(stages: int, schedule: str, microbatches: int) -> dict:
     steps[name] = [compiled, state, batch, [], compiled.memory_analysis().temp_size_in_bytes]
   for name in steps:  # warm up
     compiled, state, batch, _, _ = steps[name]
-    steps[name][1], _ = jax.block_until_ready(compiled(state, batch, step_lib.control()))
+    steps[name][1], _ = jax.block_until_ready(compiled(state, batch, np.bool_(False)))
   for _ in range(_REPS.value):
     for name in steps:
       compiled, state, batch, times, _ = steps[name]
       t = time.perf_counter()
-      steps[name][1], m = compiled(state, batch, step_lib.control())
+      steps[name][1], m = compiled(state, batch, np.bool_(False))
       jax.block_until_ready(m)
       times.append(time.perf_counter() - t)
   med = {name: statistics.median(v[3]) for name, v in steps.items()}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxtrain import integrity
@@ -63,24 +62,21 @@ def split_microbatches(batch, num: int):
   return jax.tree.map(split, batch)
 
 
-def control(skip: bool = False, summarize: bool = False) -> dict[str, np.bool_]:
-  """The host's decisions for one step: ``skip`` its update (a known bad batch being replayed), ``summarize``
-  the new state (fingerprints and finiteness, for the checkpoint about to be written)."""
-  return {"skip": np.bool_(skip), "summarize": np.bool_(summarize)}
-
-
 def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
-                    microbatches: int, param_shardings=None, pipeline: pipeline_lib.Schedule | None = None):
-  """``(state, batch, control) -> (state, metrics)``. The loss is the mean over all real target tokens of the
+                    microbatches: int, state_shardings: TrainState | None = None,
+                    pipeline: pipeline_lib.Schedule | None = None):
+  """``(state, batch, skip) -> (state, metrics)``. The loss is the mean over all real target tokens of the
   whole batch, so k microbatches give the same update as one batch k times larger: accumulated one after the
   other, or, with a ``pipeline`` schedule, flowing through its stages together. The update is applied only if
   the loss, the gradient norm and every element of the new params and optimizer state are finite (one fused
-  reduction) and ``control['skip']`` is false; otherwise params and optimizer state stay as they were and only
-  the step counter advances. With ``control['summarize']``, ``metrics['summary']`` holds the fingerprints and
-  finiteness of the returned state (:mod:`jaxtrain.integrity`; zeros otherwise, at no cost)."""
+  reduction per device, :func:`jaxtrain.integrity.all_finite`) and ``skip`` (a host-side decision: a known
+  bad batch being replayed) is false; otherwise params and optimizer state stay as they were and only the step
+  counter advances."""
   grad_fn = jax.value_and_grad(lambda p, b: loss_fn(model, p, b, pipeline), has_aux=True)
+  param_shardings = state_shardings.params if state_shardings is not None else None
+  update_shardings = (param_shardings, state_shardings.opt_state) if state_shardings is not None else None
 
-  def train_step(state: TrainState, batch, control):
+  def train_step(state: TrainState, batch, skip):
     if microbatches == 1 or pipeline is not None:
       (loss_sum, tokens), grads = grad_fn(state.params, batch)
     else:
@@ -97,15 +93,13 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     loss, grad_norm = loss_sum / denom, optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & integrity.all_finite((params, opt_state))
-    apply = finite & ~control["skip"]
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & integrity.all_finite((params, opt_state), update_shardings)
+    apply = finite & ~skip
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)  # noqa: E731
-    new_state = TrainState(step=state.step + 1, params=keep(params, state.params),
-                           opt_state=keep(opt_state, state.opt_state))
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step), "tokens": tokens,
-               "nonfinite": (~finite).astype(jnp.float32), "skipped": (~apply).astype(jnp.float32),
-               "summary": jax.lax.cond(control["summarize"], integrity.summary, integrity.no_summary, new_state)}
-    return new_state, metrics
+               "nonfinite": (~finite).astype(jnp.float32), "skipped": (~apply).astype(jnp.float32)}
+    return TrainState(step=state.step + 1, params=keep(params, state.params),
+                      opt_state=keep(opt_state, state.opt_state)), metrics
 
   return train_step
 

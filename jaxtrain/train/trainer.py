@@ -143,13 +143,13 @@ def abstract_batch(run: Run) -> dict[str, jax.ShapeDtypeStruct]:
 def compile_step(run: Run, train_step=None):
   """The jitted, donated, sharded train step compiled for this run's shapes (one compile)."""
   train_step = train_step or step_lib.make_train_step(
-      run.model, run.tx, run.lr_schedule, run.microbatches, run.state_shardings.params, run.pipeline)
+      run.model, run.tx, run.lr_schedule, run.microbatches, run.state_shardings, run.pipeline)
   replicated = NamedSharding(run.mesh, P())
   jitted = jax.jit(train_step, in_shardings=(run.state_shardings, run.batch_sharding, replicated),
                    out_shardings=(run.state_shardings, replicated), donate_argnums=0)
-  control = jax.tree.map(lambda x: jax.ShapeDtypeStruct((), x.dtype), step_lib.control())
   with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
-    return jitted.lower(state_lib.abstract(run.model, run.tx), abstract_batch(run), control).compile()
+    return jitted.lower(state_lib.abstract(run.model, run.tx), abstract_batch(run),
+                        jax.ShapeDtypeStruct((), np.bool_)).compile()
 
 
 def init_state(run: Run) -> TrainState:
@@ -313,8 +313,7 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
 
   streak = 0  # consecutive new non-finite steps (known bad batches being replayed neither count nor reset)
   rollbacks = collections.Counter()  # checkpoint step -> rollbacks to it
-  summary = None  # (step, integrity summary) of the newest step that computed one, for its checkpoint
-  summarized = set()  # steps dispatched with summarize=True
+  summary = None  # (step, fingerprints and finiteness of its state, being computed) for the next save
 
   def save(step: int, force: bool) -> None:
     checkpointer.save(step, state, data, config=config_dict, force=force, meta={
@@ -329,11 +328,7 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
     """Step ``step`` is done: fetch its metrics (one step late), apply the NaN policy, log. Returns
     'rollback' (policy rollback) or 'escalate' (too many non-finite steps in a row under skip, or a run that
     would end on one) when the run must go back to its last checkpoint."""
-    nonlocal last, tokens_seen, skipped_total, interval, streak, summary
-    metrics = dict(metrics)
-    computed = metrics.pop("summary")
-    if step in summarized:  # fetched only if this step's state is saved
-      summary = (step, computed)
+    nonlocal last, tokens_seen, skipped_total, interval, streak
     last = {k: float(v) for k, v in jax.device_get(metrics).items()}
     if not math.isfinite(last["tokens"]):  # a NaN loss mask: count no tokens for this step
       last["tokens"] = 0.0
@@ -391,7 +386,7 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
     streak = 0
     return _rollback(run, checkpointer, data, state, bad_step, why)
 
-  def will_save(step: int) -> bool:  # before the step runs: should it summarize its state for a checkpoint?
+  def will_save(step: int) -> bool:  # may this step's state be saved (preemption saves compute theirs later)?
     return checkpointer.verify and (step == config.train.steps or checkpointer.should_save(step))
 
   try:  # the watchdog and writers must not outlive the loop, whatever ends it
@@ -405,12 +400,10 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
         interval.data_wait += time.perf_counter() - t
         recent_records.append((step + 1, local.get("records")))
         _profile(config, step, run)
-        summarized.discard(step + 1)
-        if will_save(step + 1):
-          summarized.add(step + 1)
-        state, metrics = step_fn(state, batch, step_lib.control(skip=step + 1 in bad_steps,
-                                                                summarize=step + 1 in summarized))
+        state, metrics = step_fn(state, batch, np.bool_(step + 1 in bad_steps))
         step += 1
+        if will_save(step):  # fingerprints of the state to be saved, dispatched now: computed after the step
+          summary = (step, integrity.summary_async(state))
         if pending is not None and (action := finish(*pending)):
           state, step, pending = recover(action, step - 1)
           continue
@@ -448,11 +441,11 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
     writer.close()
   checkpointer.wait()
   if step == config.train.steps:
-    _summary(config, checkpointer, step, last, last_eval, tokens_seen, wall_time + time.perf_counter() - t_start)
+    _final_report(config, checkpointer, step, last, last_eval, tokens_seen, wall_time + time.perf_counter() - t_start)
   return state, history
 
 
-def _summary(config, checkpointer, step: int, last: dict, last_eval: dict, tokens: int, wall_s: float) -> None:
+def _final_report(config, checkpointer, step: int, last: dict, last_eval: dict, tokens: int, wall_s: float) -> None:
   """The run's last line: where it ended and where everything is."""
   workdir = epath.Path(config.workdir)
   loss = f"loss {last['loss']:.4f}" if last else "no step run"
