@@ -162,6 +162,18 @@ def test_persistent_non_finite_steps_under_skip_roll_back_then_stop(tmp_path):
   _assert_checkpoints_finite(tmp_path)
 
 
+def test_rollback_policy_stops_after_too_many_rollbacks_to_one_checkpoint(tmp_path):
+  r = _main(f"--config.workdir={tmp_path}", "--config.train.steps=20", "--config.checkpoint.every_steps=1",
+            "--config.monitor.max_consecutive_nonfinite=3", "--config.monitor.nan_policy=rollback")
+  assert r.returncode == 1, r.stderr[-3000:]
+  # Each new step fails and rolls back to 1 (the replays skip the known ones): 2, 3, 4, then 5 is one too many.
+  assert [line.split("rollback at step ")[1][:2] for line in r.stderr.splitlines() if "rollback at step" in line] \
+      == ["2 ", "3 ", "4 "]
+  assert r.stderr.strip().splitlines()[-1] == (
+      "jaxtrain: stopped: step 5: a non-finite step again after 3 rollback(s) to checkpoint step 1; the checkpoints "
+      f"are intact (steps: [1]): look at {tmp_path / 'bad_batches.jsonl'}, lower optim.lr or fix the data")
+
+
 def test_a_run_never_exits_0_when_its_last_steps_were_non_finite(tmp_path):
   r = _main(f"--config.workdir={tmp_path}", "--config.train.steps=3")  # steps 2 and 3 fail, fewer than the limit
   assert r.returncode == 1, r.stderr[-3000:]

@@ -141,7 +141,7 @@ def test_train_longer_resumes(user):
 def test_inspect_checkpoint(user):
   out = _ok_out(user.run(readme.command(INSPECT)))
   assert f"{user.repo / 'runs/tiny/checkpoints'}: steps 12" in out
-  assert "params/embed/embedding" in out and "total" in out
+  assert "params/embed/embedding" in out and "total" in out and "fingerprints=39 arrays" in out
 
 
 def test_plot(user):

@@ -69,7 +69,10 @@ def main(argv):
   print(f"{info['directory']}: steps {', '.join(map(str, info['steps']))}")
   if info["not_committed_or_set_aside"]:
     print(f"  also present (ignored on restore): {', '.join(info['not_committed_or_set_aside'])}")
-  print(f"step {info['step']}: " + ", ".join(f"{k}={v}" for k, v in info["meta"].items()))
+  meta = {k: v for k, v in info["meta"].items() if k != "fingerprints"}
+  if "fingerprints" in info["meta"]:
+    meta["fingerprints"] = f"{len(info['meta']['fingerprints'])} arrays"
+  print(f"step {info['step']}: " + ", ".join(f"{k}={v}" for k, v in meta.items()))
   width = max(len(t["name"]) for t in info["tensors"])
   for t in info["tensors"]:
     print(f"  {t['name']:<{width}}  {str(tuple(t['shape'])):<22} {t['dtype']:<9} {t['bytes']:>14,}")

@@ -456,7 +456,7 @@ def _final_report(config, checkpointer, step: int, last: dict, last_eval: dict, 
   where = f"checkpoint {saved}, metrics {workdir / 'metrics.jsonl'}"
   if config.metrics.tensorboard:
     where += f", TensorBoard {workdir / 'tensorboard'}"
-  logging.info("done: step %d/%d, %s, %s tokens, %dm%02ds (this run and those it resumed); %s; plot: python "
+  logging.info("done: step %d/%d, %s, %s tokens, %dm%02ds of training in all; %s; plot: python "
                "tools/plot_metrics.py %s --out=%s", step, config.train.steps, loss, f"{tokens:,}", minutes,
                seconds, where, workdir, workdir / "metrics.png")
 
