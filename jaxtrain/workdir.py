@@ -92,6 +92,16 @@ class WorkdirLock:
       return {}
 
   def _holder_alive(self, held: dict) -> bool:
+    if not held:  # empty or half-written: a live holder writes it right after creating it; a killed one never
+      deadline = time.monotonic() + 5.0
+      while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = self._read()
+        if now is None:
+          return False  # removed meanwhile: free
+        if now:
+          return self._holder_alive(now)
+      return False
     if held.get("host") == socket.gethostname() and isinstance(held.get("pid"), int) and not paths.is_url(
         os.fspath(self.dir)):
       return _pid_alive(held["pid"], held.get("pid_start"))

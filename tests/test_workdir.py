@@ -142,3 +142,10 @@ def test_lock_on_this_host_is_judged_by_its_pid(tmp_path):
   lock = workdir_lib.WorkdirLock(str(tmp_path)).acquire()
   assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
   lock.release()
+
+
+def test_an_empty_lock_left_by_a_run_killed_while_creating_it_is_stale(tmp_path):
+  (tmp_path / "run.lock").write_text("")
+  lock = workdir_lib.WorkdirLock(str(tmp_path)).acquire()
+  assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+  lock.release()
