@@ -91,13 +91,6 @@ def read(summarized: tuple[Any, Any]) -> tuple[dict[str, int], list[str]]:
 _summary = jax.jit(summary)
 
 
-def summary_async(tree: Any) -> tuple[Any, Any]:
-  """:func:`summary` in one jitted pass, dispatched without waiting (the loop starts it right after the step
-  whose state will be saved; the next step may donate ``tree`` meanwhile: JAX keeps it until this has read it).
-  :func:`read` fetches the result."""
-  return _summary(tree)
-
-
 def summarize(tree: Any) -> tuple[dict[str, int], list[str]]:
   """:func:`read` of :func:`summary`, computed now."""
   return read(_summary(tree))

@@ -290,6 +290,9 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
   report(run)
   t0 = time.perf_counter()
   step_fn = compile_step(run)
+  # Fingerprints and finiteness of a state about to be saved (jaxtrain.integrity), compiled now so that the
+  # first save does not wait for a compile.
+  summarize = jax.jit(integrity.summary).lower(state_lib.abstract(run.model, run.tx, run.state_shardings)).compile()
   state, meta = restore_or_init(run, checkpointer, data)
   evaluate = make_evaluator(run) if config.eval.every_steps else None
   logging.info("compiled and initialized in %.1fs", time.perf_counter() - t0)
@@ -315,13 +318,13 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
   rollbacks = collections.Counter()  # checkpoint step -> rollbacks to it
   summary = None  # (step, fingerprints and finiteness of its state, being computed) for the next save
 
-  def save(step: int, force: bool) -> None:
+  def save(step: int, force: bool, fingerprints) -> None:
     checkpointer.save(step, state, data, config=config_dict, force=force, meta={
         "jaxtrain_version": jaxtrain.__version__, "step": step, "mesh": dict(run.mesh.shape),
         "loss": float(last["loss"]) if last else None, "tokens_seen": tokens_seen, "seed": config.train.seed,
         "wall_time": wall_time + time.perf_counter() - t_start, "saved_at": time.time(),
         "bad_steps": sorted(bad_steps), "skipped_steps": skipped_total},
-        summary=integrity.read(summary[1]) if summary and summary[0] == step else None)
+        summary=fingerprints)
     interval.checkpoint_blocked += checkpointer.last_save_blocked_s
 
   def finish(step: int, metrics) -> str | None:
@@ -402,14 +405,16 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
         _profile(config, step, run)
         state, metrics = step_fn(state, batch, np.bool_(step + 1 in bad_steps))
         step += 1
-        if will_save(step):  # fingerprints of the state to be saved, dispatched now: computed after the step
-          summary = (step, integrity.summary_async(state))
+        if will_save(step):  # dispatched now (not waited for): the device runs it right after the step
+          summary = (step, summarize(state))
         if pending is not None and (action := finish(*pending)):
           state, step, pending = recover(action, step - 1)
           continue
         pending = (step, metrics)
         stop = preemption.requested(step)
         if stop or step == config.train.steps or checkpointer.should_save(step):
+          # Wait for the step's fingerprints before its metrics are logged, so that the save follows the log.
+          fingerprints = integrity.read(summary[1]) if summary and summary[0] == step else None
           if action := finish(*pending):  # a checkpoint must not follow a bad step under rollback
             state, step, pending = recover(action, step)
             continue
@@ -422,7 +427,7 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
             logging.warning("step %d: not saving a checkpoint after a step whose update was not applied", step)
           else:
             try:
-              save(step, force=forced)
+              save(step, forced, fingerprints)
             except checkpoint_lib.NonFiniteState as e:
               logging.warning("step %d: not saved: %s", step, e)
               state, step, pending = recover("escalate", step, why=f"a state with {e}")
