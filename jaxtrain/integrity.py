@@ -37,7 +37,8 @@ def _fingerprint(x: jax.Array) -> jax.Array:
   weight = jnp.full(bits.shape, 1, jnp.uint32)
   stride = 1
   for dim in reversed(range(bits.ndim)):
-    weight = weight + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, dim) * np.uint32(2 * _GOLDEN * stride % 2**32)
+    multiplier = np.uint32(2 * _GOLDEN * stride % 2**32)
+    weight = weight + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, dim) * multiplier
     stride = stride * bits.shape[dim] % 2**32
   return jnp.sum(bits * weight, dtype=jnp.uint32)
 
@@ -52,15 +53,16 @@ def all_finite(tree: Any, shardings: Any = None) -> jax.Array:
   combine one scalar (a single psum); left to XLA, every array gets its own reduction and cross-device
   reduction, which on small models costs more than the check itself (tiny: ~75 extra fusions per step).
   Summing ``x * 0`` carries any NaN or infinity into that scalar."""
-  pairs = [(x, s) for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings) if shardings is not None
-                                  else [None] * len(jax.tree.leaves(tree))) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  leaves = jax.tree.leaves(tree)
+  layouts = jax.tree.leaves(shardings) if shardings is not None else [None] * len(leaves)
+  pairs = [(x, s) for x, s in zip(leaves, layouts, strict=True) if jnp.issubdtype(x.dtype, jnp.inexact)]
   if not pairs:
     return jnp.bool_(True)
+  xs = [x for x, _ in pairs]
 
-  def local_sum(*xs):  # one reduction over all arrays (XLA fuses the concatenation into it)
+  def local_sum(*xs):  # one reduction over all the arrays
     return jnp.sum(jnp.concatenate([x.astype(jnp.float32).ravel() for x in xs]) * 0)
 
-  xs = [x for x, _ in pairs]
   if shardings is None:
     return jnp.isfinite(local_sum(*xs))
   mesh = pairs[0][1].mesh

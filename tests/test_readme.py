@@ -36,7 +36,8 @@ PREPARE = "tools/prepare_data.py"
 TRAIN_PREPARED = "--config.data.path=data/my_texts"
 # Shown but not runnable here, with the reason.
 NOT_RUN = {
-    TEST_COMMAND: "the test command itself: .ci/run runs it, read from the README (test_ci_runs_the_readme_test_command)",
+    TEST_COMMAND: "the test command itself: .ci/run runs it, read from the README "
+                  "(test_ci_runs_the_readme_test_command)",
     "--config.workdir=gs://bucket/run1": "needs a Cloud Storage bucket and the memory of an 8B model",
 }
 

@@ -38,7 +38,8 @@ def main(argv):
   try:
     manifest = prepare.prepare(prepare.Options(
         inputs=[paths.resolve(i) for i in _INPUT.value], output=paths.resolve(_OUTPUT.value),
-        tokenizer=_TOKENIZER.value if _TOKENIZER.value == "byte" else paths.resolve(_TOKENIZER.value), field=_FIELD.value,
+        tokenizer=_TOKENIZER.value if _TOKENIZER.value == "byte" else paths.resolve(_TOKENIZER.value),
+        field=_FIELD.value,
         seed=_SEED.value, eval_fraction=_EVAL.value, text_split=_SPLIT.value, shard_mib=_SHARD_MIB.value,
         workers=_WORKERS.value, overwrite=_OVERWRITE.value, progress=sys.stderr.isatty()))
   except UserError as e:

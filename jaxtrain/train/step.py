@@ -93,7 +93,8 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     loss, grad_norm = loss_sum / denom, optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & integrity.all_finite((params, opt_state), update_shardings)
+    finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+              & integrity.all_finite((params, opt_state), update_shardings))
     apply = finite & ~skip
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)  # noqa: E731
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step), "tokens": tokens,
