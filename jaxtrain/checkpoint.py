@@ -135,8 +135,8 @@ class Checkpointer:
       fingerprints, nonfinite = summary if summary is not None else integrity.summarize(state)
       if nonfinite:
         raise NonFiniteState(f"non-finite values in {_some(nonfinite)}")
-      dtypes = {integrity.name(p): str(x.dtype) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
-      meta = {**meta, "fingerprints": {k: [v, dtypes[k]] for k, v in fingerprints.items()}}
+      arrays = integrity.named(state)
+      meta = {**meta, "fingerprints": {k: [v, str(arrays[k].dtype)] for k, v in fingerprints.items()}}
     items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
                  config=ocp.args.JsonSave(config))
     if isinstance(data_iterator, grain.DatasetIterator):
@@ -251,9 +251,9 @@ def verify(state: Any, meta: dict) -> None:
   were saved in (Orbax casts) are checked for finiteness only; checkpoints written before fingerprints
   existed, likewise."""
   fingerprints, nonfinite = integrity.summarize(state)
-  dtypes = {integrity.name(p): str(x.dtype) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+  arrays = integrity.named(state)
   saved = meta.get("fingerprints") or {}
-  wrong = [k for k, (fp, dtype) in saved.items() if k in fingerprints and dtypes[k] == dtype
+  wrong = [k for k, (fp, dtype) in saved.items() if k in fingerprints and str(arrays[k].dtype) == dtype
            and fingerprints[k] != fp]
   if wrong:
     raise CorruptCheckpoint(f"{_some(wrong)} {'does' if len(wrong) == 1 else 'do'} not match the fingerprints "
@@ -263,7 +263,7 @@ def verify(state: Any, meta: dict) -> None:
 
 
 def _some(names: list[str]) -> str:
-  names = sorted(names, key=lambda k: (not k.startswith("params"), k))
+  names = _params_first(names)
   return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
 
 
@@ -271,13 +271,13 @@ def saved_tensors(state_dir) -> dict[str, Any]:
   """``'params/layers/mlp/up/kernel' -> ArrayMetadata`` (shape, dtype) of a saved train state, from its
   metadata alone (no tensor data is read)."""
   tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(state_dir)).tree
-  return {integrity.name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return integrity.named(tree)
 
 
 def _mismatch(saved: dict[str, Any], abstract_state: Any) -> str:
   """What keeps a saved state from restoring into ``abstract_state`` (missing tensors, other shapes), or ''.
   Dtypes may differ: Orbax casts on restore."""
-  wanted = {integrity.name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+  wanted = integrity.named(abstract_state)
   problems = [f"{k} is {tuple(saved[k].shape)} there, {tuple(wanted[k].shape)} here"
               for k in _params_first(saved.keys() & wanted.keys())
               if tuple(saved[k].shape) != tuple(wanted[k].shape)]

@@ -84,10 +84,7 @@ def read(summarized: tuple[Any, Any]) -> tuple[dict[str, int], list[str]]:
   """``({array name: fingerprint}, [names of arrays with non-finite values])`` from a (fetched) summary.
   Names are paths like ``params/layers/attn/o/kernel``."""
   fingerprints, finite = jax.device_get(summarized)
-  flat_fp = jax.tree_util.tree_flatten_with_path(fingerprints)[0]
-  names = [name(path) for path, _ in flat_fp]
-  return ({n: int(v) for n, (_, v) in zip(names, flat_fp)},
-          [n for n, ok in zip(names, jax.tree.leaves(finite)) if not ok])
+  return ({k: int(v) for k, v in named(fingerprints).items()}, [k for k, ok in named(finite).items() if not ok])
 
 
 _summary = jax.jit(summary)
@@ -100,3 +97,9 @@ def summarize(tree: Any) -> tuple[dict[str, int], list[str]]:
 
 def name(path) -> str:
   return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def named(tree: Any) -> dict[str, Any]:
+  """``{'params/layers/attn/o/kernel': leaf, ...}``: the leaves of a pytree by path (the names checkpoints,
+  fingerprints and error messages use)."""
+  return {name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}

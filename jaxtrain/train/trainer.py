@@ -292,7 +292,9 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
   step_fn = compile_step(run)
   # Fingerprints and finiteness of a state about to be saved (jaxtrain.integrity), compiled now so that the
   # first save does not wait for a compile.
-  summarize = jax.jit(integrity.summary).lower(state_lib.abstract(run.model, run.tx, run.state_shardings)).compile()
+  if checkpointer.verify:
+    summarize = jax.jit(integrity.summary).lower(state_lib.abstract(run.model, run.tx, run.state_shardings))
+    summarize = summarize.compile()
   state, meta = restore_or_init(run, checkpointer, data)
   evaluate = make_evaluator(run) if config.eval.every_steps else None
   logging.info("compiled and initialized in %.1fs", time.perf_counter() - t0)
