@@ -69,10 +69,26 @@ def storage_error(e: BaseException) -> BaseException | None:
     if x is None or id(x) in seen:
       continue
     seen.add(id(x))
-    if isinstance(x, OSError) or any(w in str(x) for w in _STORAGE_WORDS):
+    if isinstance(x, OSError) or _os_error_code(x) or any(w in str(x) for w in _STORAGE_WORDS):
       return x
     todo += [x.__cause__, x.__context__, *getattr(x, "exceptions", ())]
   return None
+
+
+def _os_error_code(e: BaseException) -> int | None:
+  if isinstance(e, OSError) and e.errno:
+    return e.errno
+  match = re.search(r"os_error_code='?(\d+)", str(e))  # how TensorStore reports the errno
+  return int(match.group(1)) if match else None
+
+
+def storage_reason(e: BaseException) -> str:
+  """The storage failure in a few words ("File too large"), first in the message: TensorStore buries it in
+  the middle of a long one, which describe() may shorten."""
+  code = _os_error_code(e)
+  if code:
+    return os.strerror(code)
+  return next((w for w in _STORAGE_WORDS if w in str(e)), type(e).__name__)
 
 
 def describe(e: BaseException, limit: int = 240) -> str:
@@ -165,7 +181,8 @@ class Checkpointer:
     is (SaveFailed, with the original error as its cause) and never blamed on the disk."""
     cause = storage_error(e)
     if cause is not None:
-      return CheckpointError(os.fspath(self.directory), f"saving a checkpoint failed ({describe(cause)})",
+      return CheckpointError(os.fspath(self.directory), f"saving a checkpoint failed: {storage_reason(cause)} "
+                             f"({describe(cause)})",
                              "free disk space or fix permissions; earlier checkpoints are intact")
     failed = SaveFailed(f"{os.fspath(self.directory)}: saving a checkpoint failed ({describe(e)}); this is not a "
                         "storage problem but a bug in jaxtrain or a library it uses; earlier checkpoints are intact")

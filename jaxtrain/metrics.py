@@ -48,6 +48,16 @@ def device_memory_bytes() -> int | None:
   return stats.get("bytes_in_use") if stats else None
 
 
+def _drop_torn_line(path: epath.Path) -> None:
+  """A run killed while appending a record leaves a partial last line; cut it so the file stays JSON Lines."""
+  if not path.exists():
+    return
+  data = path.read_bytes()
+  if data and not data.endswith(b"\n"):
+    logging.warning("%s: dropping a partial last record (the previous run was killed while writing it)", path)
+    path.write_bytes(data[:data.rfind(b"\n") + 1])
+
+
 class MetricWriter:
   """Console (a tqdm bar on a TTY, plain log lines otherwise), ``metrics.jsonl``, TensorBoard and W&B."""
 
@@ -58,9 +68,12 @@ class MetricWriter:
     self.tb = self.wandb = self.bar = None
     if not self.enabled:
       return
+    _drop_torn_line(self.path)
     if metrics_cfg.tensorboard:
       from tensorboardX import SummaryWriter
-      self.tb = SummaryWriter(str(epath.Path(workdir) / "tensorboard"))
+      # A resumed run re-logs the steps after its checkpoint: TensorBoard hides the earlier run's copies.
+      self.tb = SummaryWriter(str(epath.Path(workdir) / "tensorboard"),
+                              purge_step=start_step + 1 if start_step else None)
     if metrics_cfg.wandb:
       try:
         import wandb
