@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, resume on another mesh, kills, SIGTERM, corrupt fallback, write errors, 2 processes."""
 
+import datetime
 import gc
 import json
 import os
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -51,8 +53,17 @@ def _params(workdir, step):
 
 
 def _committed(workdir):
-  root = pathlib.Path(workdir) / "checkpoints"
+  return _committed_in(pathlib.Path(workdir) / "checkpoints")
+
+
+def _committed_in(root):
   return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.exists() else []
+
+
+def _at(tree, keys):
+  for k in keys:
+    tree = tree[k]
+  return tree
 
 
 def _assert_bitwise(a, b):
@@ -164,17 +175,20 @@ def _config(make_config, workdir, **mesh):
 @pytest.mark.parametrize("mesh,devices", [(dict(data=2, fsdp=2, tensor=2), 8), (dict(fsdp=4), 4)],
                          ids=["(1,8,1)->(2,2,2)", "8->4 devices"])
 def test_resume_on_another_mesh(make_config, tmp_path, mesh, devices):
-  full = _config(make_config, tmp_path / "full", fsdp=8)
-  full.train.steps = 20
-  _, h_full = trainer.train(full)
-  first = _config(make_config, tmp_path / "elastic", fsdp=8)
-  trainer.train(first)
-  second = _config(make_config, tmp_path / "elastic", **mesh)
-  second.train.steps = 20
-  state, h_resumed = trainer.train(second, devices=jax.devices()[:devices])
+  """On the bundled corpus (packed rows: the trained-on token count differs from batch to batch), so equal
+  counts per step mean the resumed run reads the same batches in the same order."""
+  def corpus_config(workdir, steps, **mesh):
+    config = _config(make_config, workdir, **mesh)
+    config.data.source, config.train.steps = "arrayrecord", steps
+    return config
+
+  _, h_full = trainer.train(corpus_config(tmp_path / "full", 20, fsdp=8))
+  trainer.train(corpus_config(tmp_path / "elastic", 10, fsdp=8))
+  state, h_resumed = trainer.train(corpus_config(tmp_path / "elastic", 20, **mesh), devices=jax.devices()[:devices])
   assert [h["step"] for h in h_resumed] == list(range(11, 21))
   np.testing.assert_allclose([h["loss"] for h in h_resumed], [h["loss"] for h in h_full[10:]], rtol=1e-5)
-  assert [h["tokens"] for h in h_resumed] == [h["tokens"] for h in h_full[10:]]  # same data order
+  tokens = [h["tokens"] for h in h_full]
+  assert len(set(tokens)) > 1 and [h["tokens"] for h in h_resumed] == tokens[10:]  # same data order
   assert state.params["layers"]["mlp"]["up"]["kernel"].sharding.mesh.size == devices
 
 
@@ -286,6 +300,29 @@ def test_restore_params_from_another_run(make_config, tmp_path):
                state_a.params, state_b.params)
 
 
+@pytest.mark.parametrize("mode", ["params", "state"])
+def test_restore_from_takes_the_params_or_the_whole_state(make_config, tmp_path, mode):
+  """restore_mode=state starts from the other run's whole state (step, optimizer moments) on this run's mesh;
+  params takes its params and a fresh optimizer at step 0."""
+  source = _config(make_config, tmp_path / "a")
+  state_a, _ = trainer.train(source)
+  target = _config(make_config, tmp_path / "b", data=2, fsdp=4)
+  target.checkpoint.update(restore_from=str(tmp_path / "a" / "checkpoints"), restore_mode=mode)
+  run = trainer.build(target)
+  fresh = trainer.init_state(run)
+  checkpointer = trainer.make_checkpointer(run.config)
+  try:
+    state_b, _ = trainer.restore_or_init(run, checkpointer, None)
+  finally:
+    checkpointer.close()
+  expected = state_a if mode == "state" else fresh.replace(params=state_a.params)
+  assert int(state_b.step) == (10 if mode == "state" else 0)
+  _assert_bitwise(jax.device_get(state_b.params), jax.device_get(expected.params))
+  _assert_bitwise(jax.device_get(state_b.opt_state), jax.device_get(expected.opt_state))
+  kernel = ("layers", "mlp", "up", "kernel")
+  assert _at(state_b.params, kernel).sharding == _at(fresh.params, kernel).sharding  # this run's mesh
+
+
 def test_unwritable_checkpoint_dir_is_a_clear_error(tmp_path):
   p = _start(tmp_path, "--config.checkpoint.dir=/proc/jaxtrain-ckpt")
   _, err = p.communicate(timeout=120)
@@ -362,18 +399,55 @@ def test_resume_into_another_model_or_batch_is_a_clear_error_and_touches_nothing
   assert {p: p.read_bytes() for p in (tmp_path / "checkpoints").rglob("*") if p.is_file()} == before
 
 
-def test_every_minutes_saves_by_wall_clock(tmp_path):
-  ckpt = checkpoint_lib.Checkpointer(tmp_path, every_minutes=0.05, keep_last=5)  # at most one save per 3 s
+class _Clock(datetime.datetime):
+  """Orbax's clock for save decisions, moved forward by the test instead of by sleeping."""
+  ahead = datetime.timedelta()
+
+  @classmethod
+  def now(cls, tz=None):
+    return datetime.datetime.now(tz) + cls.ahead
+
+
+def test_every_minutes_saves_by_the_clock(tmp_path, monkeypatch):
+  monkeypatch.setattr(ocp.checkpoint_manager, "datetime", types.SimpleNamespace(
+      datetime=_Clock, timezone=datetime.timezone, timedelta=datetime.timedelta))
+  ckpt = checkpoint_lib.Checkpointer(tmp_path, every_minutes=1, keep_last=5)
   state = {"w": jnp.arange(4.0)}
   try:
     assert ckpt.should_save(1)
     ckpt.save(1, state, None, meta={}, config={})
     ckpt.wait()
+    _Clock.ahead = datetime.timedelta(seconds=59)
     assert not ckpt.should_save(2)
-    time.sleep(3.2)
+    _Clock.ahead = datetime.timedelta(seconds=61)
     assert ckpt.should_save(3)
   finally:
+    _Clock.ahead = datetime.timedelta()
     ckpt.close()
+
+
+@pytest.mark.parametrize("keep_last,keep_every,kept", [(3, 0, [8, 9, 10]), (2, 4, [4, 8, 9, 10]),
+                                                        (1, 3, [3, 6, 9, 10])])
+def test_retention_keeps_exactly_the_newest_and_every_nth(tmp_path, keep_last, keep_every, kept):
+  ckpt = checkpoint_lib.Checkpointer(tmp_path, every_steps=1, keep_last=keep_last, keep_every=keep_every)
+  try:
+    for step in range(1, 11):
+      assert ckpt.save(step, {"w": jnp.full((4,), float(step))}, None, meta={}, config={})
+    ckpt.wait()
+  finally:
+    ckpt.close()
+  assert _committed_in(tmp_path) == kept
+
+
+def test_sync_save_is_committed_when_save_returns(tmp_path):
+  ckpt = checkpoint_lib.Checkpointer(tmp_path, every_steps=1, async_save=False)
+  try:
+    ckpt.save(1, {"w": jnp.arange(4.0)}, None, meta={}, config={})
+    assert _committed_in(tmp_path) == [1] and not any("tmp" in p.name for p in tmp_path.iterdir())
+    restored, _ = ckpt.restore({"w": jax.ShapeDtypeStruct((4,), jnp.float32)}, None)
+  finally:
+    ckpt.close()
+  np.testing.assert_array_equal(restored["w"], np.arange(4.0))
 
 
 def test_two_processes_save_restore_and_continue(tmp_path):

@@ -69,10 +69,14 @@ def test_params_and_moments_sharded_as_declared(make_config, data, fsdp, tensor,
 
 
 def test_fsdp_shards_everything_one_eighth(make_config):
-  run = trainer.build(make_config(fsdp=8))
-  info = trainer.report(run)
+  config = make_config(fsdp=8)
+  config.sharding.report_replicated_mib = 0  # report every replicated parameter, however small
+  info = trainer.report(trainer.build(config))
+  assert info["params"] == 131_392 and info["param_bytes_total"] == 4 * 131_392
   assert info["param_bytes_per_device"] == info["param_bytes_total"] / 8
-  assert info["opt_bytes_per_device"] <= 1.01 * info["opt_bytes_total"] / 8
+  # AdamW: two fp32 moments per parameter, sharded like it, plus two replicated int32 step counts
+  assert info["opt_bytes_total"] == 2 * info["param_bytes_total"] + 8
+  assert info["opt_bytes_per_device"] == 2 * info["param_bytes_per_device"] + 8
   assert info["replicated"] == []
 
 
