@@ -60,27 +60,28 @@ class AnomalyDetector:
 class Watchdog:
   """A daemon thread that kills the process if no heartbeat arrives in time.
 
-  The limit is ``multiple`` x the median gap between heartbeats seen so far (at least ``min_s``), or
-  ``timeout_s`` when given. When it fires it prints every thread's stack to stderr and exits with code 3:
-  crashes are better than hangs, because a scheduler restarts a crashed job.
+  The limit is ``multiple`` x the median gap between heartbeats seen so far (at least ``min_s``; 10 x ``min_s``
+  before the first one), or ``timeout_s`` when given. When it fires it prints every thread's stack to stderr and
+  exits with code 3: crashes are better than hangs, because a scheduler restarts a crashed job.
   """
 
   EXIT_CODE = 3
 
-  def __init__(self, multiple: float = 10.0, min_s: float = 60.0, timeout_s: float = 0.0):
+  def __init__(self, multiple: float = 10.0, min_s: float = 60.0, timeout_s: float = 0.0, clock=time.monotonic):
     self.multiple, self.min_s, self.timeout_s = multiple, min_s, timeout_s
-    self._last = time.monotonic()
+    self._clock = clock  # seconds, monotonic; tests pass a fake one
+    self._last = clock()
     self._gaps = collections.deque(maxlen=100)
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name="jaxtrain-watchdog", daemon=True)
 
   def start(self) -> "Watchdog":
-    self._last = time.monotonic()
+    self._last = self._clock()
     self._thread.start()
     return self
 
   def beat(self) -> None:
-    now = time.monotonic()
+    now = self._clock()
     self._gaps.append(now - self._last)
     self._last = now
 
@@ -89,15 +90,24 @@ class Watchdog:
       return self.timeout_s
     return max(self.min_s, self.multiple * statistics.median(self._gaps)) if self._gaps else self.min_s * 10
 
+  def overdue(self) -> float | None:
+    """Seconds since the last heartbeat (or the start) when that is past the limit, else None."""
+    waited = self._clock() - self._last
+    return waited if waited > self.limit() else None
+
   def _run(self) -> None:
     while not self._stop.wait(min(1.0, self.limit() / 10)):
-      waited = time.monotonic() - self._last
-      if waited > self.limit():
-        print(f"jaxtrain: watchdog: no step finished for {waited:.1f}s (limit {self.limit():.1f}s); "
-              "stacks of all threads follow, then exit", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
-        os._exit(self.EXIT_CODE)
+      waited = self.overdue()
+      if waited is not None:
+        self._expire(waited)
+        return
+
+  def _expire(self, waited: float) -> None:
+    print(f"jaxtrain: watchdog: no step finished for {waited:.1f}s (limit {self.limit():.1f}s); "
+          "stacks of all threads follow, then exit", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(self.EXIT_CODE)
 
   def stop(self) -> None:
     self._stop.set()

@@ -1,5 +1,6 @@
-"""One process of the 2-process data test (see test_data.py): reads its lanes for one epoch and the
-first global batch, and writes what it saw to --out."""
+"""One process of the 2-process data tests (see test_data.py): reads its lanes for one epoch and the
+first global batch, and writes what it saw to --out; writes its share of the eval batches (what training
+evaluates on) to --eval_out."""
 
 import argparse
 import hashlib
@@ -16,7 +17,7 @@ from jaxtrain.data import pipeline
 from tests.multiprocess import init_distributed
 
 parser = argparse.ArgumentParser()
-for name in ("coordinator", "data", "out"):
+for name in ("coordinator", "data", "out", "eval_out"):
   parser.add_argument(f"--{name}")
 for name in ("num_processes", "process_id", "global_batch", "seq_len", "seed"):
   parser.add_argument(f"--{name}", type=int)
@@ -63,3 +64,10 @@ data_lib.close(it)
 with open(args.out.format(jax.process_index()), "w") as f:
   json.dump({"docs": [hashlib.sha256(np.asarray(d, np.int32).tobytes()).hexdigest() for d in epoch],
              "batch": {k: v.tolist() for k, v in gathered.items()}}, f)
+
+# This process's eval batches, as training gets them (its process index and count from jax.distributed).
+config = base_config()
+config.data.path, config.data.seq_len = args.data, args.seq_len
+config.train.global_batch_size, config.eval.max_batches = args.global_batch, 0
+evals = data_lib.open_eval(config)
+np.savez(args.eval_out.format(jax.process_index()), **{k: np.stack([b[k] for b in evals]) for k in evals[0]})

@@ -1,19 +1,24 @@
 """Observability: FLOPs and MFU, writers, NaN policies, anomaly warnings, watchdog, plots, profiler."""
 
+import functools
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
-import time
+import threading
 
+import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
 from configs import llama3_8b
+from jaxtrain import data as data_lib
 from jaxtrain import integrity, metrics, models, monitor
+from jaxtrain.data import pipeline, prepare
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.train import trainer
 
@@ -39,24 +44,56 @@ def test_peak_table():
   assert metrics.peak_flops_per_device(0, Kind("cpu")) is None
 
 
+def _records(workdir) -> list[dict]:
+  return [json.loads(line) for line in pathlib.Path(workdir, "metrics.jsonl").read_text().splitlines()]
+
+
+# FLOPs per token of small_config (tests/conftest.py) at seq_len 32. Its parameters: 2 layers of q (64 x 128),
+# k and v (64 x 64 each), o (128 x 64), gate, up and down (64 x 128 each) and two norms (64 each): 49,280 per
+# layer; a final norm (64); a token table (256 x 64) and, untied, an output projection (64 x 256).
+SMALL_LAYERS, SMALL_TABLE = 2 * 49_280 + 64, 256 * 64
+SMALL_ATTENTION = 12 * 2 * 8 * 16 * 32  # 12 x layers x heads x head_dim x seq_len
+SMALL_FLOPS_PER_TOKEN = 6 * (SMALL_LAYERS + SMALL_TABLE) + SMALL_ATTENTION
+
+
+def test_flops_per_token_counts_the_output_projection_once_tied_or_not(make_config):
+  untied = models.Model.from_config(make_config().model)
+  tied_config = make_config()
+  tied_config.model.tie_embeddings = True
+  tied = models.Model.from_config(tied_config.model)
+  assert untied.num_params() == SMALL_LAYERS + 2 * SMALL_TABLE and tied.num_params() == SMALL_LAYERS + SMALL_TABLE
+  # The input lookup is no matmul; the output projection is, with its own matrix or with the shared table.
+  assert metrics.flops_per_token(untied, 32) == metrics.flops_per_token(tied, 32) == SMALL_FLOPS_PER_TOKEN == 788_352
+
+
 def test_mfu_on_console_jsonl_and_tensorboard(make_config, caplog):
   from tensorboard.backend.event_processing import event_accumulator
   config = make_config(fsdp=8)
-  config.metrics.peak_tflops = 0.01  # a made-up CPU peak, so that MFU is reported
+  peak = 0.01e12
+  config.metrics.peak_tflops = 0.01  # a made-up CPU peak per device (FLOP/s = 1e12 x this), so that MFU is reported
   with caplog.at_level("INFO"):
     _, history = trainer.train(config)
-  assert "MFU" in caplog.text and "TFLOP/s/device" in caplog.text
-  records = [json.loads(line) for line in pathlib.Path(config.workdir, "metrics.jsonl").read_text().splitlines()]
-  assert all(0 < r["mfu"] < 100 for r in records)
-  flops = metrics.flops_per_token(trainer.build(config).model, 32)
-  r = records[-1]
-  np.testing.assert_allclose(r["tflops_per_device"], flops * 16 * 32 / r["step_time"] / 8 / 1e12, rtol=1e-6)
+  records = _records(config.workdir)
+  assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+  assert metrics.flops_per_token(trainer.build(config).model, 32) == SMALL_FLOPS_PER_TOKEN
+  for r in records:  # one step per log; every synthetic position is a target: 16 x 32 tokens per step
+    np.testing.assert_allclose(r["tokens_per_sec"], 16 * 32 / r["step_time"], rtol=1e-12)
+    np.testing.assert_allclose(r["tflops_per_device"], SMALL_FLOPS_PER_TOKEN * r["tokens_per_sec"] / 8 / 1e12,
+                               rtol=1e-12)
+    np.testing.assert_allclose(r["mfu"], SMALL_FLOPS_PER_TOKEN * r["tokens_per_sec"] / (8 * peak), rtol=1e-12)
+  # The console shows the very figures of metrics.jsonl.
+  lines = [rec.getMessage() for rec in caplog.records if re.match(r"step \d+/5 \| ", rec.getMessage())]
+  assert lines == [f"step {r['step']}/5 | loss {r['loss']:.4f} | grad_norm {r['grad_norm']:.3f} | lr {r['lr']:.2e} | "
+                   f"{r['tokens_per_sec']:,.0f} tok/s | {r['tflops_per_device']:.3g} TFLOP/s/device | "
+                   f"MFU {100 * r['mfu']:.1f}% | {r['step_time']:.3f}s/step" for r in records]
   events = event_accumulator.EventAccumulator(os.fspath(pathlib.Path(config.workdir) / "tensorboard"))
   events.Reload()
   tags = events.Tags()["scalars"]
   assert {"loss", "mfu", "tokens_per_sec", "grad_norm", "lr", "data_wait_s"} <= set(tags)
-  assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4, 5]
-  np.testing.assert_allclose(events.Scalars("loss")[-1].value, history[-1]["loss"], rtol=1e-6)
+  for tag in ("loss", "mfu", "tokens_per_sec"):
+    assert [e.step for e in events.Scalars(tag)] == [1, 2, 3, 4, 5]
+    np.testing.assert_allclose([e.value for e in events.Scalars(tag)], [r[tag] for r in records], rtol=1e-6)
+  np.testing.assert_allclose(records[-1]["loss"], history[-1]["loss"], rtol=1e-12)
 
 
 class Poisoned(SyntheticSource):
@@ -183,6 +220,20 @@ def test_a_run_never_exits_0_when_its_last_steps_were_non_finite(tmp_path):
   assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
+def test_nan_policy_stop_on_the_command_line(tmp_path):
+  r = _main(f"--config.workdir={tmp_path}", "--config.train.steps=20", "--config.checkpoint.every_steps=1",
+            "--config.monitor.nan_policy=stop")
+  assert r.returncode == 1, r.stderr[-3000:]
+  # Step 1 is finite and saved; step 2 is the first non-finite one: the run stops there, in one line.
+  message = ("jaxtrain: stopped: step 2: non-finite loss, gradients or updated state and monitor.nan_policy=stop; "
+             "the last checkpoint is intact (steps: [1])")
+  assert [line for line in r.stderr.splitlines() if line.startswith("jaxtrain:")] == [message], r.stderr[-3000:]
+  assert r.stderr.strip().splitlines()[-1] == message and "Traceback" not in r.stderr
+  assert [json.loads(line)["step"] for line in (tmp_path / "bad_batches.jsonl").read_text().splitlines()] == [2]
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]
+  _assert_checkpoints_finite(tmp_path)
+
+
 def test_non_finite_values_injected_into_a_live_state_never_reach_a_checkpoint(make_config, tmp_path, caplog,
                                                                                monkeypatch):
   """A fault in device memory (here: NaN written into AdamW's second moment before step 7): the step's guard
@@ -218,54 +269,338 @@ def test_non_finite_values_injected_into_a_live_state_never_reach_a_checkpoint(m
   _assert_checkpoints_finite(tmp_path)
 
 
-def test_anomaly_detector_flags_spikes_drops_and_stagnation():
-  detect = monitor.AnomalyDetector(sigma=4.0, window=20, stagnation_logs=3)
+def test_anomaly_detector_flags_spikes_and_drops():
+  detect = monitor.AnomalyDetector(sigma=4.0, window=20)
   rng = np.random.default_rng(0)
-  for step in range(15):
-    assert detect(step, {"loss": 2.0 + 0.01 * rng.standard_normal(), "grad_norm": 1.0 + 0.01 * step % 3,
-                         "tokens_per_sec": 1000.0}) in ([], ["loss_stagnation"])
+  for step in range(15):  # steady: nothing to flag
+    assert detect(step, {"loss": 2.0 + 0.01 * rng.standard_normal(), "grad_norm": 1.0 + 0.01 * step,
+                         "tokens_per_sec": 1000.0}) == []
   found = detect(15, {"loss": 5.0, "grad_norm": 50.0, "tokens_per_sec": 100.0})
-  assert {"loss_spike", "grad_norm_spike", "throughput_drop"} <= set(found)
+  assert found == ["loss_spike", "grad_norm_spike", "throughput_drop"]
+
+
+def test_loss_stagnation_is_flagged_exactly_at_the_configured_log():
+  losses = [3.0, 2.0, 2.5, 2.0, 2.1, 2.2, 2.3, 1.0, 1.0, 1.5, 1.1, 0.9, 1.0, 1.0]
+  # Best 2.0 at log 1; logs 2-4 do not improve on it (an equal loss is no improvement): flagged at the third of
+  # them (log 4) and not again while it lasts; log 7 improves, 8-10 do not: flagged at 10; 11 improves.
+  for logs, expected in ((3, [4, 10]), (1, [2, 8, 12]), (0, [])):
+    detect = monitor.AnomalyDetector(sigma=0.0, stagnation_logs=logs)
+    found = [detect(i, {"loss": loss, "grad_norm": 1.0, "tokens_per_sec": 1000.0}) for i, loss in enumerate(losses)]
+    assert [i for i, f in enumerate(found) if f] == expected and all(f == ["loss_stagnation"] for f in found if f)
+
+
+class Unlearnable(SyntheticSource):
+  """Every target masked out: the loss is exactly 0 at every step, so it never improves."""
+
+  def __next__(self):
+    batch = super().__next__()
+    batch["loss_mask"][:] = 0.0
+    return batch
+
+
+def test_a_run_flags_stagnation_at_the_configured_log_and_beats_the_watchdog_each_step(make_config, caplog,
+                                                                                         monkeypatch):
+  dogs = []
+
+  class Recorded(monitor.Watchdog):
+    def __init__(self, *args):
+      super().__init__(*args)
+      self.args, self.beats = args, 0
+      dogs.append(self)
+
+    def beat(self):
+      super().beat()
+      self.beats += 1
+
+  monkeypatch.setattr(monitor, "Watchdog", Recorded)
+  config = make_config(fsdp=8)
+  config.train.update(steps=8, log_every=2)
+  config.monitor.update(stagnation_logs=3, watchdog_multiple=7.0, watchdog_min_s=30.0)
+  with caplog.at_level("WARNING"):
+    trainer.train(config, data=Unlearnable(32, 256, 16, 0))
+  records = _records(config.workdir)
+  assert [(r["step"], r["loss"], r["anomalies"]) for r in records] == [(2, 0, 0), (4, 0, 0), (6, 0, 0), (8, 0, 1)]
+  bad = [json.loads(line) for line in pathlib.Path(config.workdir, "bad_batches.jsonl").read_text().splitlines()]
+  assert bad == [{"step": 8, "why": "loss_stagnation", "process": 0, "source": "synthetic (seed 0, batch 7)"}]
+  assert caplog.text.count("loss has not improved") == 1
+  assert "step 8: loss has not improved on 0.0000 for 3 log intervals" in caplog.text
+  (dog,) = dogs
+  assert dog.args == (7.0, 30.0, 0.0) and dog.beats == 8
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+  """200 distinct short documents, byte tokens, in several train shard files."""
+  root = tmp_path_factory.mktemp("prepared")
+  words = "the of and to in a is that for it as was with be by on not he this are or his from at which".split()
+  docs = [f"Document {i}: " + " ".join(words[(i * k + k * k) % len(words)] for k in range(12)) for i in range(200)]
+  (root / "corpus.txt").write_text("\n\n".join(docs) + "\n")
+  manifest = prepare.prepare(prepare.Options(inputs=[os.fspath(root / "corpus.txt")], output=os.fspath(root / "data"),
+                                             progress=False, eval_fraction=0.05, shard_mib=4096 / 2**20))
+  assert len([s for s in manifest["shards"] if s["split"] == "train"]) > 1
+  return os.fspath(root / "data")
+
+
+def test_an_anomaly_on_prepared_data_names_its_shard_files_and_documents(make_config, prepared, monkeypatch):
+  class SpikeAtStep3(monitor.AnomalyDetector):
+    def __call__(self, step, record):
+      return super().__call__(step, record) + (["loss_spike"] if step == 3 else [])
+
+  monkeypatch.setattr(monitor, "AnomalyDetector", SpikeAtStep3)
+  config = make_config(fsdp=8)
+  config.data.update(source="arrayrecord", path=prepared)
+  trainer.train(config)
+  (entry,) = [json.loads(line) for line in pathlib.Path(config.workdir, "bad_batches.jsonl").read_text().splitlines()]
+  assert (entry["step"], entry["why"], entry["process"], entry["data"]) == (3, "loss_spike", 0, prepared)
+  # Step 3 trained on the stream's third batch: its documents, each one read back from the shard file and index
+  # the entry names, are the batch's tokens.
+  stream = data_lib.open_train(config)
+  batch = [next(stream) for _ in range(3)][-1]
+  data_lib.close(stream)
+  records = batch["records"]
+  assert entry["records"] == sorted({int(r) for r in np.unique(records) if r >= 0})
+  assert len(entry["shards"]) == len(entry["records"])
+  dtype = pipeline.load_manifest(prepared)["dtype"]
+  for record, (shard, index) in zip(entry["records"], entry["shards"]):
+    assert shard.startswith("train-") and shard.endswith(".array_record")
+    document = np.frombuffer(grain.sources.ArrayRecordDataSource([os.path.join(prepared, shard)])[index], dtype)
+    for row in range(16):
+      piece = records[row] == record
+      if piece.any():
+        offset = batch["positions"][row][piece][0]
+        np.testing.assert_array_equal(batch["inputs"][row][piece], document[offset:offset + piece.sum()])
+
+
+class FakeClock:
+  def __init__(self):
+    self.now = 1000.0
+
+  def __call__(self) -> float:
+    return self.now
+
+
+def test_watchdog_limit_is_a_multiple_of_the_median_step_time():
+  clock = FakeClock()
+  dog = monitor.Watchdog(multiple=10.0, min_s=5.0, clock=clock)  # never started: no thread
+  assert dog.limit() == 50.0  # before the first step: 10 x min_s
+  assert dog.overdue() is None
+  for gap in (2.0, 1.0, 3.0, 2.5, 40.0):  # a slow step (a checkpoint save, say) leaves the median alone
+    clock.now += gap
+    dog.beat()
+  assert dog.limit() == 25.0  # 10 x median 2.5
+  clock.now += 25.0
+  assert dog.overdue() is None
+  clock.now += 0.5
+  assert dog.overdue() == 25.5
+  fast = monitor.Watchdog(multiple=10.0, min_s=5.0, clock=clock)
+  for _ in range(3):
+    clock.now += 0.125
+    fast.beat()
+  assert fast.limit() == 5.0  # never below min_s
+  assert monitor.Watchdog(multiple=10.0, min_s=5.0, timeout_s=7.0, clock=clock).limit() == 7.0
+
+
+def test_watchdog_thread_fires_once_a_step_overruns_the_default_limit():
+  clock, expired = FakeClock(), threading.Event()
+
+  class Recorded(monitor.Watchdog):
+    def _expire(self, waited):  # instead of dumping the stacks and exiting
+      self.waited = waited
+      expired.set()
+
+  dog = Recorded(multiple=10.0, min_s=0.5, clock=clock).start()
+  try:
+    for _ in range(4):
+      clock.now += 0.25
+      dog.beat()
+    assert dog.limit() == 2.5  # 10 x 0.25 s; the thread checks every 0.25 s (a tenth of it, in real time)
+    clock.now += 2.5
+    assert not expired.wait(1.0)  # at the limit, not past it
+    clock.now += 0.25
+    assert expired.wait(120)
+    assert dog.waited == 2.75
+  finally:
+    dog.stop()
 
 
 def test_watchdog_dumps_stacks_and_exits_nonzero(tmp_path):
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
-  err_file = tmp_path / "stderr.txt"
-  with err_file.open("w") as err_out:
-    p = subprocess.Popen([sys.executable, "tests/stall_worker.py", str(tmp_path), "4"], cwd=ROOT, env=env,
-                         stderr=err_out, stdout=subprocess.DEVNULL)
-    deadline, stalled_at = time.time() + 180, None
-    while p.poll() is None and time.time() < deadline:
-      if stalled_at is None and "STALLING" in err_file.read_text():
-        stalled_at = time.time()
-      time.sleep(0.05)
-    if p.poll() is None:
-      p.kill()
-      p.wait(timeout=30)
-      pytest.fail("the watchdog did not end the stalled process")
-  err = err_file.read_text()
-  assert p.returncode == monitor.Watchdog.EXIT_CODE, err[-3000:]
-  assert stalled_at is not None and time.time() - stalled_at < 4 + 3  # within the limit (+ polling slack)
-  assert "watchdog: no step finished" in err and "Thread" in err and "stall_worker.py" in err
+  # The worker's data hangs before step 7 with monitor.watchdog_timeout_s=6 (its steps take well under that).
+  r = subprocess.run([sys.executable, "tests/stall_worker.py", str(tmp_path), "6"], cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=300)
+  err = r.stderr
+  assert r.returncode == monitor.Watchdog.EXIT_CODE, err[-3000:]
+  stalled, fired = err.find("STALLING"), err.find("jaxtrain: watchdog: no step finished for ")
+  assert 0 <= stalled < fired, err[-3000:]  # it fired on the hang, not before
+  waited, limit = map(float, re.search(r"no step finished for ([\d.]+)s \(limit ([\d.]+)s\)", err).groups())
+  assert limit == 6.0 and waited >= limit
+  stacks = err[fired:]
+  assert "Thread" in stacks and re.search(r'stall_worker\.py", line \d+ in __next__', stacks), stacks[-3000:]
 
 
-def test_plot_metrics_writes_png(make_config, tmp_path):
+def _plotted(ax) -> dict[str, tuple[list, list]]:
+  return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+
+
+def test_plot_metrics_draws_the_logged_values(make_config, tmp_path):
+  from tools import plot_metrics
   config = make_config(fsdp=8)
+  config.workdir = str(tmp_path / "run")
   trainer.train(config)
-  out = tmp_path / "plot.png"
-  r = subprocess.run([sys.executable, "tools/plot_metrics.py", config.workdir, f"--out={out}"], cwd=ROOT,
-                     capture_output=True, text=True, timeout=120)
+  records = _records(config.workdir)
+  # A second run, resumed from step 1 (steps 2 and 3 logged again), with eval records: the last value counts.
+  resumed = tmp_path / "resumed"
+  resumed.mkdir()
+  def logged(step, v):
+    return {"step": step, "loss": v, "tokens_per_sec": 100 * v, "grad_norm": v / 10, "lr": v / 1000}
+  lines = [logged(1, 4.0), logged(2, 3.0), logged(3, 2.0), logged(2, 3.5), logged(3, 2.5)]
+  lines[2:2] = [{"step": 2, "eval_loss": 3.25}]
+  lines += [{"step": 3, "eval_loss": 2.75}]
+  (resumed / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+  fig = plot_metrics.figure([plot_metrics.read(config.workdir), plot_metrics.read(str(resumed))])
+  for ax, (key, title) in zip(fig.axes, plot_metrics.PANELS, strict=True):
+    assert ax.get_title() == title
+    expected = {"run": ([r["step"] for r in records], [r[key] for r in records])}
+    expected["resumed"] = ([1, 2, 3], [logged(step, v)[key] for step, v in ((1, 4.0), (2, 3.5), (3, 2.5))])
+    if key == "loss":
+      expected["resumed (eval)"] = ([2, 3], [3.25, 2.75])
+    assert _plotted(ax) == expected
+  r = subprocess.run([sys.executable, "tools/plot_metrics.py", config.workdir, str(resumed),
+                      f"--out={tmp_path / 'plot.png'}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, r.stderr[-2000:]
   import matplotlib.image
-  image = matplotlib.image.imread(out)
-  assert image.shape[0] > 400 and image.shape[1] > 600 and image.std() > 0.05  # a real picture, not blank
+  assert matplotlib.image.imread(tmp_path / "plot.png").shape == (800, 1200, 4)  # the figure, 12 x 8 in at 100 dpi
 
 
-def test_profiler_trace_is_written(make_config):
+def _trace_calls(monkeypatch, real: bool) -> list[tuple[str, int]]:
+  """(start_trace | stop_trace, train steps dispatched before it) as a run calls them; the real profiler runs
+  only if ``real``."""
+  calls, dispatched = [], [0]
+  compile_step = trainer.compile_step
+  start_trace, stop_trace = jax.profiler.start_trace, jax.profiler.stop_trace
+
+  def counting(run, train_step=None):
+    step_fn = compile_step(run, train_step)
+
+    def counted(*args):
+      dispatched[0] += 1
+      return step_fn(*args)
+    return counted
+
+  def start(directory, *args, **kwargs):
+    calls.append(("start_trace", dispatched[0]))
+    if real:
+      start_trace(directory, *args, **kwargs)
+
+  def stop():
+    calls.append(("stop_trace", dispatched[0]))
+    if real:
+      stop_trace()
+
+  monkeypatch.setattr(trainer, "compile_step", counting)
+  monkeypatch.setattr(jax.profiler, "start_trace", start)
+  monkeypatch.setattr(jax.profiler, "stop_trace", stop)
+  return calls
+
+
+class PreemptedAfter:
+  """A PreemptionGuard whose signal arrives during step ``step``."""
+
+  def __init__(self, step):
+    self.step = step
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    pass
+
+  def requested(self, step):
+    return step >= self.step
+
+
+# Profiler window (profile_start, profile_steps) -> train steps dispatched (in this run) when the trace starts
+# and when it stops.
+PROFILE_CASES = {
+    "inside": ((1, 2), (1, 3)),
+    "to_the_end": ((3, 5), (3, 5)),  # the window reaches train.steps: stopped when the loop ends
+    "preempted": ((1, 3), (1, 2)),  # preempted after step 2
+    "stopped": ((1, 9), (1, 5)),  # nan_policy=stop: step 4's NaN is noticed once step 5 is dispatched
+    "resumed": ((1, 3), (0, 2)),  # resumed from step 2, inside the window: its rest, steps 3 and 4, is traced
+}
+
+
+@pytest.mark.parametrize("case", list(PROFILE_CASES))
+def test_profiler_traces_exactly_its_window(make_config, monkeypatch, case):
+  (start, steps), (started, stopped) = PROFILE_CASES[case]
   config = make_config(fsdp=8)
-  config.metrics.update(profile_start=1, profile_steps=2)
-  trainer.train(config)
-  assert list(pathlib.Path(config.workdir, "profile").rglob("*.xplane.pb"))
+  if case == "resumed":  # a first run, preempted after step 2 (its checkpoint)
+    with monkeypatch.context() as m:
+      m.setattr(trainer, "PreemptionGuard", functools.partial(PreemptedAfter, 2))
+      trainer.train(config)
+  config.metrics.update(profile_start=start, profile_steps=steps)  # steps [start, start + steps), 0-based
+  calls = _trace_calls(monkeypatch, real=case == "to_the_end")
+  if case == "preempted":
+    monkeypatch.setattr(trainer, "PreemptionGuard", functools.partial(PreemptedAfter, 2))
+  if case == "stopped":
+    config.train.steps, config.monitor.nan_policy = 8, "stop"
+    with pytest.raises(trainer.TrainingStopped, match="step 4: non-finite"):
+      trainer.train(config, data=Poisoned(3, 32, 256, 16, 0))
+  else:
+    trainer.train(config)
+  # Stopped after the window's last step, or wherever the run ended (train.steps, a preemption, an error): a
+  # trace never stopped is never written.
+  assert calls == [("start_trace", started), ("stop_trace", stopped)]
+  if case == "to_the_end":
+    assert list(pathlib.Path(config.workdir, "profile").rglob("*.xplane.pb"))
+
+
+def _wandb_records(path: pathlib.Path):
+  """The records of a W&B transaction log (``run-*.wandb``): a 7-byte header, then LevelDB-log chunks (a 7-byte
+  header each: CRC, length, type 1 full / 2 first / 3 middle / 4 last) in 32 KiB blocks."""
+  from wandb.proto import wandb_internal_pb2
+  data = path.read_bytes()
+  assert data[:4] == b":W&B"
+  pos, parts = 7, []
+  while pos + 7 <= len(data):
+    if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
+      pos += 32768 - pos % 32768
+      continue
+    length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+    parts.append(data[pos + 7:pos + 7 + length])
+    pos += 7 + length
+    if kind in (1, 4):
+      record = wandb_internal_pb2.Record()
+      record.ParseFromString(b"".join(parts))
+      parts = []
+      yield record
+
+
+def test_wandb_history_equals_metrics_jsonl(make_config, monkeypatch):
+  try:
+    import wandb
+  except ImportError as e:
+    pytest.skip(f"wandb cannot be imported ({e}): pip install wandb (it is in the 'test' extra)")
+  monkeypatch.setenv("WANDB_MODE", "offline")  # written to <workdir>/wandb, nothing sent
+  monkeypatch.setenv("WANDB_CONSOLE", "off")
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  config = make_config(fsdp=8)
+  config.metrics.wandb = True
+  try:
+    trainer.train(config)
+  finally:
+    wandb.teardown()
+  (log,) = pathlib.Path(config.workdir).glob("wandb/offline-run-*/run-*.wandb")
+  history, run_config = [], None
+  for record in _wandb_records(log):
+    if record.HasField("history"):
+      row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+      history.append({k: v for k, v in row.items() if not k.startswith("_")})  # W&B's own _step, _runtime, ...
+    elif record.HasField("run"):
+      run_config = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                    for item in record.run.config.update}
+  assert history == _records(config.workdir)
+  assert run_config["train"]["steps"] == 5 and run_config["model"]["d_model"] == 64
 
 
 def test_progress_bar_shows_step_loss_throughput_and_mfu(make_config, capsys):

@@ -1,5 +1,7 @@
 """The optimizer built from config: schedules, weight-decay mask, clipping."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,15 +17,34 @@ def _cfg(**kw):
   return c
 
 
-@pytest.mark.parametrize("schedule,mid,end", [("cosine", 0.55, 0.1), ("linear", 0.55, 0.1),
-                                              ("constant", 1.0, 1.0)])
-def test_schedules(schedule, mid, end):
+def _after_warmup(schedule, t):
+  """The documented lr t steps into the 100-step decay from lr=1 to end_lr_ratio=0.1."""
+  frac = min(t, 100) / 100
+  if schedule == "cosine":
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+  if schedule == "linear":
+    return 1.0 - 0.9 * frac
+  return 1.0
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_schedules(schedule):
   lr = optim.schedule(_cfg(schedule=schedule), train_steps=110)
-  assert float(lr(0)) == 0.0
-  assert float(lr(5)) == pytest.approx(0.5)
-  assert float(lr(10)) == pytest.approx(1.0)
-  assert float(lr(60)) == pytest.approx(mid, abs=1e-6)
-  assert float(lr(110)) == pytest.approx(end, abs=1e-6)
+  for step, want in [(0, 0.0), (3, 0.3), (5, 0.5), (10, 1.0)]:  # linear warmup over 10 steps
+    assert float(lr(step)) == pytest.approx(want, abs=1e-6), step
+  # Quarter points tell cosine (0.868, 0.232) from linear (0.775, 0.325); the midpoint (0.55) does not.
+  for step in [35, 60, 85, 110, 150]:
+    assert float(lr(step)) == pytest.approx(_after_warmup(schedule, step - 10), abs=1e-6), step
+  if schedule != "constant":
+    assert float(lr(35)) == pytest.approx({"cosine": 0.86819805, "linear": 0.775}[schedule], abs=1e-6)
+
+
+def test_decay_steps_sets_the_horizon():
+  """optim.decay_steps, not train.steps, is where the decay ends (counted from step 0, warmup included)."""
+  lr = optim.schedule(_cfg(schedule="cosine", decay_steps=60), train_steps=1000)
+  for step in [10, 20, 35, 50, 60, 500]:  # the decay runs over steps 10..60
+    frac = min(step - 10, 50) / 50
+    assert float(lr(step)) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * frac)), abs=1e-6), step
 
 
 def test_weight_decay_skips_norms():

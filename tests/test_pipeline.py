@@ -95,11 +95,26 @@ def test_circular_all_to_all_tables_cover_every_group():
 
 
 def test_bf16_pipeline_close_to_fp32(reference, tmp_path):
+  """bf16 compute through the circular pipeline: the loss and every layer's gradient match the fp32
+  unpipelined reference up to bf16 rounding (measured: cosine > 0.9998, norms within 0.3%), so a layer that
+  is skipped, repeated or fed the wrong weights (zero or different gradients) fails."""
   bf16 = _config(tmp_path, "circular", microbatches=4, pipeline=2, fsdp=4)
   bf16.model.dtype = "bfloat16"
-  loss16, _, grads16, _ = _loss_and_grads(bf16, _packed_batch(), jax.devices())
-  assert abs(loss16 - reference[0]) < 2e-2 * reference[0]
-  assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads16))
+  ref_loss, ref_tokens, ref_grads = reference
+  loss16, tokens, grads16, _ = _loss_and_grads(bf16, _packed_batch(), jax.devices())
+  assert tokens == ref_tokens
+  assert loss16 == pytest.approx(ref_loss, rel=1e-3)
+  cosines = []
+  for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads16), jax.tree.leaves(ref_grads), strict=True):
+    assert g.dtype == np.float32
+    rows = LAYERS if path[0].key == "layers" else 1  # the stacked layers: each layer's slice on its own
+    for i, (a, b) in enumerate(zip(np.reshape(g, (rows, -1)), np.reshape(r, (rows, -1)))):
+      cosines.append(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+      norm_ratio = np.linalg.norm(a) / np.linalg.norm(b)
+      where = f"{jax.tree_util.keystr(path)}[{i}]"
+      assert cosines[-1] > 0.999 and abs(norm_ratio - 1) < 0.02, \
+          f"{where}: cosine {cosines[-1]:.5f}, norm ratio {norm_ratio:.4f}"
+  assert min(cosines) < 1 - 1e-5  # really computed in bf16: fp32 pipelined gradients give 1 - 2e-7
 
 
 def test_layer_params_per_device_with_four_stages(tmp_path):
@@ -112,11 +127,13 @@ def test_layer_params_per_device_with_four_stages(tmp_path):
     return sum(s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards
                if s.device == device)
 
+  # Exactly a quarter of the stack (and of its Adam moments): split over the 4 stages, replicated over data.
   layers = state.params["layers"]
   total = sum(leaf.nbytes for leaf in jax.tree.leaves(layers))
-  assert on_device(layers) <= 1.05 * total / 4
+  assert on_device(layers) == total // 4
   moments = [t for t in jax.tree.leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "mu")) if hasattr(t, "mu")]
-  assert moments and on_device(moments[0].mu["layers"]) <= 1.05 * total / 4
+  assert len(moments) == 1
+  assert on_device(moments[0].mu["layers"]) == on_device(moments[0].nu["layers"]) == total // 4
 
 
 def test_checkpoint_restores_across_pipeline_splits(tmp_path):

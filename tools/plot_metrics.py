@@ -29,7 +29,8 @@ def read(path: str) -> tuple[str, list[dict]]:
   return (p.name if p.is_dir() else p.parent.name), records
 
 
-def plot(runs: list[tuple[str, list[dict]]], out: str) -> None:
+def figure(runs: list[tuple[str, list[dict]]]):
+  """The 2 x 2 panels of PANELS (a matplotlib Figure): one line per run, eval losses as dots."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -52,7 +53,14 @@ def plot(runs: list[tuple[str, list[dict]]], out: str) -> None:
       ax.set_yscale("log")
   axes.flat[0].legend()
   fig.tight_layout()
+  return fig
+
+
+def plot(runs: list[tuple[str, list[dict]]], out: str) -> None:
+  import matplotlib.pyplot as plt
+  fig = figure(runs)
   fig.savefig(out, dpi=100)
+  plt.close(fig)
 
 
 def main(argv):

@@ -310,6 +310,7 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
   m = config.monitor
   anomalies = monitor.AnomalyDetector(m.spike_sigma, m.spike_window, m.stagnation_logs)
   watchdog = monitor.Watchdog(m.watchdog_multiple, m.watchdog_min_s, m.watchdog_timeout_s).start()
+  profile = _Profiler(config)
   tokens_seen, wall_time = meta.get("tokens_seen", 0), meta.get("wall_time", 0.0)
   bad_steps, skipped_total = set(meta.get("bad_steps", [])), meta.get("skipped_steps", 0)
   history, interval, last, last_eval = [], _Interval(), {}, {}
@@ -319,6 +320,7 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
   streak = 0  # consecutive new non-finite steps (known bad batches being replayed neither count nor reset)
   rollbacks = collections.Counter()  # checkpoint step -> rollbacks to it
   summary = None  # (step, fingerprints and finiteness of its state, being computed) for the next save
+  evaluating = {}  # step -> fetch of its eval metrics: dispatched with that step's params, logged after its record
 
   def save(step: int, force: bool, fingerprints) -> None:
     checkpointer.save(step, state, data, config=config_dict, force=force, meta={
@@ -366,9 +368,9 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
       writer.write(step, record)
       history.append({"step": step, **record})
       interval = _Interval()
-    if evaluate is not None and step % config.eval.every_steps == 0:
-      last_eval.update(evaluate(state.params))
-      writer.write(int(state.step), last_eval)  # the params are those of the newest step
+    if step in evaluating:
+      last_eval.update(evaluating.pop(step)())
+      writer.write(step, last_eval)
       watchdog.beat()
     return action
 
@@ -394,7 +396,7 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
   def will_save(step: int) -> bool:  # may this step's state be saved (preemption saves compute theirs later)?
     return checkpointer.verify and (step == config.train.steps or checkpointer.should_save(step))
 
-  try:  # the watchdog and writers must not outlive the loop, whatever ends it
+  try:  # the profiler trace, watchdog and writers must not outlive the loop, whatever ends it
     with PreemptionGuard() as preemption:
       pending = None  # (step, metrics) dispatched but not yet fetched
       step = int(state.step)
@@ -404,9 +406,11 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
         batch = data_lib.to_global(local, run.batch_sharding)
         interval.data_wait += time.perf_counter() - t
         recent_records.append((step + 1, local.get("records")))
-        _profile(config, step, run)
+        profile(step, state)
         state, metrics = step_fn(state, batch, np.bool_(step + 1 in bad_steps))
         step += 1
+        if evaluate is not None and (step % config.eval.every_steps == 0 or step == config.train.steps):
+          evaluating[step] = evaluate(state.params)  # before the next step donates these params
         if will_save(step):  # dispatched now (not waited for): the device runs it right after the step
           summary = (step, summarize(state))
         if pending is not None and (action := finish(*pending)):
@@ -444,6 +448,7 @@ def _train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Che
       if pending is not None:
         finish(*pending)
   finally:
+    profile.stop()
     watchdog.stop()
     writer.close()
   checkpointer.wait()
@@ -503,28 +508,59 @@ def _rollback(run: Run, checkpointer, data, state, bad_step: int, why: str):
   return restored[0], int(restored[0].step), None
 
 
-def _profile(config, step: int, run: Run) -> None:
-  """A jax.profiler trace of steps [profile_start, profile_start + profile_steps) into <workdir>/profile."""
-  start = config.metrics.profile_start
-  if start < 0 or jax.process_index() != 0:
-    return
-  if step == start:
-    jax.profiler.start_trace(os.fspath(epath.Path(config.workdir) / "profile"))
-  elif step == start + config.metrics.profile_steps:
-    jax.profiler.stop_trace()
+class _Profiler:
+  """One jax.profiler trace of steps [profile_start, profile_start + profile_steps) into <workdir>/profile
+  (process 0; a run resumed inside that window traces the rest of it). Called before each step; ``stop`` ends
+  the trace wherever the loop ends (the window reaching train.steps, a preemption, an error): a trace that is
+  never stopped is never written."""
+
+  def __init__(self, config):
+    m = config.metrics
+    self.start, self.end = m.profile_start, m.profile_start + m.profile_steps
+    self.enabled = self.start >= 0 and jax.process_index() == 0
+    self.directory = os.fspath(epath.Path(config.workdir) / "profile")
+    self.tracing = False
+
+  def __call__(self, step: int, state) -> None:
+    """Before the step from ``step`` (``state``: the state that step starts from)."""
+    if not self.enabled:
+      return
+    inside = self.start <= step < self.end
+    if inside and not self.tracing:
+      jax.profiler.start_trace(self.directory)
+      self.tracing = True
+    elif not inside and self.tracing:
+      jax.block_until_ready(state)  # the window's last step may still be running: let the trace see it end
+      self.stop()
+
+  def stop(self) -> None:
+    if not self.tracing:
+      return
+    self.tracing = self.enabled = False  # one trace per run (a rollback may step back into the window)
+    try:
+      jax.profiler.stop_trace()
+      logging.info("profiler trace written to %s", self.directory)
+    except Exception as e:  # noqa: BLE001 - a lost trace must not end the run
+      logging.warning("the profiler trace could not be written: %s", e)
 
 
 def make_evaluator(run: Run):
-  """``params -> {eval_loss, eval_perplexity}`` over the held-out batches, one compiled step."""
+  """``params -> fetch``: dispatches the eval of ``params`` over the held-out batches (one compiled step, not
+  waited for, so the params may be donated next); ``fetch()`` waits and returns ``{eval_loss, eval_perplexity,
+  eval_tokens}``, the loss being the mean over all real target tokens of the split."""
   batches = [data_lib.to_global(b, run.batch_sharding) for b in data_lib.open_eval(run.config)]
   eval_step = jax.jit(step_lib.make_eval_step(run.model, run.pipeline),
                       in_shardings=(run.state_shardings.params, run.batch_sharding))
 
-  def evaluate(params) -> dict[str, float]:
+  def evaluate(params):
     with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
       sums = [eval_step(params, b) for b in batches]
-    loss_sum, tokens = (sum(float(x[i]) for x in sums) for i in (0, 1))
-    loss = loss_sum / max(tokens, 1.0)
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": tokens}
+
+    def fetch() -> dict[str, float]:
+      loss_sum, tokens = (sum(float(x[i]) for x in sums) for i in (0, 1))
+      loss = loss_sum / max(tokens, 1.0)
+      return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": tokens}
+
+    return fetch
 
   return evaluate
