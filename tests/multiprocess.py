@@ -13,13 +13,17 @@ import portpicker
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _env(local_devices: int) -> dict[str, str]:
+  return {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+          "XLA_FLAGS": f"--xla_force_host_platform_device_count={local_devices}"}
+
+
 def run(script: str, args: list[str], num_processes: int = 2, local_devices: int = 4,
         timeout: float = 300) -> list[subprocess.CompletedProcess]:
   """Starts ``python script --coordinator=127.0.0.1:PORT --num_processes=N --process_id=i *args`` for each
   i, waits at most ``timeout`` seconds for all, kills every one still running, and returns the results."""
   port = portpicker.pick_unused_port()
-  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": f"--xla_force_host_platform_device_count={local_devices}"}
+  env = _env(local_devices)
   procs = [subprocess.Popen([sys.executable, script, f"--coordinator=127.0.0.1:{port}",
                              f"--num_processes={num_processes}", f"--process_id={i}", *args],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -37,22 +41,53 @@ def run(script: str, args: list[str], num_processes: int = 2, local_devices: int
   return results
 
 
-def start_main(args: list[str], num_processes: int = 2, local_devices: int = 4) -> list[subprocess.Popen]:
-  """Starts ``python -m jaxtrain.main *args`` as a ``num_processes``-process job on localhost (explicit
-  coordinator config, a fresh port). stderr goes to a file per process, returned as ``p.err_path``."""
+def _popen(argv: list[str], env: dict[str, str], name: str) -> subprocess.Popen:
+  err_path = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / name
+  with err_path.open("w") as err:
+    p = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+  p.err_path = err_path
+  return p
+
+
+def slurm_env(num_processes: int, process_id: int, port: int) -> dict[str, str]:
+  """The variables ``srun`` gives one task of a ``num_processes``-task step on this host (job 1), with JAX's
+  coordinator port override so that concurrent jobs do not collide."""
+  return {"SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_STEP_NUM_NODES": "1",
+          "SLURM_NTASKS": str(num_processes), "SLURM_PROCID": str(process_id), "SLURM_LOCALID": str(process_id),
+          "JAX_COORDINATOR_PORT": str(port)}
+
+
+def start_main(args: list[str], num_processes: int = 2, local_devices: int = 4,
+               cluster: str = "explicit") -> list[subprocess.Popen]:
+  """Starts ``python -m jaxtrain.main *args`` as a ``num_processes``-process job on localhost (a fresh port):
+  ``cluster='explicit'`` passes the coordinator config flags, ``'slurm'`` gives each process the environment of
+  an ``srun`` task instead (no flags: jaxtrain joins by auto-detection). stderr goes to a file per process,
+  returned as ``p.err_path``."""
   port = portpicker.pick_unused_port()
-  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": f"--xla_force_host_platform_device_count={local_devices}"}
   procs = []
   for i in range(num_processes):
-    err_path = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"jaxtrain-mp-{port}-{i}.err"
-    p = subprocess.Popen([sys.executable, "-m", "jaxtrain.main", *args,
-                          f"--config.distributed.coordinator_address=127.0.0.1:{port}",
-                          f"--config.distributed.num_processes={num_processes}",
-                          f"--config.distributed.process_id={i}"],
-                         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err_path.open("w"))
-    p.err_path = err_path
-    procs.append(p)
+    env, flags = _env(local_devices), []
+    if cluster == "slurm":
+      env.update(slurm_env(num_processes, i, port))
+    elif cluster == "explicit":
+      flags = [f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+               f"--config.distributed.num_processes={num_processes}", f"--config.distributed.process_id={i}"]
+    else:
+      raise ValueError(f"cluster={cluster!r}: use 'explicit' or 'slurm'")
+    procs.append(_popen(["-m", "jaxtrain.main", *args, *flags], env, f"jaxtrain-mp-{port}-{i}.err"))
+  return procs
+
+
+def start_script(script: str, args: list[str], num_processes: int = 2,
+                 local_devices: int = 4) -> list[subprocess.Popen]:
+  """Starts ``python script [--coordinator=127.0.0.1:PORT --num_processes=N --process_id=i] *args`` for each
+  i without waiting (the flags only when N > 1); stderr goes to ``p.err_path``."""
+  port = portpicker.pick_unused_port()
+  procs = []
+  for i in range(num_processes):
+    flags = [f"--coordinator=127.0.0.1:{port}", f"--num_processes={num_processes}",
+             f"--process_id={i}"] if num_processes > 1 else []
+    procs.append(_popen([script, *flags, *args], _env(local_devices), f"jaxtrain-mp-{port}-{i}.err"))
   return procs
 
 

@@ -4,7 +4,9 @@
 
 Shapes and shardings come from the model and the sharding rules exactly as training lays them out; sizes are
 then arithmetic over the mesh (no arrays are created, no program is compiled). Assumptions, printed too:
-- params and gradients float32, AdamW moments float32 (2 x params), sharded like the params;
+- params and gradients float32; the optimizer state is the optimizer's (jaxtrain.optim) for one device's shard of
+  the params: AdamW's two float32 moments (2 x params), sharded like the params, plus its int32 step counters;
+  the train state adds one int32 step counter;
 - activations per device, kept for the backward pass, per layer (b = local batch rows per microbatch,
   t = seq_len, d = d_model, f = mlp_dim, h = heads x head_dim, kv = kv_heads x head_dim, in the compute dtype):
   remat=full: the layer input b*t*d; save_dots: + the matmul outputs b*t*(h + 2 kv + d + 3 f);
@@ -30,7 +32,7 @@ import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from jaxtrain import config as config_lib  # noqa: E402
-from jaxtrain import models, sharding  # noqa: E402
+from jaxtrain import models, optim, sharding  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "configs/tiny.py", "Config file.")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Total devices of the target job.")
@@ -56,14 +58,25 @@ def load_config(path: str, overrides: list[str]):
   return config
 
 
+def _nbytes(tree) -> int:
+  return sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
 def estimate(config, devices: int, slices: int = 1) -> dict:
   ici, dcn = config_lib.mesh_shape(config.mesh, devices, slices)
   mesh = {a: ici[a] * dcn[a] for a in config_lib.MESH_AXES}
   rules = sharding.rules_from_config(config.sharding)
   model = models.Model.from_config(config.model)
   specs = jax.tree.leaves(model.logical_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-  params = 4 * sum(math.prod(sharding.shard_shape(a.shape, s, rules, mesh))
-                   for a, s in zip(jax.tree.leaves(model.abstract_params), specs, strict=True))
+  leaves, treedef = jax.tree.flatten(model.abstract_params)
+  shards = [jax.ShapeDtypeStruct(sharding.shard_shape(a.shape, s, rules, mesh), a.dtype)
+            for a, s in zip(leaves, specs, strict=True)]
+  params = _nbytes(shards)
+  # The optimizer is elementwise (AdamW), so one device's state is the optimizer's state for its shard of the
+  # params: moments shaped like the shard, and the (replicated) counters.
+  tx = optim.make(config.optim, config.train.steps)
+  optimizer = _nbytes(jax.eval_shape(tx.init, jax.tree.unflatten(treedef, shards)))
+  state = params + optimizer + 4  # + the train state's int32 step counter
   m, t = config.model, config.train
   b = t.global_batch_size // (t.microbatches or 1) // sharding.batch_shards(mesh, rules)[1]
   seq, d, f = config.data.seq_len, m.d_model, m.mlp_dim
@@ -90,9 +103,11 @@ def estimate(config, devices: int, slices: int = 1) -> dict:
       comm[axis] = 4 * m.num_layers * 2 * (n - 1) / n * b * seq * d * act_bytes * (t.microbatches or 1)
   return {
       "mesh": mesh, "devices": devices, "params": model.num_params(), "local_batch_rows": b,
-      "bytes_per_device": {"params": params, "grads": params, "optimizer": 2 * params + 4,
-                           "activations": activations, "total": 4 * params + 4 + activations},
-      "params_plus_optimizer_per_device": 3 * params + 4, "full_param_bytes": full_params,
+      "bytes_per_device": {"params": params, "grads": params, "optimizer": optimizer,
+                           "activations": activations, "total": state + params + activations},
+      # The whole train state (params, optimizer state, step counter): what the compiled step takes as
+      # arguments besides the batch, to the byte.
+      "params_plus_optimizer_per_device": state, "full_param_bytes": full_params,
       "comm_bytes_per_step_per_device": comm,
   }
 
