@@ -61,7 +61,7 @@ def test_user_mistake_gives_one_line_and_exit_2(args, message, tmp_path):
   assert result.returncode == 2, result.stderr
   assert len(errors) == 1 and message in errors[0], result.stderr
   assert "Traceback" not in result.stderr
-  assert not (tmp_path / "run" / "metrics.jsonl").exists()
+  assert not (tmp_path / "run").exists()  # refused before anything is written: not even the workdir
 
 
 # Every shipped config, by whether a CPU can train it (a new config must be added to one list).
