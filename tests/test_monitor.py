@@ -557,7 +557,8 @@ def test_profiler_traces_exactly_its_window(make_config, monkeypatch, case):
 
 def _wandb_records(path: pathlib.Path):
   """The records of a W&B transaction log (``run-*.wandb``): a 7-byte header, then LevelDB-log chunks (a 7-byte
-  header each: CRC, length, type 1 full / 2 first / 3 middle / 4 last) in 32 KiB blocks."""
+  header each: CRC, length, type 1 full / 2 first / 3 middle / 4 last) in 32 KiB blocks. Read here because wandb
+  no longer ships a Python reader of its own (its DataStore went with the move of the internals to Go)."""
   from wandb.proto import wandb_internal_pb2
   data = path.read_bytes()
   assert data[:4] == b":W&B"
