@@ -456,7 +456,8 @@ def test_plot_metrics_draws_the_logged_values(make_config, tmp_path):
   lines = [logged(1, 4.0), logged(2, 3.0), logged(3, 2.0), logged(2, 3.5), logged(3, 2.5)]
   lines[2:2] = [{"step": 2, "eval_loss": 3.25}]
   lines += [{"step": 3, "eval_loss": 2.75}]
-  (resumed / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+  # ... and still running: its next record is half written.
+  (resumed / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"step": 4, "lo')
   fig = plot_metrics.figure([plot_metrics.read(config.workdir), plot_metrics.read(str(resumed))])
   for ax, (key, title) in zip(fig.axes, plot_metrics.PANELS, strict=True):
     assert ax.get_title() == title

@@ -25,7 +25,8 @@ def read(path: str) -> tuple[str, list[dict]]:
   jsonl = p / "metrics.jsonl" if p.is_dir() else p
   if not jsonl.exists():
     raise FileNotFoundError(f"{path}: no metrics.jsonl")
-  records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+  # A live run may be appending a record right now: only complete lines (newline-terminated) are read.
+  records = [json.loads(line) for line in jsonl.read_text().split("\n")[:-1] if line.strip()]
   return (p.name if p.is_dir() else p.parent.name), records
 
 
