@@ -48,6 +48,15 @@ def device_memory_bytes() -> int | None:
   return stats.get("bytes_in_use") if stats else None
 
 
+def read_records(path) -> list[dict]:
+  """The complete records of a ``metrics.jsonl`` (or of the one in a workdir): a line still being appended by a
+  live run (or cut by a kill) is left out. Steps logged again after a resume appear again, the last one latest."""
+  path = epath.Path(path)
+  path = path / "metrics.jsonl" if path.is_dir() else path
+  text = path.read_text() if path.exists() else ""
+  return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+
+
 def _drop_torn_line(path: epath.Path) -> None:
   """A run killed while appending a record leaves a partial last line; cut it so the file stays JSON Lines."""
   if not path.exists():

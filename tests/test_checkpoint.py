@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain.metrics import read_records
 from jaxtrain.train import trainer
 from tests import multiprocess
 
@@ -42,8 +43,7 @@ def _run(workdir, *args, timeout=300):
 
 
 def _losses(workdir):
-  records = [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-  return {r["step"]: r["loss"] for r in records}  # a re-run step keeps its last value
+  return {r["step"]: r["loss"] for r in read_records(workdir)}  # a re-run step keeps its last value
 
 
 def _params(workdir, step):
@@ -88,9 +88,7 @@ def test_exact_resume_is_bitwise(uninterrupted, tmp_path):
 
 def _logged_steps(workdir):
   """Steps of the complete records so far (a record being appended right now may be half there)."""
-  path = pathlib.Path(workdir) / "metrics.jsonl"
-  lines = path.read_text().split("\n")[:-1] if path.exists() else []
-  return [json.loads(line)["step"] for line in lines]
+  return [r["step"] for r in read_records(workdir)]
 
 
 # Runs jaxtrain.main with the process SIGKILLing itself right after Checkpointer.save has started the async save

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxtrain.metrics import read_records
 from tests import multiprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -27,15 +28,8 @@ ARGS = ["--config=configs/tiny.py", "--config.train.log_every=1", "--config.opti
 # may run with train.steps out of reach, to be stopped from outside, and still match a shorter reference run.
 
 
-def _records(workdir) -> list[dict]:
-  """metrics.jsonl's complete records (a line still being written is left out)."""
-  path = pathlib.Path(workdir) / "metrics.jsonl"
-  text = path.read_text() if path.exists() else ""
-  return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
-
-
 def _losses(workdir) -> dict[int, float]:
-  return {r["step"]: r["loss"] for r in _records(workdir) if "loss" in r}
+  return {r["step"]: r["loss"] for r in read_records(workdir) if "loss" in r}
 
 
 def _logged(workdir) -> int:

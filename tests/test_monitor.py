@@ -20,6 +20,7 @@ from jaxtrain import data as data_lib
 from jaxtrain import integrity, metrics, models, monitor
 from jaxtrain.data import pipeline, prepare
 from jaxtrain.data.synthetic import SyntheticSource
+from jaxtrain.metrics import read_records
 from jaxtrain.train import trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -42,10 +43,6 @@ def test_peak_table():
   assert metrics.peak_flops_per_device(0, Kind("TPU v5 lite")) == 197e12
   assert metrics.peak_flops_per_device(0, Kind("NVIDIA H100 80GB HBM3")) == 989e12
   assert metrics.peak_flops_per_device(0, Kind("cpu")) is None
-
-
-def _records(workdir) -> list[dict]:
-  return [json.loads(line) for line in pathlib.Path(workdir, "metrics.jsonl").read_text().splitlines()]
 
 
 # FLOPs per token of small_config (tests/conftest.py) at seq_len 32. Its parameters: 2 layers of q (64 x 128),
@@ -73,7 +70,7 @@ def test_mfu_on_console_jsonl_and_tensorboard(make_config, caplog):
   config.metrics.peak_tflops = 0.01  # a made-up CPU peak per device (FLOP/s = 1e12 x this), so that MFU is reported
   with caplog.at_level("INFO"):
     _, history = trainer.train(config)
-  records = _records(config.workdir)
+  records = read_records(config.workdir)
   assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
   assert metrics.flops_per_token(trainer.build(config).model, 32) == SMALL_FLOPS_PER_TOKEN
   for r in records:  # one step per log; every synthetic position is a target: 16 x 32 tokens per step
@@ -318,7 +315,7 @@ def test_a_run_flags_stagnation_at_the_configured_log_and_beats_the_watchdog_eac
   config.monitor.update(stagnation_logs=3, watchdog_multiple=7.0, watchdog_min_s=30.0)
   with caplog.at_level("WARNING"):
     trainer.train(config, data=Unlearnable(32, 256, 16, 0))
-  records = _records(config.workdir)
+  records = read_records(config.workdir)
   assert [(r["step"], r["loss"], r["anomalies"]) for r in records] == [(2, 0, 0), (4, 0, 0), (6, 0, 0), (8, 0, 1)]
   bad = [json.loads(line) for line in pathlib.Path(config.workdir, "bad_batches.jsonl").read_text().splitlines()]
   assert bad == [{"step": 8, "why": "loss_stagnation", "process": 0, "source": "synthetic (seed 0, batch 7)"}]
@@ -447,7 +444,7 @@ def test_plot_metrics_draws_the_logged_values(make_config, tmp_path):
   config = make_config(fsdp=8)
   config.workdir = str(tmp_path / "run")
   trainer.train(config)
-  records = _records(config.workdir)
+  records = read_records(config.workdir)
   # A second run, resumed from step 1 (steps 2 and 3 logged again), with eval records: the last value counts.
   resumed = tmp_path / "resumed"
   resumed.mkdir()
@@ -601,7 +598,7 @@ def test_wandb_history_equals_metrics_jsonl(make_config, monkeypatch):
     elif record.HasField("run"):
       run_config = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
                     for item in record.run.config.update}
-  assert history == _records(config.workdir)
+  assert history == read_records(config.workdir)
   assert run_config["train"]["steps"] == 5 and run_config["model"]["d_model"] == 64
 
 

@@ -14,7 +14,7 @@ import sys
 from absl import app, flags
 from etils import epath
 
-from jaxtrain import paths
+from jaxtrain import metrics, paths
 
 _OUT = flags.DEFINE_string("out", "metrics.png", "PNG file to write.")
 PANELS = (("loss", "loss"), ("tokens_per_sec", "tokens / s"), ("grad_norm", "grad norm"), ("lr", "learning rate"))
@@ -25,8 +25,7 @@ def read(path: str) -> tuple[str, list[dict]]:
   jsonl = p / "metrics.jsonl" if p.is_dir() else p
   if not jsonl.exists():
     raise FileNotFoundError(f"{path}: no metrics.jsonl")
-  # A live run may be appending a record right now: only complete lines (newline-terminated) are read.
-  records = [json.loads(line) for line in jsonl.read_text().split("\n")[:-1] if line.strip()]
+  records = metrics.read_records(jsonl)  # complete lines only: a live run may be appending one
   return (p.name if p.is_dir() else p.parent.name), records
 
 
