@@ -21,7 +21,7 @@ from jaxtrain import integrity, metrics, models, monitor
 from jaxtrain.data import pipeline, prepare
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.metrics import read_records
-from jaxtrain.train import trainer
+from jaxtrain.train import loop, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -534,12 +534,12 @@ def test_profiler_traces_exactly_its_window(make_config, monkeypatch, case):
   config = make_config(fsdp=8)
   if case == "resumed":  # a first run, preempted after step 2 (its checkpoint)
     with monkeypatch.context() as m:
-      m.setattr(trainer, "PreemptionGuard", functools.partial(PreemptedAfter, 2))
+      m.setattr(loop, "PreemptionGuard", functools.partial(PreemptedAfter, 2))
       trainer.train(config)
   config.metrics.update(profile_start=start, profile_steps=steps)  # steps [start, start + steps), 0-based
   calls = _trace_calls(monkeypatch, real=case == "to_the_end")
   if case == "preempted":
-    monkeypatch.setattr(trainer, "PreemptionGuard", functools.partial(PreemptedAfter, 2))
+    monkeypatch.setattr(loop, "PreemptionGuard", functools.partial(PreemptedAfter, 2))
   if case == "stopped":
     config.train.steps, config.monitor.nan_policy = 8, "stop"
     with pytest.raises(trainer.TrainingStopped, match="step 4: non-finite"):
