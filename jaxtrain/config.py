@@ -17,27 +17,12 @@ from absl import logging
 from ml_collections import config_dict
 
 from jaxtrain import paths
+from jaxtrain.errors import ConfigError, DataError, UserError  # noqa: F401 - where callers import them
 
 MESH_AXES = ("data", "pipeline", "fsdp", "tensor")
 REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("cosine", "linear", "constant")
-
-
-class UserError(Exception):
-  """A mistake in what the user gave us (config, data, paths): printed as one line, exit code 2."""
-
-  def __init__(self, subject: str, problem: str, fix: str):
-    self.subject, self.problem, self.fix = subject, problem, fix
-    super().__init__(f"{subject}: {problem}; {fix}")
-
-
-class ConfigError(UserError):
-  """A config key with a wrong value: ``subject`` is the key."""
-
-
-class DataError(UserError):
-  """A missing, empty, corrupt or mismatched data file: ``subject`` names the file."""
 
 
 def base_config() -> ml_collections.ConfigDict:

@@ -1,0 +1,68 @@
+"""Named choices: every choice a config key makes (a model family, an optimizer, a schedule, a remat policy, an
+attention backend, a data source, a NaN policy) is one :class:`Registry`, and the key's validation reads it, so
+adding a choice is one ``register`` call, from inside the package or outside it.
+
+  OPTIMIZERS = Registry("optim.name", "optimizer")
+  @OPTIMIZERS.register("lion")
+  def lion(cfg, learning_rate, weight_decay_mask): ...
+  OPTIMIZERS.get(config.optim.name)      # ConfigError naming optim.name and the registered names if unknown
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Generic, Iterable, TypeVar
+
+from jaxtrain.errors import ConfigError
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+  """Name -> value for the config key ``key``. ``builtin``: modules that register the built-in choices, imported
+  on first use (so that registering never needs the registry's user to import them)."""
+
+  def __init__(self, key: str, what: str, builtin: Iterable[str] = ()):
+    self.key, self.what, self._builtin = key, what, tuple(builtin)
+    self._entries: dict[str, T] = {}
+
+  def register(self, name: str, value: T | None = None):
+    """``register(name, value)``, or ``@register(name)`` on a function or class. Registering a name again
+    replaces the entry (a user's module reloaded in a notebook)."""
+    if value is not None:
+      self._entries[name] = value
+      return value
+
+    def wrap(v: T) -> T:
+      self._entries[name] = v
+      return v
+    return wrap
+
+  def _load(self) -> None:
+    for module in self._builtin:
+      importlib.import_module(module)
+
+  def names(self) -> list[str]:
+    self._load()
+    return sorted(self._entries)
+
+  def __contains__(self, name: str) -> bool:
+    self._load()
+    return name in self._entries
+
+  def get(self, name: str) -> T:
+    """The entry, or ConfigError naming the key and what is registered."""
+    if name not in self:
+      raise ConfigError(self.key, f"'{name}' is not a registered {self.what}", f"use one of "
+                        f"{', '.join(self.names())} (or register yours: {self.key.split('.')[0]} registries "
+                        "take one call)")
+    return self._entries[name]
+
+  def check(self, cfg) -> None:
+    """Raises ConfigError if the config's value of this key is not registered."""
+    from jaxtrain.errors import value
+    self.get(value(cfg, self.key))
+
+  def items(self) -> list[tuple[str, T]]:
+    self._load()
+    return sorted(self._entries.items())
