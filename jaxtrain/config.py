@@ -14,7 +14,6 @@ from typing import Iterable
 
 import ml_collections
 from absl import logging
-from ml_collections import config_dict
 
 from jaxtrain import paths
 from jaxtrain.errors import ConfigError, DataError, UserError  # noqa: F401 - where callers import them
@@ -22,7 +21,6 @@ from jaxtrain.errors import ConfigError, DataError, UserError  # noqa: F401 - wh
 MESH_AXES = ("data", "pipeline", "fsdp", "tensor")
 REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16")
-SCHEDULES = ("cosine", "linear", "constant")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -83,18 +81,8 @@ def base_config() -> ml_collections.ConfigDict:
       cache_dir="~/.cache/jaxtrain",  # where the bundled corpus is prepared
   ))
 
-  c.optim = ml_collections.ConfigDict(dict(
-      lr=3e-4,
-      schedule="cosine",  # cosine | linear | constant (after warmup)
-      warmup_steps=100,
-      decay_steps=config_dict.placeholder(int),  # default: train.steps
-      end_lr_ratio=0.1,  # final lr = lr * end_lr_ratio (cosine / linear)
-      b1=0.9,
-      b2=0.95,
-      eps=1e-8,
-      weight_decay=0.1,  # not applied to norm scales and biases
-      clip_norm=1.0,  # global-norm clipping; 0 disables
-  ))
+  from jaxtrain import optim  # each component owns its group's defaults and checks
+  c.optim = optim.defaults()
 
   c.train = ml_collections.ConfigDict(dict(
       steps=1000,
@@ -225,13 +213,13 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
   _check_positive(cfg, ["model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads",
                         "model.head_dim", "model.mlp_dim", "model.vocab_size", "data.seq_len",
                         "train.steps", "train.global_batch_size", "data.prefetch", "train.log_every",
-                        "optim.lr", "pipeline.repeats"])
-  _check_positive(cfg, ["train.microbatches", "data.num_workers", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
-                        "optim.end_lr_ratio", "checkpoint.every_steps", "checkpoint.every_minutes",
+                        "pipeline.repeats"])
+  _check_positive(cfg, ["train.microbatches", "data.num_workers", "checkpoint.every_steps", "checkpoint.every_minutes",
                         "checkpoint.keep_every"], allow_zero=True)
   _check_choice(cfg, "model.remat", REMAT_POLICIES)
   _check_choice(cfg, "model.dtype", DTYPES)
-  _check_choice(cfg, "optim.schedule", SCHEDULES)
+  from jaxtrain import optim
+  optim.validate(cfg)
   _check_choice(cfg, "data.source", ("arrayrecord", "synthetic"))
   if cfg.data.source == "synthetic" and cfg.data.path:
     raise ConfigError("data.path", "is set but data.source='synthetic' ignores it",

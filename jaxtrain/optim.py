@@ -3,9 +3,38 @@
 from __future__ import annotations
 
 import jax
+import ml_collections
 import optax
+from ml_collections import config_dict
+
+from jaxtrain.errors import check_choice, check_positive
 
 NO_DECAY = ("scale", "bias")  # norm scales and biases are not weight-decayed
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """The ``optim`` config group."""
+  return ml_collections.ConfigDict(dict(
+      lr=3e-4,
+      schedule="cosine",  # cosine | linear | constant (after warmup)
+      warmup_steps=100,
+      decay_steps=config_dict.placeholder(int),  # default: train.steps
+      end_lr_ratio=0.1,  # final lr = lr * end_lr_ratio (cosine / linear)
+      b1=0.9,
+      b2=0.95,
+      eps=1e-8,
+      weight_decay=0.1,  # not applied to norm scales and biases
+      clip_norm=1.0,  # global-norm clipping; 0 disables
+  ))
+
+
+def validate(config) -> None:
+  """Checks of the ``optim`` group (ConfigError naming the key)."""
+  check_positive(config, ["optim.lr"])
+  check_positive(config, ["optim.warmup_steps", "optim.weight_decay", "optim.clip_norm", "optim.end_lr_ratio"],
+                 allow_zero=True)
+  check_choice(config, "optim.schedule", SCHEDULES)
 
 
 def schedule(optim_cfg, train_steps: int) -> optax.Schedule:
