@@ -31,6 +31,32 @@ from jax.experimental import multihost_utils
 from jaxtrain import integrity
 from jaxtrain import paths
 from jaxtrain.config import UserError
+import ml_collections
+from jaxtrain.errors import check_choice, check_positive
+
+
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """The ``checkpoint`` config group."""
+  return ml_collections.ConfigDict({
+      "dir": "",  # default: <workdir>/checkpoints; local paths and gs:// alike
+      "every_steps": 0,  # save every N steps (0: off); the last step and preemptions always save
+      "every_minutes": 0.0,  # and/or at least every T minutes (0: off)
+      "keep_last": 3,  # retention: the newest K checkpoints ...
+      "keep_every": 0,  # ... plus every M-th step kept permanently (0: none)
+      "async": True,  # save in the background; the loop blocks only for the device-to-host copy
+      "verify": True,  # fingerprint every array at save, check them (and finiteness) at restore
+      "restore_from": "",  # start from another run's checkpoint (folder of steps, or one step folder)
+      "restore_mode": "params",  # params | state: what restore_from takes from that checkpoint
+  })
+
+
+def validate(config) -> None:
+  check_positive(config, ["checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.keep_every"],
+                 allow_zero=True)
+  check_positive(config, ["checkpoint.keep_last"])
+  check_choice(config, "checkpoint.restore_mode", ("params", "state"))
 
 ITEMS = ("state", "data", "meta", "config")
 

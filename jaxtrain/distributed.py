@@ -17,9 +17,26 @@ import socket
 import time
 
 import jax
+import ml_collections
 from absl import logging
 
-from jaxtrain.config import ConfigError
+from jaxtrain.errors import ConfigError, check_positive
+
+def defaults() -> ml_collections.ConfigDict:
+  """The ``distributed`` config group."""
+  return ml_collections.ConfigDict(dict(
+      coordinator_address="",  # host:port of process 0; empty = from the cluster environment, or one process
+      num_processes=1,
+      process_id=0,
+      auto=True,  # join automatically on TPU pods, Slurm, Kubernetes indexed jobs, Open MPI
+      timeout_s=300.0,  # give up (clear error) if the coordinator cannot be reached in this time
+      heartbeat_timeout_s=30.0,  # a process that stops answering this long fails the job instead of hanging it
+  ))
+
+
+def validate(config) -> None:
+  check_positive(config, ["distributed.timeout_s", "distributed.heartbeat_timeout_s"])
+
 
 def _multi_process_environment() -> bool:
   """Whether the environment says this process is one of several (checked before JAX starts)."""

@@ -1,21 +1,41 @@
 """What a run reports: model FLOPs and MFU, and the writers (console or progress bar, JSONL, TensorBoard,
 optional Weights & Biases). Only process 0 writes.
 
-FLOPs per token (training, forward + backward), the formula of PaLM (Chowdhery et al., appendix B):
-  6 * N  +  12 * layers * heads * head_dim * seq_len
-N counts every parameter except the input embedding table (the unembedding matmul is counted; a tied table
-counts once, as the unembedding). The attention term is not halved for causal masking.
+FLOPs per token (training, forward + backward) are the model family's own (``Family.flops_per_token``; dense
+decoders use PaLM's ``6 N + 12 layers heads head_dim seq_len``, see jaxtrain.models.dense_flops_per_token).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 
 import jax
 from absl import logging
 from etils import epath
+import ml_collections
+from jaxtrain.errors import check_choice, check_positive
+
+
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """The ``metrics`` config group."""
+  return ml_collections.ConfigDict(dict(
+      peak_tflops=0.0,  # per-device peak for MFU; 0 = from the device kind (TPU v4-v6e, A100, H100, H200)
+      tensorboard=True,  # event files in <workdir>/tensorboard
+      wandb=False,  # Weights & Biases, when installed
+      wandb_project="",
+      progress="auto",  # auto (a bar on a TTY, log lines otherwise) | bar | log
+      profile_start=-1,  # capture a jax.profiler trace from this step ...
+      profile_steps=3,  # ... for this many steps, into <workdir>/profile
+  ))
+
+
+def validate(config) -> None:
+  check_choice(config, "metrics.progress", ("auto", "bar", "log"))
+  check_positive(config, ["metrics.peak_tflops"], allow_zero=True)
+  check_positive(config, ["metrics.profile_steps"])
 
 # Dense bf16 peak FLOP/s per chip.
 PEAK_FLOPS = (("v6 lite", 918e12), ("v6e", 918e12), ("v5 lite", 197e12), ("v5e", 197e12), ("v5p", 459e12),
@@ -23,12 +43,8 @@ PEAK_FLOPS = (("v6 lite", 918e12), ("v6e", 918e12), ("v5 lite", 197e12), ("v5e",
 
 
 def flops_per_token(model, seq_len: int) -> float:
-  """Training FLOPs per token of a Llama-style model (``model`` is a jaxtrain.models.Model)."""
-  cfg = model.cfg
-  n = model.num_params()
-  if not cfg.get("tie_embeddings", False) and "embed" in model.abstract_params:
-    n -= math.prod(model.abstract_params["embed"]["embedding"].shape)
-  return 6 * n + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+  """Training FLOPs per token of ``model`` (a jaxtrain.models.Model): its family's own count."""
+  return model.flops_per_token(seq_len)
 
 
 def peak_flops_per_device(override_tflops: float = 0.0, device=None) -> float | None:

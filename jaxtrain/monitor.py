@@ -17,6 +17,34 @@ import threading
 import time
 
 from absl import logging
+import ml_collections
+from jaxtrain.errors import check_choice, check_positive
+
+
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """The ``monitor`` config group."""
+  return ml_collections.ConfigDict(dict(
+      nan_policy="skip",  # non-finite loss, grads or updated state: skip (drop the update) | rollback (to the
+      # last checkpoint, skipping the offending batch) | stop. A non-finite update is never applied.
+      max_consecutive_nonfinite=5,  # skip: this many in a row (or one at the last step) roll back; a second
+      # such rollback to the same checkpoint stops the run (exit 1). rollback: at most this many to one checkpoint
+      spike_sigma=6.0,  # warn when loss or grad norm exceeds the window mean + k sigma (0: off)
+      spike_window=50,  # logged steps in that window
+      stagnation_logs=0,  # warn when the loss has not improved for this many log intervals (0: off)
+      watchdog_multiple=10.0,  # exit (code 3, with stacks) if no step finishes in this x the median time
+      watchdog_min_s=120.0,  # ... but never sooner than this
+      watchdog_timeout_s=0.0,  # a hard limit instead (0: use the multiple)
+  ))
+
+
+def validate(config) -> None:
+  check_choice(config, "monitor.nan_policy", ("skip", "rollback", "stop"))
+  check_positive(config, ["monitor.spike_sigma", "monitor.stagnation_logs", "monitor.watchdog_timeout_s"],
+                 allow_zero=True)
+  check_positive(config, ["monitor.spike_window", "monitor.watchdog_multiple", "monitor.watchdog_min_s",
+                          "monitor.max_consecutive_nonfinite"])
 
 
 class AnomalyDetector:

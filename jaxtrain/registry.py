@@ -16,6 +16,7 @@ from typing import Generic, Iterable, TypeVar
 from jaxtrain.errors import ConfigError
 
 T = TypeVar("T")
+_DECORATOR = object()
 
 
 class Registry(Generic[T]):
@@ -26,10 +27,10 @@ class Registry(Generic[T]):
     self.key, self.what, self._builtin = key, what, tuple(builtin)
     self._entries: dict[str, T] = {}
 
-  def register(self, name: str, value: T | None = None):
+  def register(self, name: str, value: T = _DECORATOR):
     """``register(name, value)``, or ``@register(name)`` on a function or class. Registering a name again
     replaces the entry (a user's module reloaded in a notebook)."""
-    if value is not None:
+    if value is not _DECORATOR:
       self._entries[name] = value
       return value
 

@@ -11,7 +11,7 @@ still free in that array wins, so ``batch -> (data, fsdp)`` and ``embed -> fsdp`
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -21,6 +21,32 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain import config as config_lib
 from jaxtrain.config import ConfigError, MESH_AXES
+import ml_collections
+
+
+
+
+def defaults(group: str) -> ml_collections.ConfigDict:
+  """The ``mesh`` or the ``sharding`` config group."""
+  if group == "mesh":
+    # Mesh sizes per axis: ICI (within a slice / host) and DCN (across slices or hosts). -1 fills the rest.
+      return ml_collections.ConfigDict(dict(
+        data=1, fsdp=-1, tensor=1, pipeline=1,
+        dcn_data=1, dcn_fsdp=1, dcn_tensor=1, dcn_pipeline=1,
+    ))
+  return ml_collections.ConfigDict(dict(
+      # Named rule table (see jaxtrain/sharding.py): dp | fsdp | fsdp_tp.
+      preset="fsdp_tp",
+      # Extra rules, tried before the preset's: "logical=axis[+axis],logical=" (empty = unsharded).
+      rules="",
+      # At start, list every parameter at least this large that is fully replicated.
+      report_replicated_mib=1.0,
+  ))
+
+
+def validate(config) -> None:
+  """Mesh sizes are checked against the devices when the mesh is made (make_mesh); here, the rule table."""
+  rules_from_config(config.sharding)
 
 Rules = tuple[tuple[str, Any], ...]
 
@@ -128,15 +154,17 @@ def shard_shape(shape: tuple[int, ...], logical: P, rules: Rules, mesh_sizes: di
   return tuple(d // math.prod(mesh_sizes[a] for a in _axes(s)) for d, s in zip(shape, spec))
 
 
-def check_shardable(abstract: Any, specs: Any, mesh: Mesh, rules: Rules) -> None:
-  """Raises ConfigError naming the config key when a sharded parameter dimension does not divide."""
+def check_shardable(abstract: Any, specs: Any, mesh: Mesh, rules: Rules,
+                    axis_key: Callable[[str], str] = lambda axis: f"the '{axis}' dimension") -> None:
+  """Raises ConfigError naming the config key (``axis_key(logical axis)``, from the model family) when a sharded
+  parameter dimension does not divide."""
   for (path, leaf), (_, spec) in zip(jax.tree_util.tree_leaves_with_path(abstract),
                                      jax.tree_util.tree_leaves_with_path(specs, is_leaf=_is_spec)):
     mesh_spec = logical_to_mesh_spec(spec, rules)
     for size, logical, axes in zip(leaf.shape, spec, mesh_spec, strict=True):
       if axes is None:
         continue
-      config_lib.check_divisible(config_lib.config_key_for_logical_axis(logical), size, _axes(axes),
+      config_lib.check_divisible(axis_key(logical), size, _axes(axes),
                                  dict(mesh.shape), f"'{logical}' of {jax.tree_util.keystr(path)}")
 
 

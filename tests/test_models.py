@@ -137,7 +137,6 @@ def test_tied_embeddings_share_the_table():
   assert untied.num_params() - model.num_params() == 128 * 256
 
 
-@models.register("bigram_test")
 class Bigram(nnx.Module):
   """A model added from outside the package: only logical axis names, no core edits."""
 
@@ -149,9 +148,12 @@ class Bigram(nnx.Module):
     return self.table[...][tokens]
 
 
+models.register("bigram_test", models.Family(module=Bigram))
+
+
 def test_registered_model_trains(make_config):
   config = make_config(fsdp=8)
-  config.model.name = "bigram_test"
+  config.model = models.defaults("bigram_test")
   config.optim.lr = 0.1
   config.train.steps = 10
   state, history = trainer.train(config)

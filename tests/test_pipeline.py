@@ -157,7 +157,6 @@ def test_checkpoint_restores_across_pipeline_splits(tmp_path):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@models.register("flat_test")
 class Flat(nnx.Module):
   """A model with no layer stack: it cannot be split into stages."""
 
@@ -167,6 +166,9 @@ class Flat(nnx.Module):
 
   def __call__(self, tokens, positions, segment_ids):
     return self.table[...][tokens]
+
+
+models.register("flat_test", models.Family(module=Flat))
 
 
 @pytest.mark.parametrize("change,message", [
@@ -183,7 +185,8 @@ class Flat(nnx.Module):
 def test_pipeline_config_mistakes(tmp_path, change, message):
   c = small_config(tmp_path, pipeline=change["pipeline"], fsdp=-1)
   c.model.num_layers = change.get("layers", 4)
-  c.model.name = change.get("model", "llama")
+  if "model" in change:
+    c.model = models.defaults(change["model"])
   c.pipeline.schedule = change.get("schedule", "gpipe")
   c.train.microbatches = change.get("microbatches", 0)
   c.train.global_batch_size = change.get("batch", 16)

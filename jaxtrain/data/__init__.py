@@ -9,6 +9,36 @@ from typing import Iterator
 
 import jax
 from jax.sharding import NamedSharding
+import ml_collections
+from jaxtrain.errors import ConfigError, check_choice, check_positive
+
+
+
+SOURCES = ("arrayrecord", "synthetic")
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """The ``data`` config group."""
+  return ml_collections.ConfigDict(dict(
+      source="arrayrecord",  # arrayrecord (output of tools/prepare_data.py) | synthetic (no data needed)
+      path="",  # prepared data folder; empty = the bundled Shakespeare corpus, prepared on first use
+      seq_len=128,
+      packing=True,  # pack documents into rows (segment ids keep them apart); False = one padded doc per row
+      tokenizer="",  # if set ('byte' or a tokenizer file), the data must have been prepared with it
+      num_workers=0,  # Grain worker processes (0 = in-process, fastest on few cores)
+      prefetch=2,  # batches buffered per worker
+      verify_checksums=True,  # SHA-256 of every shard against the manifest at start
+      cache_dir="~/.cache/jaxtrain",  # where the bundled corpus is prepared
+  ))
+
+
+def validate(config) -> None:
+  check_positive(config, ["data.seq_len", "data.prefetch"])
+  check_positive(config, ["data.num_workers"], allow_zero=True)
+  check_choice(config, "data.source", SOURCES)
+  if config.data.source == "synthetic" and config.data.path:
+    raise ConfigError("data.path", "is set but data.source='synthetic' ignores it",
+                      "set data.source=arrayrecord or clear data.path")
 
 
 def to_global(local_batch: dict, sharding: NamedSharding) -> dict:

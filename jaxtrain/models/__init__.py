@@ -1,47 +1,166 @@
-"""Model registry and the functional view of a Flax NNX model the trainer works with.
+"""Model families, and the functional view of a Flax NNX model the trainer works with.
 
-A model is an ``nnx.Module`` class registered under a name with :func:`register`. Its constructor takes
-``(cfg, *, rngs)`` where ``cfg`` is the ``model`` config group, and calling it takes
-``(tokens, positions, segment_ids)`` (int32, ``[batch, length]``) and returns float32 logits
-``[batch, length, vocab]``. Parameters are ``nnx.Param`` annotated with logical axis names only.
-A model can be split into pipeline stages (jaxtrain/parallel/pipeline.py) when it also has the parts of that
-call as methods: ``embed_tokens(tokens) -> x``, a stacked layer module ``layers`` (leading ``layers`` axis),
-``apply_layer(weights, x, (positions, segment_ids)) -> x`` for one layer's slice of ``params['layers']``,
-and ``head(x) -> logits``.
-Adding an architecture = a new module in this package that calls :func:`register`; nothing else changes.
+A family is one :func:`register` call with a :class:`Family`: its Flax module, its own config keys with their
+defaults, its checks, its training FLOPs per token and which config key sizes each logical axis. The core keeps
+only the keys every model shares (:data:`SHARED`); choosing ``model.name`` picks the rest (also on the command
+line: ``--config.model.name=F`` gives family F's keys and defaults). A family may live outside the package:
+registering it before ``trainer.build`` (or importing its module from a config file) is all it takes.
+
+The module contract: ``Module(cfg, *, rngs)`` where ``cfg`` is the ``model`` config group; calling it with
+``(tokens, positions, segment_ids)`` (int32, ``[batch, length]``) returns float32 logits ``[batch, length, vocab]``
+or an :class:`Output` (logits plus auxiliary losses, added to the objective weighted by the config key
+``model.<name>_weight``, and metrics, logged). Parameters are ``nnx.Param`` annotated with logical axis names only.
+A module can be split into pipeline stages (jaxtrain/parallel/pipeline.py) when it also has the parts of that call
+as methods: ``embed_tokens(tokens) -> x``, a stacked layer module ``layers`` (leading ``layers`` axis),
+``apply_layer(weights, x, (positions, segment_ids)) -> x`` for one layer's slice of ``params['layers']``, and
+``head(x) -> logits or Output``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import math
 from typing import Any, Callable
 
 import jax
+import ml_collections
 from flax import nnx
 
-_REGISTRY: dict[str, type[nnx.Module]] = {}
-_BUILTIN = ("jaxtrain.models.llama",)
+from jaxtrain.errors import ConfigError, check_choice, check_positive
+from jaxtrain.registry import Registry
+
 _STAGE_METHODS = ("embed_tokens", "apply_layer", "head")
+DTYPES = ("float32", "bfloat16")
 
 
-def register(name: str) -> Callable[[type[nnx.Module]], type[nnx.Module]]:
-  def wrap(cls):
-    _REGISTRY[name] = cls
-    return cls
-  return wrap
+def _shared_defaults() -> dict:
+  return dict(
+      name="llama",
+      vocab_size=256,
+      dtype="float32",  # compute dtype; params are always float32
+      remat="none",  # what the backward pass recomputes per layer: a name in models.REMAT (none | full | save_dots)
+      attention="xla",  # the attention backend: a name in models.attention.BACKENDS
+  )
+
+
+SHARED = tuple(_shared_defaults())
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+  """What a forward returns: logits, auxiliary losses (scalars; each is added to the objective times the config
+  key ``model.<name>_weight``, and logged as ``aux_loss/<name>``) and metrics (scalars, logged as they are)."""
+  logits: jax.Array
+  aux_losses: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
+  metrics: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def of(cls, out) -> "Output":
+    return out if isinstance(out, Output) else cls(out)
+
+
+jax.tree_util.register_dataclass(Output, data_fields=["logits", "aux_losses", "metrics"], meta_fields=[])
+
+
+def _no_checks(cfg) -> None:
+  del cfg
+
+
+def matmul_flops_per_token(cfg, seq_len: int, abstract_params) -> float:
+  """6 x the parameters outside the embedding tables: a family's FLOPs when it declares none (attention's
+  score and value matmuls, which grow with seq_len, are not counted: MFU then reads low)."""
+  del cfg, seq_len
+  return dense_flops_per_token(abstract_params, 0, num_layers=0, attention_width=0, tied_embeddings=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """A model family.
+
+  module: the ``nnx.Module`` class (see the module contract above).
+  defaults: ``() -> dict``: the family's own ``model`` keys and their defaults (not the shared ones).
+  flops_per_token: ``(cfg, seq_len, abstract_params) -> float``: training FLOPs (forward + backward) per token,
+    for MFU, the dry run and the estimator. :func:`dense_flops_per_token` is the usual formula; the default,
+    :func:`matmul_flops_per_token`, leaves attention out.
+  validate: ``(cfg) -> None``: checks of the family's keys (``cfg`` is the model group); raise ConfigError naming
+    ``model.<key>``.
+  axis_keys: logical axis -> the model key that sets its size, for errors such as "not divisible by the mesh".
+  """
+  module: type[nnx.Module]
+  defaults: Callable[[], dict] = dict
+  flops_per_token: Callable[[Any, int, Any], float] = matmul_flops_per_token
+  validate: Callable[[Any], None] = _no_checks
+  axis_keys: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+FAMILIES: Registry[Family] = Registry("model.name", "model family", builtin=("jaxtrain.models.llama",))
+# What the backward pass recomputes inside each layer (jax.checkpoint policies); None: keep everything.
+REMAT: Registry[Any] = Registry("model.remat", "remat policy")
+REMAT.register("none", None)
+REMAT.register("full", jax.checkpoint_policies.nothing_saveable)
+REMAT.register("save_dots", jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+
+def register(name: str, family: Family) -> Family:
+  """Registers a model family under ``name`` (then ``model.name=<name>`` selects it)."""
+  overlap = set(family.defaults()) & set(SHARED)
+  if overlap:
+    raise ValueError(f"model family {name}: {sorted(overlap)} are shared model keys; leave them out of defaults()")
+  return FAMILIES.register(name, family)
 
 
 def names() -> list[str]:
-  for module in _BUILTIN:
-    importlib.import_module(module)
-  return sorted(_REGISTRY)
+  return FAMILIES.names()
 
 
-def get(name: str) -> type[nnx.Module]:
-  if name not in names():
-    raise KeyError(name)
-  return _REGISTRY[name]
+def get(name: str) -> Family:
+  return FAMILIES.get(name)
+
+
+def defaults(name: str = "llama") -> ml_collections.ConfigDict:
+  """The ``model`` config group of family ``name``: the shared keys, then the family's own."""
+  return ml_collections.ConfigDict({**_shared_defaults(), "name": name, **get(name).defaults()})
+
+
+def validate(config) -> None:
+  """The shared keys, then the family's checks. A config whose model group belongs to another family (its keys
+  differ) is named as such."""
+  m = config.model
+  family = FAMILIES.get(m.name)
+  mine = set(SHARED) | set(family.defaults())
+  if set(m.keys()) != mine:
+    extra, missing = sorted(set(m.keys()) - mine), sorted(mine - set(m.keys()))
+    raise ConfigError("model.name", f"the model group has the keys of another family than '{m.name}' ("
+                      f"{'extra: ' + ', '.join(extra) if extra else ''}{'; ' if extra and missing else ''}"
+                      f"{'missing: ' + ', '.join(missing) if missing else ''})",
+                      f"start the config from base_config(model='{m.name}'), or set model.name on the command "
+                      "line (which swaps in that family's keys)")
+  check_positive(config, ["model.vocab_size"])
+  check_choice(config, "model.dtype", DTYPES)
+  REMAT.check(config)
+  from jaxtrain.models import attention
+  attention.BACKENDS.check(config)
+  family.validate(m)
+
+
+def axis_key(name: str, axis: str) -> str:
+  """The config key that sets the size of logical axis ``axis`` in family ``name``."""
+  key = get(name).axis_keys.get(axis) if name in FAMILIES else None
+  return f"model.{key}" if key else f"the '{axis}' dimension"
+
+
+def dense_flops_per_token(abstract_params, seq_len: int, *, num_layers: int, attention_width: int,
+                          tied_embeddings: bool) -> float:
+  """Training FLOPs per token of a dense decoder, the formula of PaLM (Chowdhery et al., appendix B):
+  ``6 N + 12 layers * attention_width * seq_len``, ``attention_width`` = heads x head_dim. N counts every
+  parameter except the input embedding table (the unembedding matmul counts; a tied table counts once, as the
+  unembedding); position-embedding tables are not matmuls either (name them ``pos_embed``). The attention term is
+  not halved for causal masking."""
+  n = sum(math.prod(a.shape) for a in jax.tree.leaves(abstract_params))
+  for table in ("embed", "pos_embed"):
+    if table in abstract_params and not (table == "embed" and tied_embeddings):
+      n -= sum(math.prod(a.shape) for a in jax.tree.leaves(abstract_params[table]))
+  return 6 * n + 12 * num_layers * attention_width * seq_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,36 +171,55 @@ class Model:
   logical axis names; the parallelism is decided elsewhere (jaxtrain/sharding.py) from these names.
   """
 
-  cls: type[nnx.Module]
+  family: Family
   cfg: Any
   graphdef: Any
   abstract_params: Any
   logical_specs: Any
 
+  @property
+  def cls(self) -> type[nnx.Module]:
+    return self.family.module
+
   @classmethod
   def from_config(cls, model_cfg) -> "Model":
-    module_cls = get(model_cfg.name)
+    family = get(model_cfg.name)
     # Sharding comes from jit out_shardings computed by jaxtrain.sharding from the logical names, not from
     # NNX's eager sharding (which resolves rules differently); one resolver for params and activations.
     with nnx.use_eager_sharding(False):
-      abstract = nnx.eval_shape(lambda: module_cls(model_cfg, rngs=nnx.Rngs(0)))
+      abstract = nnx.eval_shape(lambda: family.module(model_cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract, nnx.Param)
     specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
     params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state))
-    return cls(module_cls, model_cfg, graphdef, params, specs)
+    return cls(family, model_cfg, graphdef, params, specs)
 
   def init(self, rng: jax.Array) -> dict:
     with nnx.use_eager_sharding(False):
       module = self.cls(self.cfg, rngs=nnx.Rngs(params=rng))
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
+  def forward(self, params: dict, tokens, positions, segment_ids) -> Output:
+    return Output.of(self.bind(params)(tokens, positions, segment_ids))
+
   def apply(self, params: dict, tokens, positions, segment_ids) -> jax.Array:
-    return self.bind(params)(tokens, positions, segment_ids)
+    """The logits alone."""
+    return self.forward(params, tokens, positions, segment_ids).logits
 
   def bind(self, params: dict) -> nnx.Module:
     """The module with these parameter values (inside a traced function: tracers)."""
     with nnx.use_eager_sharding(False):
       return nnx.merge(self.graphdef, params)
+
+  def aux_loss_weights(self, names) -> dict[str, float]:
+    """``{name: model.<name>_weight}`` for the auxiliary losses ``names``; ConfigError if a weight is missing."""
+    missing = [n for n in names if f"{n}_weight" not in self.cfg]
+    if missing:
+      raise ConfigError(f"model.{missing[0]}_weight", f"model '{self.cfg.name}' returns the auxiliary loss "
+                        f"'{missing[0]}' but has no weight for it", f"add {missing[0]}_weight to the family's defaults")
+    return {n: float(self.cfg[f"{n}_weight"]) for n in names}
+
+  def flops_per_token(self, seq_len: int) -> float:
+    return float(self.family.flops_per_token(self.cfg, seq_len, self.abstract_params))
 
   def why_not_stageable(self) -> str | None:
     """Why this model cannot be split into pipeline stages, or None if it can."""

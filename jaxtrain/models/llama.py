@@ -10,13 +10,44 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain import models
+from jaxtrain.errors import ConfigError, check_positive
+from jaxtrain.models.attention import attend
 from jaxtrain.sharding import constrain
 
 _INIT = nnx.initializers.normal(0.02)
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+
+
+def defaults() -> dict:
+  """The Llama family's own ``model`` keys (the shared ones are in jaxtrain.models)."""
+  return dict(
+      num_layers=2,
+      d_model=64,
+      num_heads=4,
+      num_kv_heads=2,  # grouped-query attention: a divisor of num_heads
+      head_dim=16,
+      mlp_dim=256,
+      tie_embeddings=False,
+      rope_theta=10_000.0,
+      norm_eps=1e-5,
+  )
+
+
+def validate(cfg) -> None:
+  check_positive({"model": cfg}, [f"model.{k}" for k in ("num_layers", "d_model", "num_heads", "num_kv_heads",
+                                                          "head_dim", "mlp_dim")])
+  if cfg.num_heads % cfg.num_kv_heads:
+    raise ConfigError("model.num_kv_heads", f"{cfg.num_kv_heads} does not divide model.num_heads={cfg.num_heads}",
+                      "grouped-query attention needs num_heads to be a multiple of num_kv_heads")
+
+
+def flops_per_token(cfg, seq_len: int, abstract_params) -> float:
+  return models.dense_flops_per_token(abstract_params, seq_len, num_layers=cfg.num_layers,
+                                      attention_width=cfg.num_heads * cfg.head_dim,
+                                      tied_embeddings=cfg.tie_embeddings)
+
+
+AXIS_KEYS = {"embed": "d_model", "heads": "num_heads", "kv_heads": "num_kv_heads", "head_dim": "head_dim",
+             "mlp": "mlp_dim", "vocab": "vocab_size", "layers": "num_layers"}
 
 
 def _param(names):
@@ -52,17 +83,13 @@ class Attention(nnx.Module):
     self.k = nnx.Einsum("btd,dnh->btnh", (d, k, h), kernel_init=_param(("embed", "kv_heads", "head_dim")), **kw)
     self.v = nnx.Einsum("btd,dnh->btnh", (d, k, h), kernel_init=_param(("embed", "kv_heads", "head_dim")), **kw)
     self.o = nnx.Einsum("btnh,nhd->btd", (n, h, d), kernel_init=_param(("heads", "head_dim", "embed")), **kw)
-    self.theta = cfg.rope_theta
+    self.theta, self.backend = cfg.rope_theta, cfg.attention
 
   def __call__(self, x, positions, segment_ids):
     q = constrain(rope(self.q(x), positions, self.theta), ("batch", "length", "heads", "head_dim"))
     k = constrain(rope(self.k(x), positions, self.theta), ("batch", "length", "kv_heads", "head_dim"))
     v = constrain(self.v(x), ("batch", "length", "kv_heads", "head_dim"))
-    t = x.shape[1]
-    causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
-    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # attention never crosses documents
-    mask = (causal[None] & same_doc)[:, None]  # [b, 1, t, t]
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    out = attend(self.backend, q, k, v, segment_ids)  # causal, never across documents
     return self.o(constrain(out, ("batch", "length", "heads", "head_dim")))
 
 
@@ -91,7 +118,6 @@ class Block(nnx.Module):
     return constrain(x, ("batch", "length", "embed"))
 
 
-@models.register("llama")
 class Llama(nnx.Module):
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     dtype = jnp.dtype(cfg.dtype)
@@ -122,7 +148,7 @@ class Llama(nnx.Module):
     graphdef = nnx.graphdef(self.layers)
     layer = lambda w, h, side: nnx.merge(graphdef, w)(h, *side)  # noqa: E731
     if self.remat != "none":
-      layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+      layer = jax.checkpoint(layer, policy=models.REMAT.get(self.remat), prevent_cse=False)
     return layer(weights, x, side)
 
   def head(self, x):
@@ -135,3 +161,7 @@ class Llama(nnx.Module):
     stacked = nnx.state(self.layers)
     x, _ = jax.lax.scan(lambda h, w: (self.apply_layer(w, h, (positions, segment_ids)), None), x, stacked)
     return self.head(x)
+
+
+models.register("llama", models.Family(module=Llama, defaults=defaults, flops_per_token=flops_per_token,
+                                       validate=validate, axis_keys=AXIS_KEYS))

@@ -30,6 +30,24 @@ from flax import linen as nn
 
 from jaxtrain.config import ConfigError
 from jaxtrain.sharding import constrain
+import ml_collections
+from jaxtrain.errors import check_choice, check_positive
+
+
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """The ``pipeline`` config group (pipeline parallelism)."""
+  # Pipeline parallelism: the layer stack split into mesh.pipeline x mesh.dcn_pipeline stages.
+  return ml_collections.ConfigDict(dict(
+      schedule="gpipe",  # gpipe | circular (each stage holds `repeats` non-adjacent groups of layers)
+      repeats=2,  # circular only; bubble (S - 1) / (repeats x microbatches + S - 1) for S stages
+  ))
+
+
+def validate(config) -> None:
+  check_choice(config, "pipeline.schedule", ("gpipe", "circular"))
+  check_positive(config, ["pipeline.repeats"])
 
 
 @dataclasses.dataclass(frozen=True)

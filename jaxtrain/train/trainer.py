@@ -60,11 +60,7 @@ see :func:`jaxtrain.config.resolve`). Raises ConfigError on user mistakes."""
   config = config_lib.resolve(config)
   mesh = sharding.make_mesh(config.mesh, devices)
   rules = sharding.rules_from_config(config.sharding)
-  try:
-    model = models.Model.from_config(config.model)
-  except KeyError:
-    raise ConfigError("model.name", f"'{config.model.name}' is not a registered model",
-                      f"use one of {', '.join(models.names())}") from None
+  model = models.Model.from_config(config.model)
   pipeline = None
   if mesh.shape["pipeline"] > 1:
     why = model.why_not_stageable()
@@ -80,7 +76,8 @@ see :func:`jaxtrain.config.resolve`). Raises ConfigError on user mistakes."""
   if config.train.global_batch_size % microbatches:
     raise ConfigError("train.microbatches", f"{microbatches} does not divide train.global_batch_size="
                       f"{config.train.global_batch_size}", "choose a divisor of the batch size")
-  sharding.check_shardable(model.abstract_params, model.logical_specs, mesh, rules)
+  sharding.check_shardable(model.abstract_params, model.logical_specs, mesh, rules,
+                           functools.partial(models.axis_key, config.model.name))
   batch_axes, batch_shards = sharding.batch_shards(dict(mesh.shape), rules)
   per_microbatch = config.train.global_batch_size // microbatches
   if per_microbatch % batch_shards:
