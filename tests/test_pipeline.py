@@ -40,7 +40,7 @@ def _config(tmp_path, schedule="gpipe", microbatches=0, **mesh):
 def _loss_and_grads(config, batch, devices):
   run = trainer.build(config, devices)
   params = trainer.init_state(run).params
-  fn = jax.jit(jax.value_and_grad(lambda p, b: step_lib.loss_fn(run.model, p, b, run.pipeline), has_aux=True))
+  fn = jax.jit(jax.value_and_grad(lambda p, b: step_lib.loss_fn(run.model, p, b, run.pipeline_schedule), has_aux=True))
   with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
     (loss_sum, tokens), grads = fn(params, data_lib.to_global(batch, run.batch_sharding))
   return float(loss_sum / tokens), float(tokens), jax.device_get(grads), run
@@ -72,8 +72,8 @@ def test_pipelined_loss_and_grads_equal_unpipelined(reference, tmp_path, mesh, d
   config = _config(tmp_path, schedule, microbatches=4, **mesh)
   config.model.remat = remat
   loss, tokens, grads, run = _loss_and_grads(config, _packed_batch(), jax.devices()[:devices])
-  assert run.pipeline.stages == mesh["pipeline"]
-  assert run.pipeline.repeats == (2 if schedule == "circular" else 1)
+  assert run.pipeline_schedule.stages == mesh["pipeline"]
+  assert run.pipeline_schedule.repeats == (2 if schedule == "circular" else 1)
   assert tokens == ref_tokens
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):

@@ -69,7 +69,7 @@ def _alternated_medians(calls: dict) -> dict:
 def stack_call(stages: int, schedule: str, microbatches: int):
   """A call running forward + backward of the pipelined layer stack on [M, rows, T, D] activations."""
   run = trainer.build(_config(stages, schedule, microbatches))
-  model, p = run.model, run.pipeline
+  model, p = run.model, run.pipeline_schedule
   params = trainer.init_state(run).params
   rows, t, d = _MICRO.value, run.config.data.seq_len, run.config.model.d_model
   x = jax.random.normal(jax.random.key(0), (microbatches, rows, t, d), jnp.float32)

@@ -25,15 +25,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from flax import linen as nn
 
-from jaxtrain.config import ConfigError
+from jaxtrain import sharding
+from jaxtrain.errors import ConfigError, check_choice, check_positive
 from jaxtrain.sharding import constrain
-import ml_collections
-from jaxtrain.errors import check_choice, check_positive
-
-
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -181,3 +179,43 @@ def run(layer: Callable[[Any, jax.Array, Any], jax.Array], stacked: Any, specs: 
   carry = (constrain(x, micro_act), constrain(previous, stage_act))
   (x, _), _ = jax.lax.scan(iteration, carry, jnp.arange(schedule.iterations))
   return constrain(x, micro_act)
+
+
+def split_microbatches(batch, num: int):
+  """[B, ...] -> [num, B/num, ...]. Microbatch j takes rows j, j+num, ..., so every device keeps its rows."""
+  def split(x):
+    x = x.reshape(x.shape[0] // num, num, *x.shape[1:]).swapaxes(0, 1)
+    return sharding.constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
+  return jax.tree.map(split, batch)
+
+
+def forward(model, params, batch, schedule: Schedule, head_loss: Callable[[Any, dict], Any]):
+  """A stageable model's forward and loss, pipelined (see jaxtrain.models for the stageable contract): embed
+  the batch, run the layer stack over ``schedule.microbatches`` microbatches through the stages, then the head
+  and ``head_loss(head_output, batch_chunk) -> pytree of scalars`` S microbatches at a time, one on each stage
+  (no stage repeats another's head, and only S microbatches' logits exist at once). Returns the sum of
+  ``head_loss`` over all microbatches."""
+  module = model.bind(params)
+  m, s = schedule.microbatches, schedule.stages
+  micro = split_microbatches(batch, m)
+  x = split_microbatches(module.embed_tokens(batch["inputs"]), m)
+  x = run(module.apply_layer, params["layers"], model.logical_specs["layers"], x,
+          (micro["positions"], micro["segment_ids"]), schedule, ("batch", "length", "embed"))
+
+  def by_stage(a, axes):  # [M, ...] -> [M / S, S, ...], microbatch c S + j on stage j
+    return sharding.constrain(a.reshape(m // s, s, *a.shape[1:]), (None, "stage") + axes)
+
+  def one(x, b):
+    return head_loss(module.head(x), b)
+
+  per_stage = jax.vmap(one, spmd_axis_name=stage_axis())
+
+  @jax.checkpoint
+  def chunk(total, inputs):
+    return jax.tree.map(lambda t, part: t + part.sum(0), total, per_stage(*inputs)), None
+
+  chunks = (by_stage(x, ("batch", "length", "embed")), jax.tree.map(lambda a: by_stage(a, ("batch", None)), micro))
+  first = jax.tree.map(lambda a: a[0, 0], chunks)  # one microbatch: the shapes of what head_loss returns
+  zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, *first))
+  total, _ = jax.lax.scan(chunk, zero, chunks)
+  return total

@@ -51,7 +51,8 @@ class Run:
   state_shardings: TrainState
   batch_sharding: NamedSharding
   microbatches: int
-  pipeline: pipeline_lib.Schedule | None  # None: no pipeline parallelism (mesh.pipeline = 1)
+  pipeline_schedule: pipeline_lib.Schedule | None  # None: no pipeline parallelism (mesh.pipeline = 1)
+  aux_weights: dict[str, float]  # the model's auxiliary losses and their weights in the objective
 
 
 def build(config: ml_collections.ConfigDict, devices=None) -> Run:
@@ -93,10 +94,12 @@ see :func:`jaxtrain.config.resolve`). Raises ConfigError on user mistakes."""
     raise ConfigError("data.num_workers", f"{config.data.num_workers} does not divide the {per_process} rows "
                       "each process loads per step", "use a divisor of global_batch_size / processes")
   tx = optim.make(config.optim, config.train.steps)
+  aux_weights = model.aux_loss_weights(step_lib.aux_loss_names(model, config.data.seq_len))
   return Run(config=config, mesh=mesh, rules=rules, model=model, tx=tx,
              lr_schedule=optim.schedule(config.optim, config.train.steps),
              state_shardings=state_lib.shardings(model, tx, mesh, rules),
-             batch_sharding=sharding.batch_sharding(mesh, rules), microbatches=microbatches, pipeline=pipeline)
+             batch_sharding=sharding.batch_sharding(mesh, rules), microbatches=microbatches,
+             pipeline_schedule=pipeline, aux_weights=aux_weights)
 
 
 def report(run: Run) -> dict[str, Any]:
@@ -117,8 +120,8 @@ def report(run: Run) -> dict[str, Any]:
                "MiB/device (%.1f MiB total)", dict(run.mesh.shape), f"{info['params']:,}",
                info["param_bytes_per_device"] / mib, info["param_bytes_total"] / mib,
                info["opt_bytes_per_device"] / mib, info["opt_bytes_total"] / mib)
-  if run.pipeline:
-    p = run.pipeline
+  if run.pipeline_schedule:
+    p = run.pipeline_schedule
     logging.info("pipeline: %d stages, %s, %d microbatches, %d layers per stage -> bubble %.1f%% "
                  "((S-1)/(R*M+S-1))", p.stages, f"circular x {p.repeats} repeats" if p.repeats > 1 else "GPipe",
                  p.microbatches, run.model.num_layers() // p.stages, 100 * p.bubble)
@@ -137,7 +140,8 @@ def abstract_batch(run: Run) -> dict[str, jax.ShapeDtypeStruct]:
 def compile_step(run: Run, train_step=None):
   """The jitted, donated, sharded train step compiled for this run's shapes (one compile)."""
   train_step = train_step or step_lib.make_train_step(
-      run.model, run.tx, run.lr_schedule, run.microbatches, run.state_shardings, run.pipeline)
+      run.model, run.tx, run.lr_schedule, run.microbatches, run.state_shardings, run.pipeline_schedule,
+      run.aux_weights)
   replicated = NamedSharding(run.mesh, P())
   jitted = jax.jit(train_step, in_shardings=(run.state_shardings, run.batch_sharding, replicated),
                    out_shardings=(run.state_shardings, replicated), donate_argnums=0)
@@ -277,7 +281,7 @@ def make_evaluator(run: Run):
   waited for, so the params may be donated next); ``fetch()`` waits and returns ``{eval_loss, eval_perplexity,
   eval_tokens}``, the loss being the mean over all real target tokens of the split."""
   batches = [data_lib.to_global(b, run.batch_sharding) for b in data_lib.open_eval(run.config)]
-  eval_step = jax.jit(step_lib.make_eval_step(run.model, run.pipeline),
+  eval_step = jax.jit(step_lib.make_eval_step(run.model, run.pipeline_schedule),
                       in_shardings=(run.state_shardings.params, run.batch_sharding))
 
   def evaluate(params):
