@@ -7,12 +7,45 @@ import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+from ml_collections.config_flags import config_flags as config_flags_impl  # its file parser, to subclass
 
 from jaxtrain import config as config_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).",
                                           lock_config=True)
 flags.mark_flag_as_required("config")
+_ARGV: list[str] = []  # the command line being parsed
+
+
+class _FamilyAwareConfigFile(config_flags_impl.ConfigFileFlagParser):
+  """Loads the config file like ml_collections does, then, if the command line picks another model family
+  (``--config.model.name=F``), swaps in family F's ``model`` group (its own keys and defaults) before the
+  ``--config.*`` overrides are applied, so that ``--config.model.<a key of F>=...`` works. ml_collections applies
+  overrides to the keys the file returned and has no hook for a key that changes the schema: we replace the
+  flag's parser (its public ``parser`` attribute) with this subclass."""
+
+  def parse(self, path):
+    config = super().parse(path)  # constructed with lock_config=False: we lock after the swap
+    name = _model_name_override(_ARGV)
+    if name is not None and hasattr(config, "model") and name != config.model.get("name"):
+      from jaxtrain import models
+      config.model = models.defaults(name)  # ConfigError naming model.name if F is not registered
+    config.lock()
+    return config
+
+
+flags.FLAGS["config"].parser = _FamilyAwareConfigFile("config", lock_config=False)
+
+
+def _model_name_override(argv: list[str]) -> str | None:
+  """The last ``--config.model.name=F`` (or ``--config.model.name F``) on the command line, if any."""
+  name = None
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config.model.name="):
+      name = arg.split("=", 1)[1]
+    elif arg == "--config.model.name" and i + 1 < len(argv):
+      name = argv[i + 1]
+  return name
 
 
 def _fail(message: str) -> None:
@@ -22,6 +55,7 @@ def _fail(message: str) -> None:
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl flag parsing, with every user mistake turned into one line and exit code 2."""
+  _ARGV[:] = argv
   try:
     rest = flags.FLAGS(argv)
     _CONFIG.value.keys()  # config files load lazily: force it so that load errors surface here
@@ -29,6 +63,8 @@ def parse_flags(argv: list[str]) -> list[str]:
   except flags.Error as e:  # wrong type, missing --config, unparsable value, unknown flag
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     _fail(lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}")  # drop a config file's traceback
+  except config_lib.UserError as e:  # model.name names no registered family
+    _fail(str(e))
   except (AttributeError, KeyError) as e:  # ml_collections: override of a key that does not exist
     _fail(str(_unknown_key(argv) or e))
   except Exception as e:  # the config file is missing, or its get_config() raised
@@ -38,7 +74,8 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def _unknown_key(argv: list[str]) -> config_lib.ConfigError | None:
-  base = config_lib.base_config()  # every config file starts from it, so it has every key
+  loaded = flags.FLAGS["config"].value  # the file's config (with the family swapped in), when it loaded
+  base = loaded if loaded is not None else config_lib.base_config(_model_name_override(argv) or "llama")
   known = set(config_lib.flat_keys(base))
   for arg in argv[1:]:
     key = arg.split("=")[0].removeprefix("--config.")

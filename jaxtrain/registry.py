@@ -23,8 +23,9 @@ class Registry(Generic[T]):
   """Name -> value for the config key ``key``. ``builtin``: modules that register the built-in choices, imported
   on first use (so that registering never needs the registry's user to import them)."""
 
-  def __init__(self, key: str, what: str, builtin: Iterable[str] = ()):
-    self.key, self.what, self._builtin = key, what, tuple(builtin)
+  def __init__(self, key: str, what: str, builtin: Iterable[str] = (), how: str = ""):
+    """``how``: where a user adds an entry (named in the error for an unknown name)."""
+    self.key, self.what, self._builtin, self.how = key, what, tuple(builtin), how or f"{key}'s registry"
     self._entries: dict[str, T] = {}
 
   def register(self, name: str, value: T = _DECORATOR):
@@ -54,9 +55,8 @@ class Registry(Generic[T]):
   def get(self, name: str) -> T:
     """The entry, or ConfigError naming the key and what is registered."""
     if name not in self:
-      raise ConfigError(self.key, f"'{name}' is not a registered {self.what}", f"use one of "
-                        f"{', '.join(self.names())} (or register yours: {self.key.split('.')[0]} registries "
-                        "take one call)")
+      raise ConfigError(self.key, f"'{name}' is not a registered {self.what}",
+                        f"use one of {', '.join(self.names())}, or register yours with {self.how}")
     return self._entries[name]
 
   def check(self, cfg) -> None:

@@ -11,7 +11,7 @@ The module contract: ``Module(cfg, *, rngs)`` where ``cfg`` is the ``model`` con
 or an :class:`Output` (logits plus auxiliary losses, added to the objective weighted by the config key
 ``model.<name>_weight``, and metrics, logged). Parameters are ``nnx.Param`` annotated with logical axis names only.
 A module can be split into pipeline stages (jaxtrain/parallel/pipeline.py) when it also has the parts of that call
-as methods: ``embed_tokens(tokens) -> x``, a stacked layer module ``layers`` (leading ``layers`` axis),
+as methods: ``embed_tokens(tokens, positions) -> x``, a stacked layer module ``layers`` (leading ``layers`` axis),
 ``apply_layer(weights, x, (positions, segment_ids)) -> x`` for one layer's slice of ``params['layers']``, and
 ``head(x) -> logits or Output``.
 """
@@ -93,9 +93,10 @@ class Family:
   axis_keys: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-FAMILIES: Registry[Family] = Registry("model.name", "model family", builtin=("jaxtrain.models.llama",))
+FAMILIES: Registry[Family] = Registry("model.name", "model family", builtin=("jaxtrain.models.llama",),
+                                      how="jaxtrain.models.register")
 # What the backward pass recomputes inside each layer (jax.checkpoint policies); None: keep everything.
-REMAT: Registry[Any] = Registry("model.remat", "remat policy")
+REMAT: Registry[Any] = Registry("model.remat", "remat policy", how="jaxtrain.models.REMAT.register")
 REMAT.register("none", None)
 REMAT.register("full", jax.checkpoint_policies.nothing_saveable)
 REMAT.register("save_dots", jax.checkpoint_policies.dots_with_no_batch_dims_saveable)

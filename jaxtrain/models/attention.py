@@ -14,7 +14,8 @@ import jax.numpy as jnp
 
 from jaxtrain.registry import Registry
 
-BACKENDS: Registry = Registry("model.attention", "attention backend")
+BACKENDS: Registry = Registry("model.attention", "attention backend",
+                              how="jaxtrain.models.attention.BACKENDS.register")
 
 
 def causal_document_mask(segment_ids: jax.Array) -> jax.Array:

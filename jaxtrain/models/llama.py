@@ -136,7 +136,8 @@ class Llama(nnx.Module):
         kernel_init=_param(("embed", "vocab")), rngs=rngs)
     self.remat = cfg.remat
 
-  def embed_tokens(self, tokens):
+  def embed_tokens(self, tokens, positions=None):
+    del positions  # RoPE: positions enter in attention
     # FSDP: gather the table's embed dim before the lookup (its gradient is then reduce-scattered), instead
     # of gathering from an embed-sharded table, which XLA can only reshard by replicating the activations.
     table = constrain(self.embed.embedding[...], ("vocab", None))
@@ -157,7 +158,7 @@ class Llama(nnx.Module):
     return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
   def __call__(self, tokens, positions, segment_ids):
-    x = self.embed_tokens(tokens)
+    x = self.embed_tokens(tokens, positions)
     stacked = nnx.state(self.layers)
     x, _ = jax.lax.scan(lambda h, w: (self.apply_layer(w, h, (positions, segment_ids)), None), x, stacked)
     return self.head(x)

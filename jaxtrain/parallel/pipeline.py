@@ -198,7 +198,7 @@ def forward(model, params, batch, schedule: Schedule, head_loss: Callable[[Any, 
   module = model.bind(params)
   m, s = schedule.microbatches, schedule.stages
   micro = split_microbatches(batch, m)
-  x = split_microbatches(module.embed_tokens(batch["inputs"]), m)
+  x = split_microbatches(module.embed_tokens(batch["inputs"], batch["positions"]), m)
   x = run(module.apply_layer, params["layers"], model.logical_specs["layers"], x,
           (micro["positions"], micro["segment_ids"]), schedule, ("batch", "length", "embed"))
 
