@@ -137,3 +137,33 @@ def _gpt2_params(cfg, vocab):
   d, f, layers = cfg["d_model"], cfg["mlp_dim"], cfg["num_layers"]
   per_layer = 2 * 2 * d + 4 * (d * d + d) + (d * f + f) + (f * d + d)
   return vocab * d + cfg["n_positions"] * d + layers * per_layer + 2 * d
+
+
+def test_attention_backends_agree_and_one_registers_from_outside():
+  from jaxtrain.models import attention
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(k1, (2, 16, 4, 8))
+  k, v = jax.random.normal(k2, (2, 16, 2, 8)), jax.random.normal(k3, (2, 16, 2, 8))
+  segments = jnp.array([[1] * 10 + [2] * 6, [1] * 16])
+  ref = attention.attend("reference", q, k, v, segments)
+  np.testing.assert_allclose(attention.attend("xla", q, k, v, segments), ref, rtol=1e-5, atol=1e-5)
+  # Row 0's token 10 starts document 2: it sees only itself, so its output is its own value vector.
+  np.testing.assert_allclose(ref[0, 10], jnp.repeat(v[0, 10], 2, axis=0), rtol=1e-6)
+
+  calls = []
+
+  @attention.BACKENDS.register("counting_test")
+  def counting(q, k, v, segment_ids):
+    calls.append(q.shape)
+    return attention.xla(q, k, v, segment_ids)
+
+  c = base_config()
+  c.model.attention = "counting_test"
+  model = models.Model.from_config(c.model)
+  tokens = jnp.zeros((1, 8), jnp.int32)
+  logits = model.apply(model.init(jax.random.key(0)), tokens, tokens, tokens)
+  assert logits.shape == (1, 8, 256) and calls == [(1, 8, 4, 16)]  # traced once: the layers are scanned
+  c.model.attention = "flash_nope"
+  with pytest.raises(ConfigError, match="model.attention: 'flash_nope' is not a registered attention backend; "
+                                        "use one of counting_test, reference, xla"):
+    models.validate(c)
