@@ -1,8 +1,10 @@
-"""The config schema (defaults for every key) and its validation.
+"""The config: composed from the components' groups, validated by them, resolved once.
 
-Every config file under ``configs/`` starts from :func:`base_config` and overrides what it needs, so the
-set of keys is defined in exactly one place. :func:`validate` checks a resolved config against the devices
-before anything is compiled and raises :class:`ConfigError` with one readable line naming the key, what is
+Every config file under ``configs/`` starts from :func:`base_config` and overrides what it needs. Each config
+group's keys, defaults and checks live in the module that reads them (:data:`COMPONENTS`); the model group is the
+chosen family's (jaxtrain.models). :func:`resolve` runs every component's ``validate`` (:func:`validate_values`),
+then makes paths absolute; checks that need the devices or the model (mesh sizes, divisibility, batch splits) run
+in ``trainer.build``. Every check raises :class:`ConfigError` with one readable line naming the key, what is
 wrong and how to fix it; ``main`` turns that into exit code 2.
 """
 
