@@ -1,30 +1,76 @@
-"""The optax optimizer from the ``optim`` config group: AdamW, warmup + decay schedule, clipping."""
+"""The optax optimizer from the ``optim`` config group: a registered optimizer and lr schedule, weight-decay mask,
+global-norm clipping.
+
+:func:`make` builds ``clip_by_global_norm(optim.clip_norm)`` (skipped when 0) followed by the optimizer
+``OPTIMIZERS[optim.name]``, whose learning rate is :func:`schedule`: linear warmup over ``optim.warmup_steps``,
+then ``SCHEDULES[optim.schedule]`` up to the horizon (``optim.decay_steps``, default ``train.steps``).
+
+Optimizers (``optim.name``), all from optax, all weight-decayed (``optim.weight_decay``, multiplied by the lr as
+in AdamW) except on norm scales and biases (:func:`decay_mask`):
+  adamw      optax.adamw (b1, b2, eps)
+  lion       optax.lion (b1, b2); wants a 3-10x smaller lr (and a correspondingly larger weight decay)
+  adafactor  optax.adafactor: factored second moments (a row and a column vector instead of a full moment for
+             params with two dims >= 128), no first moment; lr is the step size as for AdamW (not relative to
+             the param scale); b1, b2, eps unused
+  muon       optax.contrib.muon on the stacked layers' weight matrices (see :func:`muon_dimension_numbers`),
+             AdamW (as adamw) on everything else; updates scaled to AdamW's RMS, so lr and weight_decay carry over
+Schedules (``optim.schedule``, after the warmup): ``cosine`` and ``linear`` decay to ``lr * end_lr_ratio`` at the
+horizon, ``constant``, ``wsd`` (warmup-stable-decay: lr until the last ``optim.wsd_decay_fraction`` of the
+horizon, then linear decay to ``lr * end_lr_ratio``).
+
+Adding one is one ``register`` call, from inside the package or outside it (import the module before training),
+then ``--config.optim.name=sgdm`` / ``--config.optim.schedule=...``:
+
+  @optim.OPTIMIZERS.register("sgdm")
+  def sgdm(cfg, learning_rate):  # the optim config group, the lr schedule -> optax.GradientTransformation
+    return optax.chain(optax.add_decayed_weights(cfg.weight_decay, optim.decay_mask),  # L2, masked
+                       optax.sgd(learning_rate, momentum=cfg.b1))
+
+  @optim.SCHEDULES.register("step")
+  def step(cfg, steps):  # the lr from the end of warmup on; ``steps`` from there to the horizon
+    return optax.piecewise_constant_schedule(cfg.lr, {steps // 2: 0.1})
+
+The optimizer state is laid out on the mesh like the params, whatever its shape (jaxtrain/train/state.py).
+"""
 
 from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
 
 import jax
 import ml_collections
 import optax
 from ml_collections import config_dict
 
-from jaxtrain.errors import check_choice, check_positive
+from jaxtrain.errors import ConfigError, check_positive
+from jaxtrain.registry import Registry
 
 NO_DECAY = ("scale", "bias")  # norm scales and biases are not weight-decayed
-SCHEDULES = ("cosine", "linear", "constant")
+# optim.name -> (cfg, learning_rate: optax.Schedule) -> optax.GradientTransformation (weight decay included)
+OPTIMIZERS: Registry[Callable[..., optax.GradientTransformation]] = Registry(
+    "optim.name", "optimizer", how="jaxtrain.optim.OPTIMIZERS.register")
+# optim.schedule -> (cfg, steps) -> optax.Schedule of the lr from the end of warmup (count 0) on, where ``steps``
+# is the number of steps from there to the horizon
+SCHEDULES: Registry[Callable[..., optax.Schedule]] = Registry(
+    "optim.schedule", "schedule", how="jaxtrain.optim.SCHEDULES.register")
 
 
 def defaults() -> ml_collections.ConfigDict:
   """The ``optim`` config group."""
   return ml_collections.ConfigDict(dict(
+      name="adamw",  # adamw | lion (lr 3-10x smaller than AdamW's) | adafactor | muon, or a registered one
       lr=3e-4,
-      schedule="cosine",  # cosine | linear | constant (after warmup)
+      schedule="cosine",  # cosine | linear | constant | wsd (after warmup), or a registered one
       warmup_steps=100,
-      decay_steps=config_dict.placeholder(int),  # default: train.steps
-      end_lr_ratio=0.1,  # final lr = lr * end_lr_ratio (cosine / linear)
-      b1=0.9,
-      b2=0.95,
-      eps=1e-8,
-      weight_decay=0.1,  # not applied to norm scales and biases
+      decay_steps=config_dict.placeholder(int),  # the horizon, counted from step 0; default: train.steps
+      end_lr_ratio=0.1,  # final lr = lr * end_lr_ratio (cosine / linear / wsd)
+      wsd_decay_fraction=0.2,  # wsd: the lr decays over this last fraction of the horizon
+      b1=0.9,  # adamw, lion; muon's AdamW part
+      b2=0.95,  # adamw, lion; muon's AdamW part
+      eps=1e-8,  # adamw; muon
+      weight_decay=0.1,  # not applied to norm scales and biases; multiplied by the lr (decoupled, as AdamW)
       clip_norm=1.0,  # global-norm clipping; 0 disables
   ))
 
@@ -32,21 +78,21 @@ def defaults() -> ml_collections.ConfigDict:
 def validate(config) -> None:
   """Checks of the ``optim`` group (ConfigError naming the key)."""
   check_positive(config, ["optim.lr"])
-  check_positive(config, ["optim.warmup_steps", "optim.weight_decay", "optim.clip_norm", "optim.end_lr_ratio"],
-                 allow_zero=True)
-  check_choice(config, "optim.schedule", SCHEDULES)
+  check_positive(config, ["optim.warmup_steps", "optim.weight_decay", "optim.clip_norm", "optim.end_lr_ratio",
+                          "optim.wsd_decay_fraction"], allow_zero=True)
+  if config.optim.wsd_decay_fraction > 1:
+    raise ConfigError("optim.wsd_decay_fraction", f"must be <= 1, got {config.optim.wsd_decay_fraction}",
+                      "give the fraction of the horizon the lr decays over, e.g. 0.2")
+  OPTIMIZERS.check(config)
+  SCHEDULES.check(config)
 
 
 def schedule(optim_cfg, train_steps: int) -> optax.Schedule:
-  """Linear warmup from 0 to ``lr``, then cosine / linear decay to ``lr * end_lr_ratio`` or constant."""
+  """Linear warmup from 0 to ``lr`` over ``warmup_steps``, then ``SCHEDULES[optim_cfg.schedule]`` over the
+  ``horizon - warmup_steps`` steps to the horizon (``decay_steps``, default ``train_steps``), and after it."""
   lr, warmup = optim_cfg.lr, optim_cfg.warmup_steps
-  decay_steps = max((optim_cfg.decay_steps or train_steps) - warmup, 1)
-  end = lr * optim_cfg.end_lr_ratio
-  after = {
-      "cosine": lambda: optax.cosine_decay_schedule(lr, decay_steps, alpha=optim_cfg.end_lr_ratio),
-      "linear": lambda: optax.linear_schedule(lr, end, decay_steps),
-      "constant": lambda: optax.constant_schedule(lr),
-  }[optim_cfg.schedule]()
+  steps = max((optim_cfg.decay_steps or train_steps) - warmup, 1)
+  after = SCHEDULES.get(optim_cfg.schedule)(optim_cfg, steps)
   return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
 
 
@@ -57,9 +103,100 @@ def decay_mask(params):
 
 
 def make(optim_cfg, train_steps: int) -> optax.GradientTransformation:
+  """Global-norm clipping (unless ``clip_norm`` is 0), then ``OPTIMIZERS[optim_cfg.name]`` with the lr
+  :func:`schedule`. ConfigError naming ``optim.name`` if it is not registered."""
   chain = []
   if optim_cfg.clip_norm > 0:
     chain.append(optax.clip_by_global_norm(optim_cfg.clip_norm))
-  chain.append(optax.adamw(schedule(optim_cfg, train_steps), b1=optim_cfg.b1, b2=optim_cfg.b2,
-                           eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay, mask=decay_mask))
+  chain.append(OPTIMIZERS.get(optim_cfg.name)(optim_cfg, schedule(optim_cfg, train_steps)))
   return optax.chain(*chain)
+
+
+# Schedules after the warmup ----------------------------------------------------------------------------------
+
+
+@SCHEDULES.register("cosine")
+def _cosine(cfg, steps: int) -> optax.Schedule:
+  return optax.cosine_decay_schedule(cfg.lr, steps, alpha=cfg.end_lr_ratio)
+
+
+@SCHEDULES.register("linear")
+def _linear(cfg, steps: int) -> optax.Schedule:
+  return optax.linear_schedule(cfg.lr, cfg.lr * cfg.end_lr_ratio, steps)
+
+
+@SCHEDULES.register("constant")
+def _constant(cfg, steps: int) -> optax.Schedule:
+  del steps
+  return optax.constant_schedule(cfg.lr)
+
+
+@SCHEDULES.register("wsd")
+def _wsd(cfg, steps: int) -> optax.Schedule:
+  """Warmup-stable-decay: ``lr`` until the last ``round(wsd_decay_fraction * horizon)`` steps of the horizon
+  (``horizon = warmup_steps + steps``; at most ``steps``), then linearly down to ``lr * end_lr_ratio``."""
+  decay = min(round(cfg.wsd_decay_fraction * (cfg.warmup_steps + steps)), steps)
+  return optax.join_schedules([optax.constant_schedule(cfg.lr),
+                               optax.linear_schedule(cfg.lr, cfg.lr * cfg.end_lr_ratio, decay)], [steps - decay])
+
+
+# Optimizers --------------------------------------------------------------------------------------------------
+
+
+@OPTIMIZERS.register("adamw")
+def _adamw(cfg, learning_rate: optax.Schedule) -> optax.GradientTransformation:
+  return optax.adamw(learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                     mask=decay_mask)
+
+
+@OPTIMIZERS.register("lion")
+def _lion(cfg, learning_rate: optax.Schedule) -> optax.GradientTransformation:
+  return optax.lion(learning_rate, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask)
+
+
+@OPTIMIZERS.register("adafactor")
+def _adafactor(cfg, learning_rate: optax.Schedule) -> optax.GradientTransformation:
+  # optax.adafactor adds weight_decay_rate * param after the lr scaling: decay by lr(step) * weight_decay to
+  # decay as AdamW does.
+  def decay_rate(step):
+    return learning_rate(step) * cfg.weight_decay
+
+  return optax.adafactor(learning_rate, multiply_by_parameter_scale=False,
+                         weight_decay_rate=decay_rate if cfg.weight_decay else None, weight_decay_mask=decay_mask)
+
+
+def muon_dimension_numbers(path, shape) -> optax.contrib.MuonDimensionNumbers | None:
+  """How Muon sees a param, or None for a param AdamW updates instead. Muon orthogonalizes the weight matrices
+  of the stacked layers (params under the top-level ``layers`` key, leading axis the layer: one matrix per
+  layer); embeddings, the output head and norm scales (and anything with fewer than two axes per layer) are
+  left to AdamW, as Muon's authors do. A kernel with more than two axes per layer is the matrix between its
+  leading and its trailing axes, split where the two sizes are closest: attention's ``[embed, heads,
+  head_dim]`` is ``embed x (heads * head_dim)``, ``[heads, head_dim, embed]`` is ``(heads * head_dim) x
+  embed``."""
+  if not path or getattr(path[0], "key", None) != "layers" or len(shape) < 3:
+    return None
+  axes = tuple(range(1, len(shape)))
+
+  def imbalance(i):
+    fan_in, fan_out = math.prod(shape[a] for a in axes[:i]), math.prod(shape[a] for a in axes[i:])
+    return max(fan_in, fan_out) / min(fan_in, fan_out)
+
+  split = min(range(1, len(axes)), key=imbalance)
+  return optax.contrib.MuonDimensionNumbers(reduction_axis=axes[:split], output_axis=axes[split:])
+
+
+def _muon_label(path, param) -> str:
+  return "adamw" if muon_dimension_numbers(path, param.shape) is None else "muon"
+
+
+@OPTIMIZERS.register("muon")
+def _muon(cfg, learning_rate: optax.Schedule) -> optax.GradientTransformation:
+  # consistent_rms=0.2 scales Muon's updates to AdamW's RMS (Liu et al., "Muon is Scalable for LLM Training"),
+  # so one lr and weight decay serve both parts. The AdamW part is ours (with decay_mask): optax.contrib.muon's
+  # own AdamW takes no weight-decay mask, so it only ever sees the Muon params here.
+  muon = optax.contrib.muon(
+      learning_rate, eps=cfg.eps, weight_decay=cfg.weight_decay, weight_decay_mask=decay_mask, consistent_rms=0.2,
+      muon_weight_dimension_numbers=functools.partial(
+          jax.tree_util.tree_map_with_path, lambda path, p: muon_dimension_numbers(path, p.shape)))
+  return optax.partition({"muon": muon, "adamw": _adamw(cfg, learning_rate)},
+                         functools.partial(jax.tree_util.tree_map_with_path, _muon_label))

@@ -4,7 +4,7 @@ adding a choice is one ``register`` call, from inside the package or outside it.
 
   OPTIMIZERS = Registry("optim.name", "optimizer")
   @OPTIMIZERS.register("lion")
-  def lion(cfg, learning_rate, weight_decay_mask): ...
+  def lion(cfg, learning_rate): ...     # -> optax.GradientTransformation
   OPTIMIZERS.get(config.optim.name)      # ConfigError naming optim.name and the registered names if unknown
 """
 

@@ -1,6 +1,7 @@
 """Extension seams: a model family registered from outside the package (tests/gpt2_family.py) trains sharded and
 pipelined with no file under jaxtrain/ edited for it; its FLOPs, auxiliary loss and metric reach the run."""
 
+import json
 import math
 import os
 import subprocess
@@ -17,7 +18,6 @@ from jaxtrain import metrics, models
 from jaxtrain.config import ConfigError, base_config
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.metrics import read_records
-from jaxtrain.train import step as step_lib
 from jaxtrain.train import trainer
 from tests import gpt2_family  # noqa: F401 - registers the family "gpt2"
 
@@ -122,10 +122,8 @@ def test_command_line_picks_the_family_and_its_keys(tmp_path):
                       cwd=ROOT, timeout=300)
   assert ok.returncode == 0, ok.stderr[-2000:]
   info = [line for line in ok.stdout.splitlines() if line.startswith("{")]
-  import json
   params = json.loads(info[-1])["params"]
-  d, f, v, layers = 128, 384, 256, 2  # tiny.py's d_model and mlp_dim are kept by name? no: GPT-2's defaults
-  del d, f, v, layers
+  # GPT-2's defaults for every model key the command line left alone (tiny.py's Llama sizes are gone with its group)
   assert params == _gpt2_params(gpt2_family.defaults() | {"n_positions": 128, "num_layers": 2}, vocab=256)
   bad = subprocess.run(base + ["--config.model.num_kv_heads=2"], env=env, capture_output=True, text=True,
                        cwd=ROOT, timeout=300)

@@ -4,9 +4,10 @@
 
 Shapes and shardings come from the model and the sharding rules exactly as training lays them out; sizes are
 then arithmetic over the mesh (no arrays are created, no program is compiled). Assumptions, printed too:
-- params and gradients float32; the optimizer state is the optimizer's (jaxtrain.optim) for one device's shard of
-  the params: AdamW's two float32 moments (2 x params), sharded like the params, plus its int32 step counters;
-  the train state adds one int32 step counter;
+- params and gradients float32; the optimizer state is that of optim.name (jaxtrain.optim) for the params,
+  laid out as training lays it out (jaxtrain/train/state.py: moments sharded like their params, factored
+  moments like their params less the factored dim, counters replicated); AdamW: two float32 moments (2 x
+  params) plus its int32 step counters; the train state adds one int32 step counter;
 - activations per device, kept for the backward pass, per layer (b = local batch rows per microbatch,
   t = seq_len, d = d_model, f = mlp_dim, h = heads x head_dim, kv = kv_heads x head_dim, in the compute dtype):
   remat=full: the layer input b*t*d; save_dots: + the matmul outputs b*t*(h + 2 kv + d + 3 f);
@@ -33,6 +34,7 @@ from absl import app, flags  # noqa: E402
 
 from jaxtrain import config as config_lib  # noqa: E402
 from jaxtrain import models, optim, sharding  # noqa: E402
+from jaxtrain.train import state as state_lib  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "configs/tiny.py", "Config file.")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Total devices of the target job.")
@@ -68,14 +70,15 @@ def estimate(config, devices: int, slices: int = 1) -> dict:
   rules = sharding.rules_from_config(config.sharding)
   model = models.Model.from_config(config.model)
   specs = jax.tree.leaves(model.logical_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-  leaves, treedef = jax.tree.flatten(model.abstract_params)
+  leaves = jax.tree.leaves(model.abstract_params)
   shards = [jax.ShapeDtypeStruct(sharding.shard_shape(a.shape, s, rules, mesh), a.dtype)
             for a, s in zip(leaves, specs, strict=True)]
   params = _nbytes(shards)
-  # The optimizer is elementwise (AdamW), so one device's state is the optimizer's state for its shard of the
-  # params: moments shaped like the shard, and the (replicated) counters.
+  # The optimizer's state for the full params (its shapes may depend on the full shapes: Adafactor factors dims
+  # >= 128), laid out by the training run's own rule (train/state.py) on an abstract mesh of these sizes.
   tx = optim.make(config.optim, config.train.steps)
-  optimizer = _nbytes(jax.eval_shape(tx.init, jax.tree.unflatten(treedef, shards)))
+  layout = state_lib.shardings(model, tx, jax.sharding.AbstractMesh(tuple(mesh.values()), tuple(mesh)), rules)
+  optimizer = sharding.shard_bytes(jax.eval_shape(tx.init, model.abstract_params), layout.opt_state)
   state = params + optimizer + 4  # + the train state's int32 step counter
   m, t = config.model, config.train
   b = t.global_batch_size // (t.microbatches or 1) // sharding.batch_shards(mesh, rules)[1]

@@ -8,7 +8,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain import sharding
 from jaxtrain.models import Model
@@ -21,15 +21,60 @@ class TrainState:
   opt_state: Any
 
 
-def shardings(model: Model, tx: optax.GradientTransformation, mesh: Mesh, rules) -> TrainState:
-  """NamedShardings for every leaf of the state. Optimizer moments are laid out like their params
-  (a plain ``jax.jit(tx.init)`` on an Auto mesh would leave them replicated)."""
+def shardings(model: Model, tx: optax.GradientTransformation, mesh: Mesh | AbstractMesh, rules) -> TrainState:
+  """NamedShardings for every leaf of the state: params from the sharding rules, optimizer state by
+  :func:`opt_state_specs` (a plain ``jax.jit(tx.init)`` on an Auto mesh would leave it replicated). ``mesh`` may
+  be an AbstractMesh: the same layout by arithmetic, without devices (tools/estimate.py)."""
   replicated = NamedSharding(mesh, P())
   params = sharding.logical_to_sharding(model.logical_specs, mesh, rules)
-  opt_abstract = jax.eval_shape(tx.init, model.abstract_params)
-  opt = optax.tree_map_params(tx, lambda _, s: s, opt_abstract, params,
-                              transform_non_params=lambda _: replicated)
+  specs = opt_state_specs(jax.eval_shape(tx.init, model.abstract_params), model.abstract_params,
+                          jax.tree.map(lambda s: s.spec, params))
+  opt = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=_is_spec)
   return TrainState(step=replicated, params=params, opt_state=opt)
+
+
+def opt_state_specs(opt_state: Any, params: Any, param_specs: Any) -> Any:
+  """The optimizer state's layout, one PartitionSpec (of mesh axes) per leaf of ``opt_state``, from the params'
+  (``params``: arrays or ShapeDtypeStructs, ``param_specs``: their mesh PartitionSpecs). A leaf belongs to the
+  param whose key path ends its own (optax keeps per-param state in trees shaped like the params, e.g.
+  ``.mu['layers']['mlp']['up']['kernel']``). A leaf of a param
+  - shaped like it gets the param's spec (AdamW's, Lion's, Muon's moments);
+  - with the param's rank and some dims 1 gets the param's spec with None for those dims;
+  - with some of the param's dims removed (Adafactor's factored ``v_row`` / ``v_col``) gets the param's spec
+    with those dims' entries dropped (where equal sizes leave a choice, the leftmost dims are taken as kept:
+    either layout is valid);
+  everything else (step counters, Adafactor's ``(1,)`` placeholders, Muon's coefficients) is replicated."""
+  by_path = {tuple(path): (p.shape, spec) for (path, p), spec in
+             zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(param_specs, is_leaf=_is_spec),
+                 strict=True)}
+
+  def spec_of(path, leaf) -> P:
+    for i in range(len(path)):  # the longest suffix of the leaf's path that is a param's path
+      if tuple(path[i:]) in by_path:
+        return _derived_spec(tuple(leaf.shape), *by_path[tuple(path[i:])])
+    return P()
+
+  return jax.tree_util.tree_map_with_path(spec_of, opt_state)
+
+
+def _derived_spec(shape: tuple[int, ...], param_shape: tuple[int, ...], param_spec: P) -> P:
+  """The spec of a state leaf of ``shape`` derived from a param of ``param_shape``; P() if it is not."""
+  if shape == param_shape:
+    return param_spec
+  entries = tuple(param_spec) + (None,) * (len(param_shape) - len(param_spec))
+  if len(shape) == len(param_shape):
+    if all(d in (pd, 1) for d, pd in zip(shape, param_shape)):
+      return P(*(e if d == pd else None for d, pd, e in zip(shape, param_shape, entries)))
+    return P()
+  kept = []
+  for pd, e in zip(param_shape, entries):  # shape as a subsequence of param_shape, matched leftmost
+    if len(kept) < len(shape) and shape[len(kept)] == pd:
+      kept.append(e)
+  return P(*kept) if len(kept) == len(shape) else P()
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, P)
 
 
 def abstract(model: Model, tx: optax.GradientTransformation, shardings: TrainState | None = None) -> TrainState:

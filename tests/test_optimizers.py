@@ -1,0 +1,202 @@
+"""The optimizer and schedule registries: every registered optimizer trains from the command line, its state is
+laid out like the params (factored moments too), and tools/estimate.py predicts its bytes to the byte."""
+
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxtrain import metrics, optim
+from jaxtrain.config import ConfigError, base_config
+from tests.conftest import small_config
+from tests.test_distributed import _estimate_module  # one loader: tools/estimate.py defines absl flags
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NEW = ["lion", "adafactor", "muon"]
+
+
+def _cli(*args):
+  return subprocess.run([sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py", *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _wsd(step, lr=1.0, warmup=5, horizon=20, fraction=0.2, end=0.1):
+  """The documented warmup-stable-decay lr: linear warmup, lr, then a linear decay to lr * end over the last
+  round(fraction * horizon) steps, lr * end after the horizon."""
+  decay_start = horizon - round(fraction * horizon)
+  if step < warmup:
+    return lr * step / warmup
+  if step < decay_start:
+    return lr
+  return lr - (lr - lr * end) * min(step - decay_start, horizon - decay_start) / (horizon - decay_start)
+
+
+@pytest.mark.parametrize("name,lr", [("lion", 1e-3), ("adafactor", 3e-3), ("muon", 3e-3)])
+def test_optimizer_trains_from_the_command_line_with_wsd(name, lr, tmp_path):
+  """20 steps of configs/tiny.py on the bundled corpus with --config.optim.name=NAME and the wsd schedule: the
+  loss goes down, and the logged lr is the wsd formula's at every step (warmup 5, stable, decay over 16..20)."""
+  result = _cli(f"--config.optim.name={name}", f"--config.optim.lr={lr}", "--config.optim.schedule=wsd",
+                "--config.optim.warmup_steps=5", "--config.train.steps=20", "--config.train.log_every=1",
+                "--config.data.seq_len=64", f"--config.workdir={tmp_path}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = metrics.read_records(tmp_path)
+  assert [r["step"] for r in records] == list(range(1, 21))
+  losses = [r["loss"] for r in records]
+  assert all(math.isfinite(x) for x in losses) and not any(r["skipped"] for r in records), losses
+  assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 1.0, losses  # from ~5.5 (ln 256): a clear drop
+  # The record of step s is the update with the lr of step s - 1.
+  np.testing.assert_allclose([r["lr"] for r in records], [_wsd(s - 1, lr=lr) for s in range(1, 21)], rtol=1e-5)
+  assert records[-1]["lr"] < lr and records[12]["lr"] == pytest.approx(lr)  # it decays, after a stable phase
+
+
+def test_wsd_schedule_values():
+  """Warmup 10, horizon 100, decay over the last 20 steps from lr=1 to 0.1."""
+  c = base_config().optim
+  c.update(lr=1.0, schedule="wsd", warmup_steps=10, end_lr_ratio=0.1, wsd_decay_fraction=0.2)
+  lr = optim.schedule(c, train_steps=100)
+  expected = {0: 0.0, 5: 0.5, 10: 1.0, 50: 1.0, 79: 1.0, 80: 1.0, 85: 0.775, 90: 0.55, 95: 0.325, 100: 0.1,
+              150: 0.1}
+  for step, want in expected.items():
+    assert float(lr(step)) == pytest.approx(want, abs=1e-6), step
+    assert _wsd(step, warmup=10, horizon=100) == pytest.approx(want), step  # the formula the CLI test uses
+  c.decay_steps = 50  # the horizon: decay over 40..50
+  lr = optim.schedule(c, train_steps=100)
+  assert [round(float(lr(s)), 6) for s in (39, 40, 45, 50, 60)] == [1.0, 1.0, 0.55, 0.1, 0.1]
+
+
+def test_unknown_optimizer_is_a_one_line_config_error(tmp_path):
+  c = base_config()
+  c.optim.name = "adamz"
+  with pytest.raises(ConfigError) as e:
+    optim.validate(c)
+  message = str(e.value)
+  assert e.value.subject == "optim.name" and "\n" not in message
+  assert "'adamz' is not a registered optimizer" in message and "adafactor, adamw, lion, muon" in message
+  c.optim.update(name="adamw", schedule="cosinus")
+  with pytest.raises(ConfigError, match="optim.schedule: 'cosinus' is not a registered schedule; .*wsd"):
+    optim.validate(c)
+  result = _cli("--config.optim.name=adamz", f"--config.workdir={tmp_path}/run")
+  errors = [line for line in result.stderr.splitlines() if line.startswith("jaxtrain: error:")]
+  assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+  assert "optim.name: 'adamz' is not a registered optimizer; use one of adafactor, adamw, lion, muon" in errors[0]
+  assert not (tmp_path / "run").exists()
+
+
+def test_registering_an_optimizer_is_one_call(monkeypatch):
+  monkeypatch.setitem(optim.OPTIMIZERS._entries, "sgd", None)  # removed again after the test
+  optim.OPTIMIZERS.register("sgd", lambda cfg, learning_rate: optax.sgd(learning_rate))
+  c = base_config()
+  c.optim.update(name="sgd", lr=0.5, warmup_steps=0, schedule="constant", clip_norm=0.0)
+  optim.validate(c)
+  tx = optim.make(c.optim, 10)
+  params = {"w": np.ones(3, np.float32)}
+  updates, _ = tx.update({"w": np.full(3, 2.0, np.float32)}, tx.init(params), params)
+  np.testing.assert_allclose(updates["w"], -1.0)
+
+
+def test_muon_matrices():
+  """Muon takes the stacked layers' kernels (one matrix per layer, split where fan-in and fan-out are closest);
+  AdamW the rest."""
+  def dims(path, shape):
+    keys = tuple(jax.tree_util.DictKey(k) for k in path)
+    d = optim.muon_dimension_numbers(keys, shape)
+    return d and (tuple(d.reduction_axis), tuple(d.output_axis))
+
+  assert dims(("layers", "attn", "q", "kernel"), (2, 128, 8, 16)) == ((1,), (2, 3))
+  assert dims(("layers", "attn", "k", "kernel"), (2, 128, 2, 32)) == ((1,), (2, 3))
+  assert dims(("layers", "attn", "o", "kernel"), (2, 8, 16, 128)) == ((1, 2), (3,))
+  assert dims(("layers", "mlp", "down", "kernel"), (2, 384, 128)) == ((1,), (2,))
+  assert dims(("layers", "attn_norm", "scale"), (2, 128)) is None
+  assert dims(("embed", "embedding"), (256, 128)) is None
+  assert dims(("lm_head", "kernel"), (128, 256)) is None
+
+
+def _factored_dims(shape):
+  """Adafactor's rule: with two dims >= 128, v_row is the moment with the largest dim averaged out, v_col with
+  the second largest (argsort order)."""
+  order = np.argsort(shape)
+  return None if len(shape) < 2 or shape[order[-2]] < 128 else (int(order[-2]), int(order[-1]))
+
+
+def _expected_spec(state_path, leaf, param, param_spec):
+  """The layout an optimizer-state leaf of ``param`` must have: the param's if it has its shape; for Adafactor's
+  factored moments, the param's with the averaged-out dim dropped; replicated otherwise."""
+  if leaf.shape == param.shape:
+    return param_spec
+  field = next(k.name for k in reversed(state_path) if isinstance(k, jax.tree_util.GetAttrKey))
+  factored = _factored_dims(param.shape)
+  entries = tuple(param_spec) + (None,) * (param.ndim - len(param_spec))
+  if factored and field in ("v_row", "v_col"):
+    drop = factored[1] if field == "v_row" else factored[0]
+    assert leaf.shape == tuple(np.delete(param.shape, drop))
+    return P(*(e for i, e in enumerate(entries) if i != drop))
+  return P()
+
+
+@pytest.mark.parametrize("name", ["adamw"] + NEW)
+def test_opt_state_is_sharded_like_the_params(name, tmp_path):
+  """On a data=2 x fsdp=2 x tensor=2 mesh, every optimizer-state leaf of a param is laid out like it (Adafactor's
+  factored moments: less the factored dim), and holds on each device exactly that layout's shard."""
+  from jaxtrain.train import trainer
+  config = small_config(tmp_path, data=2, fsdp=2, tensor=2)
+  config.model.update(d_model=128, mlp_dim=256)  # dims >= 128: Adafactor factors the embeddings and the MLP
+  config.optim.name = name
+  run = trainer.build(config)
+  state = trainer.init_state(run)
+  mesh = dict(run.mesh.shape)
+  params = {jax.tree_util.keystr(p): (a, a.sharding.spec)
+            for p, a in jax.tree_util.tree_leaves_with_path(state.params)}
+  seen = {"param-shaped": set(), "factored": set()}
+  device_bytes = expected_bytes = 0
+  for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state):
+    key = jax.tree_util.keystr(path)
+    owner = next((p for p in params if key.endswith(p)), None)
+    param, spec = params[owner] if owner else (None, P())
+    want = _expected_spec(path, leaf, param, spec) if owner else P()
+    assert leaf.sharding.is_equivalent_to(NamedSharding(run.mesh, want), leaf.ndim), (key, leaf.sharding, want)
+    split = math.prod(mesh[a] for e in want if e for a in ((e,) if isinstance(e, str) else e))
+    assert leaf.addressable_shards[0].data.nbytes * split == leaf.nbytes, key
+    device_bytes += leaf.addressable_shards[0].data.nbytes
+    expected_bytes += leaf.nbytes // split
+    if owner and want != P():
+      seen["param-shaped" if leaf.shape == param.shape else "factored"].add(owner)
+  assert device_bytes == expected_bytes == trainer.report(run)["opt_bytes_per_device"]
+  total = sum(leaf.nbytes for leaf in jax.tree.leaves(state.opt_state))
+  if name == "adafactor":  # every factored param: both vectors sharded; the rest: a param-shaped moment
+    factored = {p for p, (a, _) in params.items() if _factored_dims(a.shape)}
+    assert factored == seen["factored"] == {"['embed']['embedding']", "['lm_head']['kernel']",
+                                            "['layers']['mlp']['down']['kernel']",
+                                            "['layers']['mlp']['gate']['kernel']",
+                                            "['layers']['mlp']['up']['kernel']"}
+    assert seen["param-shaped"] == set(params) - factored
+    assert device_bytes < total / 3, (device_bytes, total)
+  else:  # every param's moments (Muon's or AdamW's part) are sharded like it
+    assert seen["param-shaped"] == set(params) and not seen["factored"]
+    assert device_bytes < total / 3.5, (device_bytes, total)
+
+
+@pytest.mark.parametrize("name,mesh", [(n, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]) for n in NEW]
+                         + [("adafactor", [])], ids=[f"{n}-2x2x2" for n in NEW] + ["adafactor-fsdp8"])
+def test_estimate_matches_compiled_optimizer_bytes(name, mesh, tmp_path):
+  """tools/estimate.py's optimizer bytes per device = the run's layout (trainer.report) = what the compiled step
+  takes as the train state besides the params, to the byte."""
+  from jaxtrain.data import batch as batch_lib
+  from jaxtrain.train import trainer
+  estimate = _estimate_module()
+  config = estimate.load_config("configs/tiny.py", mesh + [f"optim.name={name}", f"workdir={tmp_path}"])
+  predicted = estimate.estimate(config, 8)
+  per_device = predicted["bytes_per_device"]
+  run = trainer.build(config)
+  report = trainer.report(run)
+  assert per_device["optimizer"] == report["opt_bytes_per_device"] < report["opt_bytes_total"] / 3
+  compiled = trainer.compile_step(run).memory_analysis()
+  batch = len(batch_lib.KEYS) * predicted["local_batch_rows"] * config.data.seq_len * 4 + 1
+  state = per_device["params"] + per_device["optimizer"] + 4
+  assert (compiled.argument_size_in_bytes, compiled.alias_size_in_bytes) == (state + batch, state)
