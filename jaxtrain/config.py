@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import math
 
 import ml_collections
 from absl import logging
@@ -20,15 +19,12 @@ from absl import logging
 from jaxtrain import paths
 from jaxtrain.errors import ConfigError, DataError, UserError, check_positive  # noqa: F401 - callers import them here
 
-MESH_AXES = ("data", "pipeline", "fsdp", "tensor")
-
-
 # Config group -> the module that owns its defaults (``defaults()``) and its checks (``validate(config)``), next to
 # the code that reads those keys. The core (this module) keeps only what every run shares: workdir, train, eval.
 COMPONENTS = (
     ("distributed", "jaxtrain.distributed"),
     ("model", "jaxtrain.models"),
-    ("mesh", "jaxtrain.sharding"),
+    ("mesh", "jaxtrain.mesh"),
     ("sharding", "jaxtrain.sharding"),
     ("data", "jaxtrain.data"),
     ("optim", "jaxtrain.optim"),
@@ -67,7 +63,7 @@ def base_config(model: str = "llama") -> ml_collections.ConfigDict:
     if group == "model":
       c.model = _component(module).defaults(model)
     else:
-      c[group] = _component(module).defaults(group) if group in ("mesh", "sharding") else _component(module).defaults()
+      c[group] = _component(module).defaults()
   return c
 
 
@@ -85,40 +81,6 @@ def unknown_key_error(key: str, cfg: ml_collections.ConfigDict) -> ConfigError:
   close = difflib.get_close_matches(key, flat_keys(cfg), n=1, cutoff=0.5)
   fix = f"did you mean '{close[0]}'?" if close else "see jaxtrain/config.py for the keys"
   return ConfigError(key, "unknown config key", fix)
-
-
-def resolve_axis_sizes(sizes: dict[str, int], total: int, what: str, unit: str) -> dict[str, int]:
-  """Fills at most one -1 so the product of ``sizes`` equals ``total``."""
-  fill = [k for k, v in sizes.items() if v == -1]
-  for k, v in sizes.items():
-    if v != -1 and v < 1:
-      raise ConfigError(f"mesh.{k}", f"size {v} is invalid", "use a positive size or -1 to fill")
-  if len(fill) > 1:
-    raise ConfigError(f"mesh.{fill[1]}", f"more than one {what} axis is -1 ({', '.join(fill)})",
-                      "set all but one to explicit sizes")
-  known = math.prod(v for v in sizes.values() if v != -1)
-  if fill:
-    if total % known:
-      raise ConfigError(f"mesh.{fill[0]}", f"cannot fill: {total} {unit} are not divisible by "
-                        f"the other {what} axes' product {known}", f"make the explicit {what} sizes divide {total}")
-    sizes = {**sizes, fill[0]: total // known}
-  elif known != total:
-    desc = " x ".join(f"{k}={v}" for k, v in sizes.items())
-    raise ConfigError("mesh", f"{what} mesh {desc} = {known} {unit}, but there are {total}",
-                      f"make the product {total} or set one axis to -1")
-  return sizes
-
-
-def mesh_shape(mesh_cfg, num_devices: int, num_slices: int) -> tuple[dict[str, int], dict[str, int]]:
-  """(ici, dcn) sizes per axis in MESH_AXES order, -1s filled. Raises ConfigError when impossible."""
-  dcn = {f"dcn_{a}": mesh_cfg[f"dcn_{a}"] for a in MESH_AXES}
-  dcn = resolve_axis_sizes(dcn, num_slices, "DCN", "slices (or processes)")
-  if num_devices % num_slices:
-    raise ConfigError("mesh", f"{num_devices} devices do not split evenly into {num_slices} slices",
-                      "use the same number of devices on every host/slice")
-  ici = resolve_axis_sizes({a: mesh_cfg[a] for a in MESH_AXES}, num_devices // num_slices, "ICI",
-                           "devices per slice" if num_slices > 1 else "devices")
-  return ({a: ici[a] for a in MESH_AXES}, {a: dcn[f"dcn_{a}"] for a in MESH_AXES})
 
 
 def validate_values(cfg: ml_collections.ConfigDict) -> None:
@@ -151,11 +113,3 @@ def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                     "train.steps): warming up over all %d steps instead", out.optim.warmup_steps, horizon, horizon)
     out.optim.warmup_steps = horizon
   return out
-
-
-def check_divisible(key: str, size: int, mesh_axes: tuple[str, ...], mesh_sizes: dict[str, int], what: str):
-  shards = math.prod(mesh_sizes[a] for a in mesh_axes)
-  if size % shards:
-    axes = " x ".join(f"mesh.{a}={mesh_sizes[a]}" for a in mesh_axes)
-    raise ConfigError(key, f"{size} is not divisible by {axes} ({what} is sharded over "
-                      f"{', '.join(mesh_axes)})", f"make {key} a multiple of {shards} or shrink those axes")

@@ -19,21 +19,16 @@ from flax import linen as nn
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxtrain import config as config_lib
-from jaxtrain.config import ConfigError, MESH_AXES
+from jaxtrain import mesh as mesh_lib
+from jaxtrain.errors import ConfigError
+from jaxtrain.mesh import MESH_AXES
 import ml_collections
 
 
 
 
-def defaults(group: str) -> ml_collections.ConfigDict:
-  """The ``mesh`` or the ``sharding`` config group."""
-  if group == "mesh":
-    # Mesh sizes per axis: ICI (within a slice / host) and DCN (across slices or hosts). -1 fills the rest.
-      return ml_collections.ConfigDict(dict(
-        data=1, fsdp=-1, tensor=1, pipeline=1,
-        dcn_data=1, dcn_fsdp=1, dcn_tensor=1, dcn_pipeline=1,
-    ))
+def defaults() -> ml_collections.ConfigDict:
+  """The ``sharding`` config group."""
   return ml_collections.ConfigDict(dict(
       # Named rule table (see jaxtrain/sharding.py): dp | fsdp | fsdp_tp.
       preset="fsdp_tp",
@@ -100,7 +95,7 @@ def device_grid(mesh_cfg, devices: Sequence[jax.Device]) -> np.ndarray:
   """Devices arranged in MESH_AXES order: topology-aware within a slice (ICI sizes), and with the DCN sizes
   spanning slices (TPU multi-slice) or processes (GPU / CPU hosts) when any ``dcn_*`` size is > 1."""
   hybrid = any(mesh_cfg[f"dcn_{a}"] != 1 for a in MESH_AXES)
-  ici, dcn = config_lib.mesh_shape(mesh_cfg, len(devices), num_slices(devices) if hybrid else 1)
+  ici, dcn = mesh_lib.mesh_shape(mesh_cfg, len(devices), num_slices(devices) if hybrid else 1)
   ici_shape, dcn_shape = tuple(ici[a] for a in MESH_AXES), tuple(dcn[a] for a in MESH_AXES)
   if hybrid:
     return mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices,
@@ -164,7 +159,7 @@ def check_shardable(abstract: Any, specs: Any, mesh: Mesh, rules: Rules,
     for size, logical, axes in zip(leaf.shape, spec, mesh_spec, strict=True):
       if axes is None:
         continue
-      config_lib.check_divisible(axis_key(logical), size, _axes(axes),
+      mesh_lib.check_divisible(axis_key(logical), size, _axes(axes),
                                  dict(mesh.shape), f"'{logical}' of {jax.tree_util.keystr(path)}")
 
 

@@ -25,7 +25,8 @@ from absl import app, flags  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jaxtrain import sharding  # noqa: E402
-from jaxtrain.config import MESH_AXES, base_config  # noqa: E402
+from jaxtrain.config import base_config  # noqa: E402
+from jaxtrain.mesh import MESH_AXES  # noqa: E402
 
 _MESH = flags.DEFINE_string("mesh", "data=2,fsdp=2,tensor=2", "Mesh sizes (others 1; one may be -1).")
 _SIZES = flags.DEFINE_list("sizes_kib", ["4", "64", "1024", "16384"], "Bytes per device, in KiB.")

@@ -33,6 +33,7 @@ import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from jaxtrain import config as config_lib  # noqa: E402
+from jaxtrain import mesh as mesh_lib  # noqa: E402
 from jaxtrain import models, optim, sharding  # noqa: E402
 from jaxtrain.train import state as state_lib  # noqa: E402
 
@@ -65,8 +66,8 @@ def _nbytes(tree) -> int:
 
 
 def estimate(config, devices: int, slices: int = 1) -> dict:
-  ici, dcn = config_lib.mesh_shape(config.mesh, devices, slices)
-  mesh = {a: ici[a] * dcn[a] for a in config_lib.MESH_AXES}
+  ici, dcn = mesh_lib.mesh_shape(config.mesh, devices, slices)
+  mesh = {a: ici[a] * dcn[a] for a in mesh_lib.MESH_AXES}
   rules = sharding.rules_from_config(config.sharding)
   model = models.Model.from_config(config.model)
   specs = jax.tree.leaves(model.logical_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
@@ -82,19 +83,13 @@ def estimate(config, devices: int, slices: int = 1) -> dict:
   state = params + optimizer + 4  # + the train state's int32 step counter
   m, t = config.model, config.train
   b = t.global_batch_size // (t.microbatches or 1) // sharding.batch_shards(mesh, rules)[1]
-  seq, d, f = config.data.seq_len, m.d_model, m.mlp_dim
-  tp = mesh["tensor"]
-  h, kv = m.num_heads * m.head_dim // tp, m.num_kv_heads * m.head_dim // tp
-  act_bytes = 2 if m.dtype == "bfloat16" else 4
-  per_layer = b * seq * d
-  if m.remat in ("save_dots", "none"):
-    per_layer += b * seq * (h + 2 * kv + d + 3 * f // tp)
-  if m.remat == "none":
-    per_layer += (m.num_heads // tp) * b * seq * seq + b * seq * (4 * d + 2 * f // tp)
-  activations = m.num_layers * per_layer * act_bytes + b * seq * m.vocab_size // tp * 4
+  # Activations and tensor-parallel traffic depend on the architecture: the family's own estimate, if it has one.
+  family = model.family.activation_estimate
+  per_family = family(m, b, config.data.seq_len, mesh["tensor"]) if family else None
+  activations = per_family["activation_bytes"] if per_family else None
   full_params = 4 * model.num_params()
   comm = {}
-  for axis in config_lib.MESH_AXES:
+  for axis in mesh_lib.MESH_AXES:
     n = mesh[axis]
     if n == 1:
       continue
@@ -102,12 +97,12 @@ def estimate(config, devices: int, slices: int = 1) -> dict:
       comm[axis] = 3 * (n - 1) / n * params * n  # gather fwd + gather bwd + reduce-scatter, of the full shard
     elif axis == "data":
       comm[axis] = 2 * (n - 1) / n * params
-    elif axis == "tensor":
-      comm[axis] = 4 * m.num_layers * 2 * (n - 1) / n * b * seq * d * act_bytes * (t.microbatches or 1)
+    elif axis == "tensor" and per_family:
+      comm[axis] = 2 * (n - 1) / n * per_family["tensor_allreduce_bytes"] * (t.microbatches or 1)
   return {
       "mesh": mesh, "devices": devices, "params": model.num_params(), "local_batch_rows": b,
       "bytes_per_device": {"params": params, "grads": params, "optimizer": optimizer,
-                           "activations": activations, "total": state + params + activations},
+                           "activations": activations, "total": state + params + (activations or 0)},
       # The whole train state (params, optimizer state, step counter): what the compiled step takes as
       # arguments besides the batch, to the byte.
       "params_plus_optimizer_per_device": state, "full_param_bytes": full_params,
@@ -131,7 +126,8 @@ def main(argv):
   print(f"\n{_CONFIG.value}: {info['params']:,} params on mesh {info['mesh']} ({info['local_batch_rows']} rows "
         f"per device per microbatch)")
   for k, v in info["bytes_per_device"].items():
-    print(f"  {k:<12} {v / gib:10.3f} GiB per device")
+    print(f"  {k:<12} {v / gib:10.3f} GiB per device" if v is not None else
+          f"  {k:<12} not estimated (model family '{config.model.name}' has no activation_estimate)")
   for axis, v in info["comm_bytes_per_step_per_device"].items():
     print(f"  comm {axis:<7} {v / gib:10.3f} GiB per step per device")
 

@@ -85,12 +85,15 @@ class Family:
   validate: ``(cfg) -> None``: checks of the family's keys (``cfg`` is the model group); raise ConfigError naming
     ``model.<key>``.
   axis_keys: logical axis -> the model key that sets its size, for errors such as "not divisible by the mesh".
+  activation_estimate: ``(cfg, rows, seq_len, tensor) -> {activation_bytes, tensor_allreduce_bytes}`` per device
+    for ``rows`` local rows of one microbatch (tools/estimate.py); None: the estimator says it cannot.
   """
   module: type[nnx.Module]
   defaults: Callable[[], dict] = dict
   flops_per_token: Callable[[Any, int, Any], float] = matmul_flops_per_token
   validate: Callable[[Any], None] = _no_checks
   axis_keys: dict[str, str] = dataclasses.field(default_factory=dict)
+  activation_estimate: Callable[[Any, int, int, int], dict[str, int]] | None = None
 
 
 FAMILIES: Registry[Family] = Registry("model.name", "model family", builtin=("jaxtrain.models.llama",),

@@ -46,6 +46,22 @@ def flops_per_token(cfg, seq_len: int, abstract_params) -> float:
                                       tied_embeddings=cfg.tie_embeddings)
 
 
+def activation_estimate(cfg, rows: int, seq_len: int, tensor: int) -> dict[str, int]:
+  """Per device, for ``rows`` local rows of one microbatch (tools/estimate.py states the assumptions): the
+  activations kept for the backward pass, and the bytes of the tensor-parallel all-reduces (2 per layer forward, 2
+  backward, of the b x t x d residual stream)."""
+  b, seq, d, f = rows, seq_len, cfg.d_model, cfg.mlp_dim
+  h, kv = cfg.num_heads * cfg.head_dim // tensor, cfg.num_kv_heads * cfg.head_dim // tensor
+  act_bytes = 2 if cfg.dtype == "bfloat16" else 4
+  per_layer = b * seq * d
+  if cfg.remat in ("save_dots", "none"):
+    per_layer += b * seq * (h + 2 * kv + d + 3 * f // tensor)
+  if cfg.remat == "none":
+    per_layer += (cfg.num_heads // tensor) * b * seq * seq + b * seq * (4 * d + 2 * f // tensor)
+  return {"activation_bytes": cfg.num_layers * per_layer * act_bytes + b * seq * cfg.vocab_size // tensor * 4,
+          "tensor_allreduce_bytes": 4 * cfg.num_layers * b * seq * d * act_bytes}
+
+
 AXIS_KEYS = {"embed": "d_model", "heads": "num_heads", "kv_heads": "num_kv_heads", "head_dim": "head_dim",
              "mlp": "mlp_dim", "vocab": "vocab_size", "layers": "num_layers"}
 
@@ -165,4 +181,5 @@ class Llama(nnx.Module):
 
 
 models.register("llama", models.Family(module=Llama, defaults=defaults, flops_per_token=flops_per_token,
-                                       validate=validate, axis_keys=AXIS_KEYS))
+                                       validate=validate, axis_keys=AXIS_KEYS,
+                                       activation_estimate=activation_estimate))
