@@ -96,7 +96,7 @@ class Family:
   activation_estimate: Callable[[Any, int, int, int], dict[str, int]] | None = None
 
 
-FAMILIES: Registry[Family] = Registry("model.name", "model family", builtin=("jaxtrain.models.llama",),
+FAMILIES: Registry[Family] = Registry("model.name", "model", builtin=("jaxtrain.models.llama",),
                                       how="jaxtrain.models.register")
 # What the backward pass recomputes inside each layer (jax.checkpoint policies); None: keep everything.
 REMAT: Registry[Any] = Registry("model.remat", "remat policy", how="jaxtrain.models.REMAT.register")
