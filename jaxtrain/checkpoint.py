@@ -1,27 +1,30 @@
 """Orbax checkpoints: async multi-host saves, retention, corrupt-checkpoint fallback, restore onto any mesh.
 
 Each checkpoint step holds four items: ``state`` (the train state pytree: params, optimizer state, step),
-``data`` (every process's data-iterator state, via Grain's handler), ``meta`` (JSON: jaxtrain version, mesh,
+``data`` (every process's data position, one JSON file per process), ``meta`` (JSON: jaxtrain version, mesh,
 loss, tokens seen, wall time, seed) and ``config`` (the resolved config). Saves are written into
 ``<step>.orbax-checkpoint-tmp`` and committed by rename, so a killed save is never mistaken for a checkpoint.
 This module knows nothing of the trainer: it saves the pytree it is given and restores against the abstract
 pytree (ShapeDtypeStructs with the *current* shardings) it is handed, which is what makes restoring onto
 another mesh work. Before reading a step it compares the saved tensor shapes with that pytree: another model
 or optimizer is the user's mistake (an error, nothing touched), not a corrupt checkpoint to fall back from.
-A data position saved by another number of processes is handed to the ``resplit_data`` callback.
+The data position is saved and restored only through :class:`DataPosition` (``get_state``, ``set_state``,
+``resplit``), so any iterator that has those three methods resumes exactly, Grain's or not; one saved by another
+number of processes is re-split by the iterator itself. Creating a Checkpointer also quiets Orbax's INFO narration
+(:func:`quiet_libraries`), from the command line and from Python alike.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import logging as std_logging
 import os
 import re
+import sys
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-import grain
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
@@ -126,6 +129,105 @@ def describe(e: BaseException, limit: int = 240) -> str:
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+@runtime_checkable
+class DataPosition(Protocol):
+  """What the checkpointer needs of a data iterator to save its position and resume it exactly. The train
+  iterator of :func:`jaxtrain.data.open_train` and the synthetic source have it; an iterator without these three
+  methods trains, but its checkpoints hold no data position (a resume starts its stream over)."""
+
+  def get_state(self) -> dict:
+    """This process's position, a dict that survives ``json.dumps`` / ``json.loads`` (it is saved as JSON)."""
+    ...
+
+  def set_state(self, state: dict) -> None:
+    """Moves the iterator to ``state``, one that :meth:`get_state` or :meth:`resplit` returned."""
+    ...
+
+  def resplit(self, saved_states: list[dict]) -> dict:
+    """This process's position, for :meth:`set_state`, from the positions that every process of a run with
+    *another* process count saved at one step (``saved_states[i]``: process i's). The global stream must go on
+    where that run stopped; raise a :class:`jaxtrain.config.UserError` if it cannot (another global batch)."""
+    ...
+
+
+# How the data position is stored. Positions differ per process, so every process writes its own: the ``data``
+# item holds one JSON file per process, process_<i>-of-<n>.json, written by that process through Orbax's
+# JsonCheckpointHandler with primary_host=None (Orbax's switch for "every process writes"; by default only
+# process 0 writes JSON). It is part of the same Composite save as the state: written in the background and
+# committed with it, with nothing gathered across processes. The file name is the one Grain's Orbax handler wrote
+# (the data item of checkpoints from before DataPosition), so those restore unchanged. ``meta`` records n
+# (``data_processes``); a run with another process count reads all n files, with Orbax's handler, and hands
+# them to DataPosition.resplit. Checkpoints older than that record hold nothing but the n position files.
+_DATA_PROCESSES = "data_processes"
+
+
+def _position_file(process_index: int, process_count: int) -> str:
+  return f"process_{process_index}-of-{process_count}.json"
+
+
+def _position_handler(process_index: int, process_count: int) -> ocp.JsonCheckpointHandler:
+  return ocp.JsonCheckpointHandler(_position_file(process_index, process_count),
+                                   multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=None))
+
+
+def _saved_position(data_iterator: DataPosition) -> dict:
+  """The iterator's position now (a copy: the write happens in the background while the iterator moves on)."""
+  state = data_iterator.get_state()
+  try:
+    return json.loads(json.dumps(state))
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"{type(data_iterator).__name__}.get_state() returned a position that is not JSON ({e})") from e
+
+
+class _QuietLibraries(std_logging.Filter):
+  """Orbax logs every save phase at INFO; keep its warnings and errors, drop the rest. A failed background write
+  (disk full, permissions) is logged with whole tracebacks by Orbax and by asyncio (for Orbax's other write
+  tasks) and then raised again to us, where it becomes jaxtrain's one-line error: keep their lines, fold each
+  traceback into the exception's type and message."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    from_orbax = "/orbax/" in record.pathname
+    if ((from_orbax or record.name == "asyncio") and record.levelno >= std_logging.ERROR and record.exc_info
+        and record.exc_info[1] is not None):
+      first = record.getMessage().splitlines()[0]
+      record.msg, record.args = f"{first}: {describe(record.exc_info[1])}", None
+      record.exc_info, record.exc_text = None, None
+    return not from_orbax or record.levelno >= std_logging.WARNING
+
+
+LIBRARY_LOG_FILTER = _QuietLibraries()
+"""The filter that :func:`quiet_libraries` puts on the loggers Orbax and asyncio log to. To see Orbax's INFO lines
+again: ``absl.logging.get_absl_logger().removeFilter(checkpoint.LIBRARY_LOG_FILTER)``."""
+
+
+def _drop_closed_loop_noise(unraisablehook):
+  """After a failed write, Orbax's event loop closes while TensorStore still completes the other in-flight
+  writes; each completion then fails to wake the closed loop and prints an "unraisable" traceback from a C++
+  thread. The write error itself is reported once (see _QuietLibraries); drop exactly that echo and hand
+  everything else to ``unraisablehook`` (the hook that was installed before)."""
+
+  def hook(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+      unraisablehook(unraisable)
+  hook.drops_closed_loop_noise = True
+  return hook
+
+
+def quiet_libraries() -> None:
+  """Keeps Orbax's INFO narration of every save out of the log (its warnings and errors stay, each traceback of a
+  failed write folded into one line) and drops the "Event loop is closed" echoes of a failed write. Called by
+  every Checkpointer, so that training from Python (a notebook, a test) logs what the command line logs;
+  idempotent. The filters sit on the loggers, not on a handler, so they hold whatever handlers are attached
+  (absl's, pytest's, a notebook's). ``sys.unraisablehook`` is wrapped, not replaced: whatever hook is installed
+  still gets every other unraisable exception (it is wrapped again if someone installs another one later)."""
+  # Orbax logs through absl's logger, a few of its modules through the root logger itself; asyncio through its own.
+  # A logger's filters see only the records logged to it, not those its children pass up.
+  for logger in (logging.get_absl_logger(), std_logging.getLogger(), std_logging.getLogger("asyncio")):
+    logger.addFilter(LIBRARY_LOG_FILTER)  # a no-op when it is there already
+  if not getattr(sys.unraisablehook, "drops_closed_loop_noise", False):
+    sys.unraisablehook = _drop_closed_loop_noise(sys.unraisablehook)
+
+
 def _policies(every_steps: int, every_minutes: float, keep_last: int, keep_every: int):
   cm = ocp.checkpoint_managers
   save = [cm.FixedIntervalPolicy(every_steps)] if every_steps else []
@@ -139,20 +241,23 @@ def _policies(every_steps: int, every_minutes: float, keep_last: int, keep_every
 class Checkpointer:
 
   def __init__(self, directory: str, *, every_steps: int = 0, every_minutes: float = 0, keep_last: int = 3,
-               keep_every: int = 0, async_save: bool = True, verify: bool = True,
-               resplit_data: Callable[[list[dict], dict], dict] | None = None):
+               keep_every: int = 0, async_save: bool = True, verify: bool = True):
     """``verify``: fingerprint every array at save time (in ``meta``) and, on restore, check the arrays against
-    them and for non-finite values; a mismatch is treated as corruption. ``resplit_data(saved_states,
-    current_state)``: this process's data-iterator state from the states that every process of a run with
-    *another* process count saved (in process order); None: such a checkpoint cannot be resumed."""
+    them and for non-finite values; a mismatch is treated as corruption. A data position saved by another
+    process count is re-split by the iterator (:meth:`DataPosition.resplit`). Installs :func:`quiet_libraries`."""
+    quiet_libraries()
     self.verify = verify
     self.directory = epath.Path(paths.resolve(os.fspath(directory)))  # Orbax wants absolute paths
-    self._resplit_data = resplit_data
     save_policy, keep_policy = _policies(every_steps, every_minutes, keep_last, keep_every)
     options = ocp.CheckpointManagerOptions(save_decision_policy=save_policy, preservation_policy=keep_policy,
                                            enable_async_checkpointing=async_save, create=True)
+    # state, meta and config get Orbax's handlers for their args; data gets this process's own file.
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    positions = _position_handler(jax.process_index(), jax.process_count())
+    registry.add("data", ocp.args.JsonSave, positions)
+    registry.add("data", ocp.args.JsonRestore, positions)
     try:
-      self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+      self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
     except OSError as e:
       raise CheckpointError(os.fspath(directory), f"cannot use the checkpoint folder ({e.strerror or e})",
                             "set checkpoint.dir to a writable folder") from None
@@ -179,15 +284,15 @@ class Checkpointer:
         raise NonFiniteState(f"non-finite values in {_some(nonfinite)}")
       arrays = integrity.named(state)
       meta = {**meta, "fingerprints": {k: [v, str(arrays[k].dtype)] for k, v in fingerprints.items()}}
-    items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
-                 config=ocp.args.JsonSave(config))
-    if isinstance(data_iterator, grain.DatasetIterator):
-      items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+    items = dict(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config))
+    if isinstance(data_iterator, DataPosition):
+      items["data"] = ocp.args.JsonSave(_saved_position(data_iterator))
+      meta = {**meta, _DATA_PROCESSES: jax.process_count()}
     elif not self._warned_data:
-      logging.warning("the data iterator (%s) has no savable state; checkpoints will not hold the data position",
-                      type(data_iterator).__name__)
+      logging.warning("the data iterator (%s) has no get_state/set_state/resplit (jaxtrain.checkpoint."
+                      "DataPosition); checkpoints will not hold the data position", type(data_iterator).__name__)
       self._warned_data = True
-    args = ocp.args.Composite(**items)
+    args = ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items)
     try:
       saved = self.manager.save(step, args=args, force=force)
     except Exception as e:  # an earlier async write failed, or this one could not start
@@ -235,7 +340,7 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
         if self.verify:
           verify(restored["state"], restored["meta"])
-        self._restore_data_position(step, data_iterator)
+        self._restore_data_position(step, data_iterator, restored["meta"])
       except UserError:  # the data position does not fit this run (another global batch): the user's to fix
         raise
       except Exception as e:  # corrupt or truncated files: fall back to the previous checkpoint
@@ -254,20 +359,19 @@ class Checkpointer:
                             "to the config that wrote it; checkpoint.restore_from with restore_mode=params starts "
                             "from its weights when only the optimizer differs")
 
-  def _restore_data_position(self, step: int, data_iterator) -> None:
+  def _restore_data_position(self, step: int, data_iterator, meta: dict) -> None:
     folder = self.directory / str(step) / "data"
-    if not isinstance(data_iterator, grain.DatasetIterator) or not folder.exists():
+    if not isinstance(data_iterator, DataPosition) or not folder.exists():
       return
-    saved = sorted(_process_files(folder).items())  # [(process index, file)] of the run that saved it
-    if len(saved) == jax.process_count():
-      self.manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iterator)))
-    elif self._resplit_data is None:
-      raise CheckpointError(os.fspath(folder), f"the data position was saved by {len(saved)} processes and this "
-                            f"job has {jax.process_count()}", f"resume with {len(saved)} processes")
-    else:  # Grain's handler reads only this process's file (process_<i>-of-<n>.json): gather all of them
-      states = [json.loads(f.read_text()) for _, f in saved]
-      data_iterator.set_state(self._resplit_data(states, data_iterator.get_state()))
-      logging.info("data position of %d processes re-split over %d", len(saved), jax.process_count())
+    # How many processes saved it (in checkpoints from before meta recorded it: how many position files it has).
+    saved = meta.get(_DATA_PROCESSES) or len(list(folder.glob("process_*-of-*.json")))
+    if saved == jax.process_count():
+      position = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+    else:
+      states = [_position_handler(i, saved).restore(folder) for i in range(saved)]
+      position = data_iterator.resplit(states)
+      logging.info("data position of %d processes re-split over %d", saved, jax.process_count())
+    data_iterator.set_state(position)
 
   def _fall_back(self, step: int, e: Exception) -> None:
     logging.warning("checkpoint step %d in %s cannot be restored (%s); set aside, falling back to the previous "
@@ -334,15 +438,10 @@ def _params_first(names) -> list[str]:
   return sorted(names, key=lambda k: (not k.startswith("params"), k))
 
 
-def _process_files(folder: epath.Path) -> dict[int, epath.Path]:
-  """Grain's per-process data-position files in a checkpoint's ``data`` folder, by process index."""
-  found = (re.fullmatch(r"process_(\d+)-of-(\d+)\.json", f.name) for f in folder.iterdir())
-  return {int(m.group(1)): folder / m.group(0) for m in found if m}
-
-
 def restore_from(path: str, abstract_state: Any, params_only: bool) -> tuple[Any, int]:
   """Reads another run's checkpoint: ``path`` is a checkpoint folder (newest step) or one step folder.
   Returns the restored state pytree (only its ``params`` are meaningful when ``params_only``) and the step."""
+  quiet_libraries()
   root = epath.Path(paths.resolve(path))
   step_dir = root if (root / "state").exists() else None
   if step_dir is None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging as std_logging
 import sys
 
 from absl import app, flags, logging
@@ -84,38 +83,8 @@ def _unknown_key(argv: list[str]) -> config_lib.ConfigError | None:
   return None
 
 
-class _QuietLibraries(std_logging.Filter):
-  """Orbax logs every save phase at INFO; keep its warnings and errors, drop the rest from the console.
-  A failed background write (disk full, permissions) is logged with whole tracebacks by Orbax and by asyncio
-  (for Orbax's other write tasks) and then raised again to us, where it becomes jaxtrain's one-line error:
-  keep their lines, fold each traceback into the exception's type and message."""
-
-  def filter(self, record: std_logging.LogRecord) -> bool:
-    from_orbax = "/orbax/" in record.pathname
-    if ((from_orbax or record.name == "asyncio") and record.levelno >= std_logging.ERROR and record.exc_info
-        and record.exc_info[1] is not None):
-      from jaxtrain.checkpoint import describe  # imports orbax, which is loaded by now
-      first = record.getMessage().splitlines()[0]
-      record.msg, record.args = f"{first}: {describe(record.exc_info[1])}", None
-      record.exc_info, record.exc_text = None, None
-    return not from_orbax or record.levelno >= std_logging.WARNING
-
-
-def _drop_closed_loop_noise(unraisablehook):
-  """After a failed write, Orbax's event loop closes while TensorStore still completes the other in-flight
-  writes; each completion then fails to wake the closed loop and prints an "unraisable" traceback from a C++
-  thread. The write error itself is reported once (see _QuietLibraries); drop exactly that echo."""
-
-  def hook(unraisable):
-    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
-      unraisablehook(unraisable)
-  return hook
-
-
 def main(argv: list[str]) -> None:
   del argv
-  logging.get_absl_handler().addFilter(_QuietLibraries())
-  sys.unraisablehook = _drop_closed_loop_noise(sys.unraisablehook)
   import jax  # after flag parsing, so a bad command line never pays for (or is hidden by) jax start-up
 
   from jaxtrain import distributed

@@ -13,7 +13,7 @@ from jax.experimental import multihost_utils
 from jaxtrain import data as data_lib
 from jaxtrain import sharding
 from jaxtrain.config import base_config
-from jaxtrain.data import pipeline
+from jaxtrain.data import loader
 from tests.multiprocess import init_distributed
 
 parser = argparse.ArgumentParser()
@@ -25,10 +25,10 @@ args = parser.parse_args()
 init_distributed(args.coordinator, args.num_processes, args.process_id)
 assert jax.device_count() == 4 * args.num_processes and jax.process_count() == args.num_processes
 
-manifest = pipeline.load_manifest(args.data)
+manifest = loader.load_manifest(args.data)
 kw = dict(seq_len=args.seq_len, global_batch=args.global_batch, seed=args.seed,
           process_index=jax.process_index(), process_count=jax.process_count())
-it = iter(pipeline.train_dataset(args.data, manifest, **kw))
+it = iter(loader.train_dataset(args.data, manifest, **kw))
 
 # The first global batch, assembled across processes with the batch sharding of an 8-device fsdp mesh.
 mesh_cfg = base_config().mesh
@@ -44,7 +44,7 @@ lanes = list(range(kw["process_index"] * args.global_batch // args.num_processes
                    (kw["process_index"] + 1) * args.global_batch // args.num_processes))
 wanted = {lane: len(range(lane, num_docs, args.global_batch)) for lane in lanes}
 docs = {lane: [] for lane in lanes}
-it = iter(pipeline.train_dataset(args.data, manifest, **kw))
+it = iter(loader.train_dataset(args.data, manifest, **kw))
 while any(len(docs[lane]) <= wanted[lane] for lane in lanes):
   b = next(it)
   # inputs + the last target give the row's seq_len + 1 tokens.

@@ -3,6 +3,7 @@
 import datetime
 import gc
 import json
+import logging as std_logging
 import os
 import pathlib
 import random
@@ -18,8 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from absl import logging
 
 from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.metrics import read_records
 from jaxtrain.train import trainer
 from tests import multiprocess
@@ -446,6 +449,135 @@ def test_sync_save_is_committed_when_save_returns(tmp_path):
   finally:
     ckpt.close()
   np.testing.assert_array_equal(restored["w"], np.arange(4.0))
+
+
+def test_synthetic_stream_resumes_exactly(tmp_path):
+  """The synthetic source's position is saved with the state: a new source restored from the checkpoint yields
+  exactly the batch the saved one would have yielded next."""
+  source = SyntheticSource(16, 256, 8, seed=3)
+  _ = [next(source) for _ in range(5)]
+  ckpt = checkpoint_lib.Checkpointer(tmp_path, async_save=False)
+  try:
+    ckpt.save(5, {"w": jnp.arange(4.0)}, source, meta={}, config={}, force=True)
+    expected = next(source)
+    resumed = SyntheticSource(16, 256, 8, seed=3)
+    ckpt.restore({"w": jax.ShapeDtypeStruct((4,), jnp.float32)}, resumed)
+  finally:
+    ckpt.close()
+  got = next(resumed)
+  assert got.keys() == expected.keys()
+  for k in expected:
+    np.testing.assert_array_equal(got[k], expected[k], err_msg=k)
+  assert not all(np.array_equal(got[k], next(SyntheticSource(16, 256, 8, seed=3))[k]) for k in got)  # not batch 0
+
+
+class _Counter:
+  """A data source with the DataPosition protocol and nothing else (no Grain): it counts, its position is the
+  count."""
+
+  def __init__(self):
+    self.count, self.resplit_from = 0, None
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    self.count += 1
+    return self.count
+
+  def get_state(self):
+    return {"count": self.count, "kind": "counter"}
+
+  def set_state(self, state):
+    assert state["kind"] == "counter"
+    self.count = state["count"]
+
+  def resplit(self, saved_states):
+    self.resplit_from = saved_states
+    return {"count": sum(s["count"] for s in saved_states), "kind": "counter"}
+
+
+def _save_counter(directory, count):
+  counter = _Counter()
+  _ = [next(counter) for _ in range(count)]
+  ckpt = checkpoint_lib.Checkpointer(directory, async_save=False)
+  ckpt.save(count, {"w": jnp.arange(4.0)}, counter, meta={}, config={}, force=True)
+  ckpt.close()
+
+
+def _restore_counter(directory):
+  counter = _Counter()
+  ckpt = checkpoint_lib.Checkpointer(directory)
+  try:
+    assert ckpt.restore({"w": jax.ShapeDtypeStruct((4,), jnp.float32)}, counter) is not None
+  finally:
+    ckpt.close()
+  return counter
+
+
+def test_any_iterator_with_the_data_position_protocol_is_saved_and_restored(tmp_path):
+  """The checkpointer needs only DataPosition (importing it imports no Grain): a source of its own resumes at its
+  position, and one without the protocol is warned about and resumes nothing."""
+  assert isinstance(_Counter(), checkpoint_lib.DataPosition)
+  _save_counter(tmp_path, 7)
+  assert json.loads((tmp_path / "7" / "data" / "process_0-of-1.json").read_text()) == {"count": 7,
+                                                                                       "kind": "counter"}
+  counter = _restore_counter(tmp_path)
+  assert counter.count == 7 and counter.resplit_from is None and next(counter) == 8
+  r = subprocess.run([sys.executable, "-c", "import sys, jaxtrain.checkpoint; sys.exit('grain' in sys.modules)"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, "importing jaxtrain.checkpoint imports grain"
+
+
+def test_another_process_count_hands_every_saved_position_to_resplit(tmp_path):
+  """A step saved by 2 processes (each wrote its own position file) restored by 1: the iterator gets both
+  positions, in process order, and is set to what its resplit made of them."""
+  _save_counter(tmp_path, 7)
+  data, meta_file = tmp_path / "7" / "data", tmp_path / "7" / "meta" / "metadata"
+  (data / "process_0-of-1.json").unlink()  # what 2 processes at counts 3 and 4 would have written
+  for i, count in enumerate((3, 4)):
+    (data / f"process_{i}-of-2.json").write_text(json.dumps({"count": count, "kind": "counter"}))
+  meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "data_processes": 2}))
+  counter = _restore_counter(tmp_path)
+  assert counter.resplit_from == [{"count": 3, "kind": "counter"}, {"count": 4, "kind": "counter"}]
+  assert counter.count == 7
+
+
+def test_python_runs_keep_orbax_info_out_of_the_log_but_not_its_warnings(make_config, tmp_path, caplog):
+  """trainer.train called from Python (no jaxtrain.main: a notebook, a test) logs like the command line: the
+  Checkpointer it creates keeps Orbax's INFO narration of every save out of absl's log; Orbax's warnings and
+  jaxtrain's own INFO lines stay."""
+  loggers = [logging.get_absl_logger(), std_logging.getLogger(), std_logging.getLogger("asyncio")]
+  for logger in loggers:
+    logger.removeFilter(checkpoint_lib.LIBRARY_LOG_FILTER)  # as in a fresh process
+  config = _config(make_config, tmp_path)
+  config.train.steps = 4
+  with caplog.at_level("INFO"):
+    trainer.train(config)
+    ocp.CheckpointManagerOptions(read_only=True)  # Orbax warns that it turns `create` off
+  orbax = [r for r in caplog.records if "/orbax/" in r.pathname]
+  assert [r.levelname for r in orbax if r.levelno < std_logging.WARNING] == [], [r.getMessage() for r in orbax][:5]
+  warned = [r for r in orbax if "read_only=True, setting create=False" in r.getMessage()]
+  assert [r.levelname for r in warned] == ["WARNING"]
+  assert any(r.getMessage().startswith("compiled and initialized in") for r in caplog.records)
+  assert all(checkpoint_lib.LIBRARY_LOG_FILTER in logger.filters for logger in loggers)
+
+
+def test_unraisable_hook_drops_only_the_closed_loop_echo_and_keeps_the_hook_it_wraps(monkeypatch):
+  seen = []
+  monkeypatch.setattr(sys, "unraisablehook", seen.append)  # whatever hook was there (pytest's, a notebook's)
+  checkpoint_lib.quiet_libraries()
+  hook = sys.unraisablehook
+  checkpoint_lib.quiet_libraries()
+  assert sys.unraisablehook is hook  # wrapped once
+
+  def unraisable(e):
+    return types.SimpleNamespace(exc_type=type(e), exc_value=e, exc_traceback=None, err_msg=None, object=None)
+
+  for e in (RuntimeError("Event loop is closed"), RuntimeError("another"), ValueError("Event loop is closed")):
+    hook(unraisable(e))
+  assert [(type(a.exc_value), str(a.exc_value)) for a in seen] == [(RuntimeError, "another"),
+                                                                   (ValueError, "Event loop is closed")]
 
 
 def test_two_processes_save_restore_and_continue(tmp_path):

@@ -1,4 +1,5 @@
-"""Data: prepare_data, the Grain pipeline (resume, multi-process, packing), bad input, training on it."""
+"""Data: prepare_data, the Grain input pipeline (jaxtrain.data.loader: resume, multi-process, packing), bad input,
+training on it."""
 
 import hashlib
 import json
@@ -10,12 +11,14 @@ import sys
 import grain
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
+from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import data as data_lib
 from jaxtrain.config import DataError
 from jaxtrain.data import batch as batch_lib
-from jaxtrain.data import pipeline, prepare
+from jaxtrain.data import loader, prepare
 from jaxtrain.train import trainer
 from tests import multiprocess
 
@@ -33,7 +36,7 @@ def shakespeare(tmp_path_factory):
 
 def _dataset(root, **kw):
   args = dict(seq_len=64, global_batch=8, seed=0, process_index=0, process_count=1)
-  return pipeline.train_dataset(root, pipeline.load_manifest(root), **{**args, **kw})
+  return loader.train_dataset(root, loader.load_manifest(root), **{**args, **kw})
 
 
 def _take(it, n):
@@ -83,9 +86,10 @@ def test_data_position_moves_to_another_process_count(shakespeare, before, after
   expected = _take(single, 2)
 
   def process(i, count, resume=False):
-    it = iter(_dataset(shakespeare, process_index=i, process_count=count, num_workers=workers[resume]))
+    it = loader.TrainIterator(_dataset(shakespeare, process_index=i, process_count=count,
+                                       num_workers=workers[resume]), 8, i, count)
     if resume:
-      it.set_state(data_lib.resplit_position(saved, it.get_state(), 8, i, count))
+      it.set_state(it.resplit(saved))
     return it
 
   saved = []
@@ -107,10 +111,32 @@ def test_data_position_moves_to_another_process_count(shakespeare, before, after
 def test_data_position_refuses_another_global_batch(shakespeare):
   it = iter(_dataset(shakespeare))
   _take(it, 2)
+  bigger = loader.TrainIterator(_dataset(shakespeare, global_batch=16, process_count=2), 16, 0, 2)
   with pytest.raises(DataError, match="global_batch_size changed"):
-    data_lib.resplit_position([it.get_state()], iter(_dataset(shakespeare, global_batch=16)).get_state(), 16, 0, 2)
+    bigger.resplit([it.get_state()])
   with pytest.raises(DataError, match="global_batch_size changed"):
     iter(_dataset(shakespeare, global_batch=16)).set_state(it.get_state())
+
+
+def test_checkpoint_whose_data_item_grain_wrote_resumes_the_stream(shakespeare, tmp_path):
+  """Checkpoints written before jaxtrain.checkpoint.DataPosition held the data position in Grain's Orbax handler's
+  format (its item ``data``): the checkpointer restores it into the train iterator, which goes on exactly."""
+  it = iter(_dataset(shakespeare))
+  _take(it, 3)
+  with ocp.CheckpointManager(tmp_path, item_names=("state", "data", "meta", "config")) as old:  # the old layout
+    old.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": np.arange(4.0, dtype=np.float32)}),
+                                        data=grain.checkpoint.CheckpointSave(it), meta=ocp.args.JsonSave({}),
+                                        config=ocp.args.JsonSave({})))
+  assert [f for f in os.listdir(tmp_path / "3" / "data") if f.endswith(".json")] == ["process_0-of-1.json"]
+  expected = _take(it, 2)
+  resumed = loader.TrainIterator(_dataset(shakespeare), 8, 0, 1)
+  ckpt = checkpoint_lib.Checkpointer(tmp_path)
+  try:
+    state, _ = ckpt.restore({"w": jax.ShapeDtypeStruct((4,), np.float32)}, resumed)
+  finally:
+    ckpt.close()
+  np.testing.assert_array_equal(state["w"], np.arange(4.0))
+  _assert_same(_take(resumed, 2), expected)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +156,7 @@ def two_processes(shakespeare, tmp_path_factory):
 def test_two_processes_split_the_epoch_and_build_the_same_global_batch(shakespeare, two_processes):
   seen = two_processes["train"]
   # Disjoint, and together every training document of the epoch exactly once.
-  src = pipeline.TokenSource(shakespeare, pipeline.load_manifest(shakespeare), "train")
+  src = loader.TokenSource(shakespeare, loader.load_manifest(shakespeare), "train")
   every = sorted(hashlib.sha256(src[i].tobytes()).hexdigest() for i in range(len(src)))
   assert not set(seen[0]["docs"]) & set(seen[1]["docs"])
   assert sorted(seen[0]["docs"] + seen[1]["docs"]) == every
@@ -142,7 +168,7 @@ def test_two_processes_split_the_epoch_and_build_the_same_global_batch(shakespea
 
 
 def _lane_documents(src, lane, tokens, seed=0, lanes=8):
-  """The record ids of lane ``lane``'s documents as the pipeline's docstring specifies them (documents lane,
+  """The record ids of lane ``lane``'s documents as the loader's docstring specifies them (documents lane,
   lane + lanes, ... of the seeded shuffle), as many as hold ``tokens`` tokens."""
   order, records, size = grain.MapDataset.range(len(src)).seed(seed).shuffle(), [], 0
   while size < tokens:
@@ -157,7 +183,7 @@ def test_packed_batch_masks_document_boundaries(shakespeare):
   exactly where a document ends), its positions run 0, 1, 2, ... from its start (a document cut off at a row's
   end goes on in the lane's next row, its positions counting on), and its last token's target is masked (the
   next token belongs to another document)."""
-  src = pipeline.TokenSource(shakespeare, pipeline.load_manifest(shakespeare), "train")
+  src = loader.TokenSource(shakespeare, loader.load_manifest(shakespeare), "train")
   batches = _take(iter(_dataset(shakespeare, seq_len=256)), 3)
   n = len(batches) * 257
   for row in range(8):
@@ -181,7 +207,7 @@ def test_packed_batch_masks_document_boundaries(shakespeare):
 def test_padding_mode_masks_padding(shakespeare):
   """Without packing, lane r's rows hold the starts of its documents, one each (seq_len + 1 tokens at most, the
   rest dropped), then padding: segment 0, position 0, no loss."""
-  src = pipeline.TokenSource(shakespeare, pipeline.load_manifest(shakespeare), "train")
+  src = loader.TokenSource(shakespeare, loader.load_manifest(shakespeare), "train")
   order = grain.MapDataset.range(len(src)).seed(0).shuffle()
   batches = _take(iter(_dataset(shakespeare, seq_len=128, packing=False)), 2)
   segments = np.stack([b["segment_ids"] for b in batches])
@@ -226,7 +252,7 @@ def test_logits_of_a_document_ignore_its_row_neighbours(shakespeare, make_config
 def _eval_documents(root):
   """The eval split's documents, read straight from its shards (not through jaxtrain's reader)."""
   from array_record.python.array_record_module import ArrayRecordReader
-  manifest, docs = pipeline.load_manifest(root), []
+  manifest, docs = loader.load_manifest(root), []
   for shard in (s for s in manifest["shards"] if s["split"] == "eval"):
     reader = ArrayRecordReader(os.fspath(pathlib.Path(root, shard["file"])))
     docs += [np.frombuffer(r, manifest["dtype"]).astype(np.int32) for r in reader.read_all()]
@@ -254,8 +280,8 @@ def _assert_eval_split_once(batches, docs, seq_len=64, global_batch=8):
 
 def test_eval_batches_cover_the_eval_split_once(shakespeare, two_processes):
   docs = _eval_documents(shakespeare)
-  single = pipeline.eval_batches(shakespeare, pipeline.load_manifest(shakespeare), seq_len=64, global_batch=8,
-                                 process_index=0, process_count=1)
+  single = loader.eval_batches(shakespeare, loader.load_manifest(shakespeare), seq_len=64, global_batch=8,
+                               process_index=0, process_count=1)
   _assert_eval_split_once(single, docs)
   # Two processes (real ones, as training opens its eval batches): each has every batch, and their rows
   # together (process 0's then process 1's) make the same global batches.
@@ -337,7 +363,7 @@ def test_prepare_with_hf_and_sentencepiece_tokenizers(tmp_path):
                                                tokenizer=os.fspath(tok_file), progress=False))
     assert manifest["tokenizer"].startswith(kind) and manifest["vocab_size"] == vocab
     assert manifest["tokens"] < 0.75 * len(text)  # real subword tokens, not bytes
-    docs = pipeline.TokenSource(os.fspath(out), manifest, "train")
+    docs = loader.TokenSource(os.fspath(out), manifest, "train")
     assert max(int(docs[i].max()) for i in range(len(docs))) < vocab
 
 
@@ -353,7 +379,7 @@ def test_prepare_large_vocab_writes_uint32_tokens(tmp_path):
   manifest = prepare.prepare(prepare.Options(inputs=[os.fspath(tmp_path / "c.txt")], output=os.fspath(tmp_path / "o"),
                                              tokenizer=os.fspath(tmp_path / "big.json"), progress=False))
   assert manifest["vocab_size"] == 70_000 and manifest["dtype"] == "uint32"
-  back = [pipeline.TokenSource(os.fspath(tmp_path / "o"), manifest, split) for split in ("train", "eval")]
+  back = [loader.TokenSource(os.fspath(tmp_path / "o"), manifest, split) for split in ("train", "eval")]
   assert sorted(src[i].tolist() for src in back for i in range(len(src))) == sorted(docs)
 
 
@@ -469,9 +495,9 @@ def test_main_trains_on_prepared_data(shakespeare, tmp_path):
 
 
 def test_batches_record_their_documents(shakespeare):
-  manifest = pipeline.load_manifest(shakespeare)
+  manifest = loader.load_manifest(shakespeare)
   b = next(iter(_dataset(shakespeare, seq_len=128)))
-  src = pipeline.TokenSource(shakespeare, manifest, "train")
+  src = loader.TokenSource(shakespeare, manifest, "train")
   for row in range(8):
     for seg in np.unique(b["segment_ids"][row]):
       piece = b["segment_ids"][row] == seg
@@ -479,5 +505,5 @@ def test_batches_record_their_documents(shakespeare):
       start = b["positions"][row][piece][0]
       doc = src[int(record)]
       np.testing.assert_array_equal(b["inputs"][row][piece], doc[start:start + piece.sum()])
-      shard, index = pipeline.locate(manifest, "train", int(record))
+      shard, index = loader.locate(manifest, "train", int(record))
       assert shard.startswith("train-") and 0 <= index < manifest["splits"]["train"]["documents"]

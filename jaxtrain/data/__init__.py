@@ -55,9 +55,10 @@ def data_root(config) -> str:
 
 
 def open_train(config) -> Iterator[dict]:
-  """The training stream the config asks for, validated before anything is compiled. The iterator has
-  ``get_state()`` / ``set_state()`` for checkpoints. Raises DataError / ConfigError on bad input."""
-  from jaxtrain.data import pipeline
+  """The training stream the config asks for, validated before anything is compiled. The iterator is a
+  :class:`jaxtrain.checkpoint.DataPosition` (``get_state`` / ``set_state`` / ``resplit``), so checkpoints hold
+  its position. Raises DataError / ConfigError on bad input."""
+  from jaxtrain.data import loader
   from jaxtrain.data.synthetic import SyntheticSource
 
   c = config
@@ -65,19 +66,19 @@ def open_train(config) -> Iterator[dict]:
     return SyntheticSource(c.data.seq_len, c.model.vocab_size, c.train.global_batch_size, c.train.seed,
                            jax.process_index(), jax.process_count())
   root = data_root(c)
-  manifest = pipeline.load_manifest(root, c.data.verify_checksums)
-  pipeline.check_compatible(manifest, root, c.model.vocab_size, c.data.tokenizer)
-  dataset = pipeline.train_dataset(
+  manifest = loader.load_manifest(root, c.data.verify_checksums)
+  loader.check_compatible(manifest, root, c.model.vocab_size, c.data.tokenizer)
+  dataset = loader.train_dataset(
       root, manifest, seq_len=c.data.seq_len, global_batch=c.train.global_batch_size, seed=c.train.seed,
       process_index=jax.process_index(), process_count=jax.process_count(), packing=c.data.packing,
       num_workers=c.data.num_workers, prefetch=c.data.prefetch)
-  return iter(dataset)
+  return loader.TrainIterator(dataset, c.train.global_batch_size, jax.process_index(), jax.process_count())
 
 
 def open_eval(config) -> list[dict]:
   """This process's share of the held-out eval batches (``eval.max_batches`` of them; 0 = all): the
   prepared data's eval split, or fixed synthetic batches of another seed."""
-  from jaxtrain.data import pipeline
+  from jaxtrain.data import loader
   from jaxtrain.data.synthetic import SyntheticSource
 
   c, limit = config, config.eval.max_batches or None
@@ -86,27 +87,10 @@ def open_eval(config) -> list[dict]:
                              jax.process_index(), jax.process_count())
     return [next(source) for _ in range(limit or 4)]
   root = data_root(c)
-  batches = pipeline.eval_batches(root, pipeline.load_manifest(root, verify_checksums=False),
-                                  seq_len=c.data.seq_len, global_batch=c.train.global_batch_size,
-                                  process_index=jax.process_index(), process_count=jax.process_count())
+  batches = loader.eval_batches(root, loader.load_manifest(root, verify_checksums=False),
+                                seq_len=c.data.seq_len, global_batch=c.train.global_batch_size,
+                                process_index=jax.process_index(), process_count=jax.process_count())
   return batches[:limit]
-
-
-def resplit_position(saved: list[dict], current: dict, global_batch: int, process_index: int | None = None,
-                     process_count: int | None = None) -> dict:
-  """This process's data position from the iterator states that each process of a run with another process
-  count saved (``saved[i]``: process i's), ``current`` being this iterator's own state (its layout). The
-  global batch must be the one that saved them, so that the global position is the same."""
-  from jaxtrain.data import packing
-
-  index = jax.process_index() if process_index is None else process_index
-  count = jax.process_count() if process_count is None else process_count
-  if set(current) == {"step"}:  # the synthetic source: its position is the global step count
-    return {"step": saved[0]["step"]}
-  # Every row of the global batch, in order (DataError if the saved run had another global batch).
-  lanes = [lane for state in saved for lane in packing.lane_positions(state, global_batch // len(saved))]
-  mine = global_batch // count
-  return packing.with_lane_positions(current, lanes[index * mine:(index + 1) * mine])
 
 
 def close(iterator) -> None:

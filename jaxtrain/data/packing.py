@@ -149,3 +149,15 @@ def with_lane_positions(template: dict, positions: Sequence[tuple[int, int]]) ->
     mine = positions[w::len(parts)]
     part.update(doc=[d for d, _ in mine], offset=[o for _, o in mine], next=0)
   return state
+
+
+def resplit(saved: Sequence[dict], template: dict, global_batch: int, process_index: int,
+            process_count: int) -> dict:
+  """Process ``process_index`` of ``process_count``'s position from the pipeline states that each process of a
+  run with another process count saved (``saved[i]``: process i's), ``template`` being its own iterator's state
+  (for its layout). The global batch must be the one that saved them (else DataError), so that the global
+  position is the same."""
+  # Every row of the global batch, in order (DataError if the saved run had another global batch).
+  lanes = [lane for state in saved for lane in lane_positions(state, global_batch // len(saved))]
+  mine = global_batch // process_count
+  return with_lane_positions(template, lanes[process_index * mine:(process_index + 1) * mine])

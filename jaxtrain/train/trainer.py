@@ -166,9 +166,7 @@ def make_checkpointer(config: ml_collections.ConfigDict) -> checkpoint_lib.Check
   c = config.checkpoint
   return checkpoint_lib.Checkpointer(c.dir, every_steps=c.every_steps, every_minutes=c.every_minutes,
                                      keep_last=c.keep_last, keep_every=c.keep_every, async_save=c["async"],
-                                     verify=c.verify,
-                                     resplit_data=functools.partial(data_lib.resplit_position,
-                                                                    global_batch=config.train.global_batch_size))
+                                     verify=c.verify)
 
 
 def restore_or_init(run: Run, checkpointer: checkpoint_lib.Checkpointer, data) -> tuple[TrainState, dict]:
@@ -273,7 +271,7 @@ def _train(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Checkpoi
   state, meta = restore_or_init(run, checkpointer, data)
   evaluate = make_evaluator(run) if config.eval.every_steps else None
   logging.info("compiled and initialized in %.1fs", time.perf_counter() - t0)
-  return loop_lib.train_loop(run, data, checkpointer, step_fn, summarize, evaluate, state, meta)
+  return loop_lib.Loop(run, data, checkpointer, step_fn, summarize, evaluate, state, meta).run()
 
 
 def make_evaluator(run: Run):

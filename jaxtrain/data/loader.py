@@ -1,11 +1,12 @@
-"""The Grain input pipeline over prepared shards: per-host, packed, deterministic, resumable.
+"""The Grain input pipeline (data loader) over prepared shards: per-host, packed, deterministic, resumable.
 
 The global batch of B rows is made of B *lanes*. Lane r reads documents r, r+B, r+2B, ... of the globally
 shuffled (and every epoch reshuffled) document order and packs them into rows of ``seq_len + 1`` tokens.
 A process builds only its own lanes (rows ``[p*B/P, (p+1)*B/P)``), so processes read disjoint documents that
 together cover each epoch exactly once, and the global batch is the same for any number of processes.
 Lanes are interleaved round-robin and batched by Grain, so the whole pipeline is one Grain dataset whose
-iterator state (``get_state`` / ``set_state``) restores the stream exactly.
+iterator state (``get_state`` / ``set_state``) restores the stream exactly. :class:`TrainIterator` adds what a
+checkpoint needs to resume it on another number of processes (``resplit``); only this package knows Grain.
 """
 
 from __future__ import annotations
@@ -124,6 +125,39 @@ def train_dataset(root: str, manifest: dict, *, seq_len: int, global_batch: int,
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers,
                                                      per_worker_buffer_size=prefetch * per_process))
   return ds.batch(per_process, drop_remainder=True).map(_to_train_batch)
+
+
+class TrainIterator:
+  """The iterator of a :func:`train_dataset` with its position for checkpoints: a
+  :class:`jaxtrain.checkpoint.DataPosition`. ``get_state`` / ``set_state`` are Grain's; ``resplit`` gives this
+  process its lanes' positions from those that the processes of a run with another process count saved."""
+
+  def __init__(self, dataset: grain.IterDataset, global_batch: int, process_index: int, process_count: int):
+    """``dataset``: :func:`train_dataset` built for ``process_index`` of ``process_count`` and ``global_batch``."""
+    self._iterator = iter(dataset)
+    self.global_batch, self.process_index, self.process_count = global_batch, process_index, process_count
+
+  def __iter__(self) -> "TrainIterator":
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    return next(self._iterator)
+
+  def get_state(self) -> dict:
+    return self._iterator.get_state()
+
+  def set_state(self, state: dict) -> None:
+    """Moves to ``state`` and starts Grain's worker processes (if any) reading from there right away."""
+    self._iterator.set_state(state)
+    self._iterator.start_prefetch()
+
+  def resplit(self, saved_states: list[dict]) -> dict:
+    return packing_lib.resplit(saved_states, self.get_state(), self.global_batch, self.process_index,
+                               self.process_count)
+
+  def close(self) -> None:
+    """Stops Grain's threads and worker processes."""
+    self._iterator.close()
 
 
 def eval_batches(root: str, manifest: dict, *, seq_len: int, global_batch: int, process_index: int,
