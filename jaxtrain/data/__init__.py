@@ -1,26 +1,42 @@
-"""Input pipelines. Every source yields per-process numpy batches in the format of
-:mod:`jaxtrain.data.batch`; :func:`to_global` assembles them into global jax.Arrays."""
+"""Data sources, chosen by ``data.source`` from :data:`SOURCES`. Every source yields per-process numpy batches in
+the format of :mod:`jaxtrain.data.batch`; :func:`to_global` assembles them into global jax.Arrays. A new source is
+one ``SOURCES.register(name, Source(...))``: its train stream (a :class:`jaxtrain.checkpoint.DataPosition`, so that
+checkpoints hold its position), its eval batches, and where a batch's rows came from (for bad-batch reports)."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import jax
-from jax.sharding import NamedSharding
 import ml_collections
-from jaxtrain.errors import ConfigError, check_choice, check_positive
+from jax.sharding import NamedSharding
+
+from jaxtrain.errors import ConfigError, check_positive
+from jaxtrain.registry import Registry
 
 
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """open_train: ``config -> iterator`` of this process's batches (validated before anything is compiled: raise
+    DataError / ConfigError on bad input). open_eval: ``config -> list`` of this process's held-out batches.
+  provenance: ``(config, step, records) -> dict``: where the rows of ``step`` came from (``records``: the batch's
+    ``records`` field, or None if it has none). reads_path: whether the source reads ``data.path``."""
+  open_train: Callable[[Any], Iterator[dict]]
+  open_eval: Callable[[Any], list[dict]]
+  provenance: Callable[[Any, int, Any], dict]
+  reads_path: bool = True
 
-SOURCES = ("arrayrecord", "synthetic")
+
+SOURCES: Registry[Source] = Registry("data.source", "data source", how="jaxtrain.data.SOURCES.register")
 
 
 def defaults() -> ml_collections.ConfigDict:
   """The ``data`` config group."""
   return ml_collections.ConfigDict(dict(
-      source="arrayrecord",  # arrayrecord (output of tools/prepare_data.py) | synthetic (no data needed)
+      source="arrayrecord",  # a name in SOURCES: arrayrecord (tools/prepare_data.py's output) | synthetic
       path="",  # prepared data folder; empty = the bundled Shakespeare corpus, prepared on first use
       seq_len=128,
       packing=True,  # pack documents into rows (segment ids keep them apart); False = one padded doc per row
@@ -35,9 +51,9 @@ def defaults() -> ml_collections.ConfigDict:
 def validate(config) -> None:
   check_positive(config, ["data.seq_len", "data.prefetch"])
   check_positive(config, ["data.num_workers"], allow_zero=True)
-  check_choice(config, "data.source", SOURCES)
-  if config.data.source == "synthetic" and config.data.path:
-    raise ConfigError("data.path", "is set but data.source='synthetic' ignores it",
+  source = SOURCES.get(config.data.source)
+  if config.data.path and not source.reads_path:
+    raise ConfigError("data.path", f"is set but data.source='{config.data.source}' ignores it",
                       "set data.source=arrayrecord or clear data.path")
 
 
@@ -55,16 +71,23 @@ def data_root(config) -> str:
 
 
 def open_train(config) -> Iterator[dict]:
-  """The training stream the config asks for, validated before anything is compiled. The iterator is a
-  :class:`jaxtrain.checkpoint.DataPosition` (``get_state`` / ``set_state`` / ``resplit``), so checkpoints hold
-  its position. Raises DataError / ConfigError on bad input."""
-  from jaxtrain.data import loader
-  from jaxtrain.data.synthetic import SyntheticSource
+  """The training stream of the configured source, validated before anything is compiled. Raises DataError /
+  ConfigError on bad input."""
+  return SOURCES.get(config.data.source).open_train(config)
 
-  c = config
-  if c.data.source == "synthetic":
-    return SyntheticSource(c.data.seq_len, c.model.vocab_size, c.train.global_batch_size, c.train.seed,
-                           jax.process_index(), jax.process_count())
+
+def open_eval(config) -> list[dict]:
+  """This process's share of the held-out eval batches (``eval.max_batches`` of them; 0 = all)."""
+  return SOURCES.get(config.data.source).open_eval(config)[:config.eval.max_batches or None]
+
+
+def provenance(config, step: int, records) -> dict:
+  """Where the rows of ``step`` came from, for bad-batch reports."""
+  return SOURCES.get(config.data.source).provenance(config, step, records)
+
+
+def _arrayrecord_train(c) -> Iterator[dict]:
+  from jaxtrain.data import loader
   root = data_root(c)
   manifest = loader.load_manifest(root, c.data.verify_checksums)
   loader.check_compatible(manifest, root, c.model.vocab_size, c.data.tokenizer)
@@ -75,22 +98,44 @@ def open_train(config) -> Iterator[dict]:
   return loader.TrainIterator(dataset, c.train.global_batch_size, jax.process_index(), jax.process_count())
 
 
-def open_eval(config) -> list[dict]:
-  """This process's share of the held-out eval batches (``eval.max_batches`` of them; 0 = all): the
-  prepared data's eval split, or fixed synthetic batches of another seed."""
+def _arrayrecord_eval(c) -> list[dict]:
   from jaxtrain.data import loader
-  from jaxtrain.data.synthetic import SyntheticSource
-
-  c, limit = config, config.eval.max_batches or None
-  if c.data.source == "synthetic":
-    source = SyntheticSource(c.data.seq_len, c.model.vocab_size, c.train.global_batch_size, c.train.seed + 10_000,
-                             jax.process_index(), jax.process_count())
-    return [next(source) for _ in range(limit or 4)]
   root = data_root(c)
-  batches = loader.eval_batches(root, loader.load_manifest(root, verify_checksums=False),
-                                seq_len=c.data.seq_len, global_batch=c.train.global_batch_size,
-                                process_index=jax.process_index(), process_count=jax.process_count())
-  return batches[:limit]
+  return loader.eval_batches(root, loader.load_manifest(root, verify_checksums=False), seq_len=c.data.seq_len,
+                             global_batch=c.train.global_batch_size, process_index=jax.process_index(),
+                             process_count=jax.process_count())
+
+
+def _arrayrecord_provenance(c, step: int, records) -> dict:
+  if records is None:
+    return {"source": "unknown"}
+  import numpy as np
+  from jaxtrain.data import loader
+  ids = sorted({int(r) for r in np.unique(records) if r >= 0})
+  root = data_root(c)
+  manifest = loader.load_manifest(root, verify_checksums=False)
+  return {"data": root, "records": ids, "shards": [loader.locate(manifest, "train", r) for r in ids]}
+
+
+def _synthetic(c, seed: int):
+  from jaxtrain.data.synthetic import SyntheticSource
+  return SyntheticSource(c.data.seq_len, c.model.vocab_size, c.train.global_batch_size, seed, jax.process_index(),
+                         jax.process_count())
+
+
+def _synthetic_eval(c) -> list[dict]:
+  source = _synthetic(c, c.train.seed + 10_000)  # fixed batches of another seed
+  return [next(source) for _ in range(c.eval.max_batches or 4)]
+
+
+def _synthetic_provenance(c, step: int, records) -> dict:
+  del records
+  return {"source": f"synthetic (seed {c.train.seed}, batch {step - 1})"}
+
+
+SOURCES.register("arrayrecord", Source(_arrayrecord_train, _arrayrecord_eval, _arrayrecord_provenance))
+SOURCES.register("synthetic", Source(lambda c: _synthetic(c, c.train.seed), _synthetic_eval, _synthetic_provenance,
+                                     reads_path=False))
 
 
 def close(iterator) -> None:
