@@ -165,3 +165,31 @@ def test_attention_backends_agree_and_one_registers_from_outside():
   with pytest.raises(ConfigError, match="model.attention: 'flash_nope' is not a registered attention backend; "
                                         "use one of counting_test, reference, xla"):
     models.validate(c)
+
+
+def test_a_data_source_registers_from_outside(make_config):
+  """A source is one registration: its stream trains, its position is checkpointed, and validation knows it."""
+  from jaxtrain import data as data_lib
+  opened = []
+
+  def open_train(c):
+    source = SyntheticSource(c.data.seq_len, c.model.vocab_size, c.train.global_batch_size, 7, 0, 1)
+    opened.append(source)
+    return source
+
+  data_lib.SOURCES.register("seven_test", data_lib.Source(
+      open_train=open_train, open_eval=lambda c: [], provenance=lambda c, step, records: {"source": "seven"},
+      reads_path=False))
+  config = make_config(fsdp=8)
+  config.data.source = "seven_test"
+  config.train.steps = 3
+  _, history = trainer.train(config)
+  assert [h["step"] for h in history] == [1, 2, 3] and len(opened) == 1
+  assert opened[0].get_state() == {"step": 3}  # the loop consumed exactly its three batches
+  config.data.source, config.data.path = "seven_test", "/somewhere"
+  with pytest.raises(ConfigError, match="data.path: is set but data.source='seven_test' ignores it"):
+    trainer.build(config)
+  config.data.source, config.data.path = "parquet_nope", ""
+  with pytest.raises(ConfigError, match="data.source: 'parquet_nope' is not a registered data source; use one of "
+                                        "arrayrecord, seven_test, synthetic"):
+    trainer.build(config)
