@@ -2,12 +2,14 @@
 hang watchdog that dumps every thread's stack and exits non-zero so the scheduler restarts the job.
 
 NaN/Inf handling itself lives in the train step (a non-finite update is never applied, so a NaN can never
-reach the state or a checkpoint) and in the trainer (the skip / rollback / stop policy).
+reach the state or a checkpoint); what the run does next is the ``monitor.nan_policy`` registered in
+:data:`NAN_POLICIES` (skip / rollback / stop), which the training loop (jaxtrain.train.loop) carries out.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import faulthandler
 import math
 import os
@@ -15,19 +17,60 @@ import statistics
 import sys
 import threading
 import time
+from typing import Callable, Literal
 
 from absl import logging
 import ml_collections
-from jaxtrain.errors import check_choice, check_positive
+from jaxtrain.errors import check_positive
+from jaxtrain.registry import Registry
+
+# What the loop does about a new non-finite step: go on (its update was not applied), go back to the newest
+# checkpoint (rollback: the policy's own; escalate: skip's when the problem persists) or stop the run (exit 1).
+Action = Literal["skip", "rollback", "escalate", "stop"]
 
 
+@dataclasses.dataclass(frozen=True)
+class NonFiniteStep:
+  """A new non-finite step (loss, gradients or updated state), as a NaN policy sees it."""
+  step: int
+  streak: int  # new non-finite steps in a row, this one included
+  final: bool  # the run's last step (train.steps)
+  max_consecutive: int  # monitor.max_consecutive_nonfinite
+
+
+# monitor.nan_policy -> (NonFiniteStep) -> Action. Adding a policy is one registration; the loop enforces the
+# rollback limits (see jaxtrain.train.loop.RollbackLimits) whatever the policy asks.
+NAN_POLICIES: Registry[Callable[[NonFiniteStep], Action]] = Registry("monitor.nan_policy", "NaN policy",
+                                                                     how="jaxtrain.monitor.NAN_POLICIES.register")
+
+
+@NAN_POLICIES.register("skip")
+def skip_policy(bad: NonFiniteStep) -> Action:
+  """Go on without the update; ``max_consecutive`` new non-finite steps in a row, or one at the last step (a run
+  must not end on one), escalate to a rollback."""
+  return "escalate" if bad.streak >= bad.max_consecutive or bad.final else "skip"
+
+
+@NAN_POLICIES.register("rollback")
+def rollback_policy(bad: NonFiniteStep) -> Action:
+  """Back to the newest checkpoint; the replay skips the bad step's batch."""
+  del bad
+  return "rollback"
+
+
+@NAN_POLICIES.register("stop")
+def stop_policy(bad: NonFiniteStep) -> Action:
+  """Stop the run (exit 1); the checkpoints are intact."""
+  del bad
+  return "stop"
 
 
 def defaults() -> ml_collections.ConfigDict:
   """The ``monitor`` config group."""
   return ml_collections.ConfigDict(dict(
       nan_policy="skip",  # non-finite loss, grads or updated state: skip (drop the update) | rollback (to the
-      # last checkpoint, skipping the offending batch) | stop. A non-finite update is never applied.
+      # last checkpoint, skipping the offending batch) | stop, or one registered in monitor.NAN_POLICIES. A
+      # non-finite update is never applied.
       max_consecutive_nonfinite=5,  # skip: this many in a row (or one at the last step) roll back; a second
       # such rollback to the same checkpoint stops the run (exit 1). rollback: at most this many to one checkpoint
       spike_sigma=6.0,  # warn when loss or grad norm exceeds the window mean + k sigma (0: off)
@@ -40,7 +83,7 @@ def defaults() -> ml_collections.ConfigDict:
 
 
 def validate(config) -> None:
-  check_choice(config, "monitor.nan_policy", ("skip", "rollback", "stop"))
+  NAN_POLICIES.check(config)
   check_positive(config, ["monitor.spike_sigma", "monitor.stagnation_logs", "monitor.watchdog_timeout_s"],
                  allow_zero=True)
   check_positive(config, ["monitor.spike_window", "monitor.watchdog_multiple", "monitor.watchdog_min_s",

@@ -1,8 +1,8 @@
 """Mesh from the config, logical-axis rules, and everything that turns logical names into shardings.
 
 Models name logical axes only (``batch``, ``length``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``,
-``mlp``, ``vocab``, ``layers``; ``stage`` is the pipeline's). A rule table maps each logical name to mesh axes; this module is the one
-place that resolves it, for parameters (:func:`logical_to_sharding`) and for activations
+``mlp``, ``vocab``, ``layers``; ``stage`` is the pipeline's). A rule table maps each logical name to mesh axes;
+this module is the one place that resolves it, for parameters (:func:`logical_to_sharding`) and for activations
 (:func:`constrain`), using Flax's rule resolution: for each logical name the first rule whose mesh axes are
 still free in that array wins, so ``batch -> (data, fsdp)`` and ``embed -> fsdp`` coexist (an activation's
 ``embed`` stays unsharded, a weight's ``embed`` is sharded over fsdp).

@@ -96,7 +96,8 @@ def _logged_steps(workdir):
 
 # Runs jaxtrain.main with the process SIGKILLing itself right after Checkpointer.save has started the async save
 # of step argv[1]: its files are being written (or about to be) when the process dies.
-_KILL_IN_SAVE_MAIN = ("import os, runpy, signal, sys; from jaxtrain import checkpoint as c; save = c.Checkpointer.save\n"
+_KILL_IN_SAVE_MAIN = ("import os, runpy, signal, sys; from jaxtrain import checkpoint as c\n"
+                      "save = c.Checkpointer.save\n"
                       "kill_at = int(sys.argv[1])\n"
                       "def killing_save(self, step, *a, **k):\n"
                       "  started = save(self, step, *a, **k)\n"

@@ -13,7 +13,7 @@ import pytest
 
 from jaxtrain import data as data_lib
 from jaxtrain import models
-from jaxtrain.data import pipeline, prepare
+from jaxtrain.data import loader, prepare
 from jaxtrain.train import trainer
 from tests.conftest import small_config
 
@@ -85,7 +85,7 @@ def _direct_eval(config, params, batches):
 def _split_targets(root, row):
   """Real targets of the eval split cut into rows of ``row`` tokens, from its documents alone: every token
   but the first of each document piece, a piece ending at a row boundary that falls inside a document."""
-  source = pipeline.TokenSource(root, pipeline.load_manifest(root), "eval")
+  source = loader.TokenSource(root, loader.load_manifest(root), "eval")
   starts = set(np.cumsum([0] + [len(source[i]) for i in range(len(source))]).tolist())
   total = max(starts)
   cuts = sum(1 for b in range(row, total, row) if b not in starts)

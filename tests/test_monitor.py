@@ -18,7 +18,7 @@ import pytest
 from configs import llama3_8b
 from jaxtrain import data as data_lib
 from jaxtrain import integrity, metrics, models, monitor
-from jaxtrain.data import pipeline, prepare
+from jaxtrain.data import loader, prepare
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.metrics import read_records
 from jaxtrain.train import loop, trainer
@@ -357,7 +357,7 @@ def test_an_anomaly_on_prepared_data_names_its_shard_files_and_documents(make_co
   records = batch["records"]
   assert entry["records"] == sorted({int(r) for r in np.unique(records) if r >= 0})
   assert len(entry["shards"]) == len(entry["records"])
-  dtype = pipeline.load_manifest(prepared)["dtype"]
+  dtype = loader.load_manifest(prepared)["dtype"]
   for record, (shard, index) in zip(entry["records"], entry["shards"]):
     assert shard.startswith("train-") and shard.endswith(".array_record")
     document = np.frombuffer(grain.sources.ArrayRecordDataSource([os.path.join(prepared, shard)])[index], dtype)

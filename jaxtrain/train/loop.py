@@ -1,26 +1,34 @@
-"""The training loop: next batch -> step -> fetch the previous step's metrics (one step late) -> NaN policy ->
-log -> eval -> checkpoint, until ``train.steps`` or a preemption."""
+"""The training loop: next batch -> step N dispatched -> step N-1's metrics fetched (one step late) -> NaN policy
+-> log -> eval -> checkpoint, until ``train.steps`` or a preemption.
+
+:class:`Loop` runs it. What it counts across checkpoints is one :class:`LoopState`, saved in every checkpoint's
+``meta`` next to :class:`RunMeta` and restored with the train state as one unit, on resume and on rollback. The
+parts that decide need no model and are tested alone: the NaN policies (``jaxtrain.monitor.NAN_POLICIES``) and
+:class:`NonFiniteSteps`, :class:`RollbackLimits`, :func:`eval_due`, :func:`checkpoint_due`, :func:`may_save`, and
+:class:`MetricsBuffer`, which owns the one-step-late fetch.
+"""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import jax
 import numpy as np
 from absl import logging
 from etils import epath
 
+import jaxtrain
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import data as data_lib
 from jaxtrain import integrity
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import monitor
-import jaxtrain
 from jaxtrain.train import state as state_lib
 from jaxtrain.train.preemption import PreemptionGuard
 
@@ -29,7 +37,349 @@ if TYPE_CHECKING:
 
 
 class TrainingStopped(Exception):
-  """Training stopped on purpose (``monitor.nan_policy=stop``); main prints it as one line, exit code 1."""
+  """Training stopped on purpose (``monitor.nan_policy=stop``, or a problem that rollbacks do not cure); main
+  prints it as one line, exit code 1."""
+
+
+# What is saved with each checkpoint ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LoopState:
+  """What the loop has counted up to ``step``: saved in every checkpoint's ``meta`` (flat, under the keys that
+  checkpoints have always had, so older ones resume) and restored from it as one unit."""
+  step: int = 0
+  tokens_seen: int = 0  # target tokens of the steps that led to this state (a rolled-back step is not one)
+  skipped_steps: int = 0  # steps whose update was not applied, in all (a replay of a bad batch counts again)
+  bad_steps: set[int] = dataclasses.field(default_factory=set)  # non-finite steps: skipped when replayed
+  wall_time: float = 0.0  # seconds of training in all, rolled-back steps and earlier runs included
+
+  @classmethod
+  def from_meta(cls, meta: dict, step: int) -> LoopState:
+    """From a checkpoint's ``meta`` (``{}`` for a fresh run); ``step``: the restored train state's."""
+    return cls(step=step, tokens_seen=int(meta.get("tokens_seen", 0)), skipped_steps=int(meta.get("skipped_steps", 0)),
+               bad_steps={int(s) for s in meta.get("bad_steps", ())}, wall_time=float(meta.get("wall_time", 0.0)))
+
+  def to_meta(self) -> dict:
+    return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
+            "bad_steps": sorted(self.bad_steps), "wall_time": self.wall_time}
+
+  def rewound_to(self, saved: LoopState) -> LoopState:
+    """The counts after a rollback to the checkpoint that saved ``saved``: its step and tokens (a replayed step
+    counts once); the bad steps stay known (the replay skips their batches), skipped steps and wall time keep
+    counting what the run did."""
+    return dataclasses.replace(self, step=saved.step, tokens_seen=saved.tokens_seen,
+                               bad_steps=self.bad_steps | saved.bad_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunMeta:
+  """Who wrote a checkpoint, when, and the loss it had reached: saved in its ``meta`` next to the LoopState."""
+  jaxtrain_version: str
+  mesh: dict[str, int]
+  seed: int
+  loss: float | None  # the saved step's (None: no step fetched yet in this run)
+  saved_at: float  # Unix time
+
+  @classmethod
+  def now(cls, run: Run, loss: float | None) -> RunMeta:
+    return cls(jaxtrain_version=jaxtrain.__version__, mesh=dict(run.mesh.shape), seed=run.config.train.seed,
+               loss=loss, saved_at=time.time())
+
+
+def checkpoint_meta(run_meta: RunMeta, counts: LoopState) -> dict:
+  """A checkpoint's JSON ``meta`` item: both, with flat keys (what tools/inspect_checkpoint.py lists)."""
+  return {**dataclasses.asdict(run_meta), **counts.to_meta()}
+
+
+# Decisions (no model needed) ------------------------------------------------------------------------------------
+
+
+def eval_due(step: int, every: int, last: int) -> bool:
+  """Whether the params of ``step`` are evaluated: at multiples of ``eval.every_steps`` (0: never) and at the
+  last step. The eval is logged under ``step``, right after that step's record."""
+  return bool(every) and (step % every == 0 or step == last)
+
+
+def checkpoint_due(step: int, last: int, preempted: bool, should_save: Callable[[int], bool]) -> str | None:
+  """``'forced'`` at the last step and on preemption, ``'periodic'`` where ``should_save(step)`` (the
+  checkpointer's every_steps / every_minutes) says so, else None."""
+  if preempted or step == last:
+    return "forced"
+  return "periodic" if should_save(step) else None
+
+
+def may_save(forced: bool, streak: int, skipped: bool) -> bool:
+  """Whether a due checkpoint is written. Not while new non-finite steps are in a row (``streak``: the
+  checkpoints must not move past a problem); after a step that did not apply its update (a known bad batch
+  replayed: the state has not moved), only a forced one: a periodic save waits for a step that does (else
+  replays would carry the checkpoints past a problem that persists)."""
+  return not streak and (forced or not skipped)
+
+
+class NonFiniteSteps:
+  """Judges each fetched step: counts new non-finite steps in a row (``streak``; a known bad step replayed after a
+  rollback neither counts nor resets it) and asks the ``monitor.nan_policy`` what to do about a new one."""
+
+  def __init__(self, policy: str, max_consecutive: int, last_step: int):
+    self.name, self.policy = policy, monitor.NAN_POLICIES.get(policy)
+    self.max_consecutive, self.last_step = max_consecutive, last_step
+    self.streak = 0
+
+  def observe(self, step: int, nonfinite: bool, known: set[int]) -> monitor.Action | None:
+    """None for a finite or a known bad step; for a new non-finite one (then added to ``known``) the policy's
+    action."""
+    if not nonfinite:
+      self.streak = 0
+      return None
+    if step in known:
+      return None
+    known.add(step)
+    self.streak += 1
+    return self.policy(monitor.NonFiniteStep(step, self.streak, step == self.last_step, self.max_consecutive))
+
+
+class RollbackLimits:
+  """How often the run may go back to one checkpoint: an escalation (skip) once, since a second one to the same
+  checkpoint means the problem persists; a policy rollback ``max_rollbacks`` times."""
+
+  def __init__(self, max_rollbacks: int, bad_batches: os.PathLike | str):
+    self.max_rollbacks, self.bad_batches = max_rollbacks, bad_batches
+    self.counts = collections.Counter()  # checkpoint step -> rollbacks to it
+
+  def check(self, action: monitor.Action, bad_step: int, why: str, steps: list[int]) -> None:
+    """Counts a rollback to the newest of ``steps`` (the committed checkpoints). Raises TrainingStopped past the
+    limit, or for an escalation with nothing to go back to; a policy rollback with nothing goes on."""
+    if not steps:
+      if action == "escalate":
+        raise TrainingStopped(f"step {bad_step}: {why} and no checkpoint to roll back to; nothing was saved: "
+                              "lower optim.lr or fix the data, or save earlier with checkpoint.every_steps")
+      return
+    target = steps[-1]
+    self.counts[target] += 1
+    if self.counts[target] > (1 if action == "escalate" else self.max_rollbacks):
+      raise TrainingStopped(f"step {bad_step}: {why} again after {self.counts[target] - 1} rollback(s) to "
+                            f"checkpoint step {target}; the checkpoints are intact (steps: {steps}): look at "
+                            f"{self.bad_batches}, lower optim.lr or fix the data")
+
+
+class MetricsBuffer:
+  """The one-step-late fetch: holds the metrics of the step dispatched last (still being computed) until the next
+  step is dispatched, so that the host reads step N's scalars while the device runs step N+1."""
+
+  def __init__(self):
+    self._held: tuple[int, Any] | None = None
+
+  def push(self, step: int, metrics) -> tuple[int, dict[str, float]] | None:
+    """Holds ``step``'s metrics (call it right after dispatching the step) and returns the step held before,
+    fetched; None if none was."""
+    held, self._held = self._held, (step, metrics)
+    return _fetch(held)
+
+  def flush(self) -> tuple[int, dict[str, float]] | None:
+    """The held step, fetched now (before its checkpoint is saved); None if none is held."""
+    held, self._held = self._held, None
+    return _fetch(held)
+
+  def clear(self) -> None:
+    """Drops the held step (a rollback discards the steps after its checkpoint)."""
+    self._held = None
+
+
+def _fetch(held: tuple[int, Any] | None) -> tuple[int, dict[str, float]] | None:
+  if held is None:
+    return None
+  step, metrics = held
+  values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  if not math.isfinite(values.get("tokens", 0.0)):  # a NaN loss mask: count no tokens for this step
+    values["tokens"] = 0.0
+  return step, values
+
+
+# The loop -------------------------------------------------------------------------------------------------------
+
+
+class Loop:
+  """One training run: ``Loop(...).run()`` trains from ``state`` (restored with its checkpoint's ``meta``, or
+  fresh with ``{}``) to ``train.steps`` or a preemption and returns the final state and the logged records."""
+
+  def __init__(self, run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Checkpointer, step_fn,
+               summarize, evaluate, state, meta: dict):
+    c = self.config = run.config
+    self.plan, self.data, self.checkpointer = run, data, checkpointer  # plan: the trainer's Run
+    self.step_fn, self.summarize, self.evaluate = step_fn, summarize, evaluate
+    self.state, self.counts = state, LoopState.from_meta(meta, int(state.step))
+    self.last_step = c.train.steps
+    self.nonfinite = NonFiniteSteps(c.monitor.nan_policy, c.monitor.max_consecutive_nonfinite, c.train.steps)
+    self.limits = RollbackLimits(c.monitor.max_consecutive_nonfinite, epath.Path(c.workdir) / "bad_batches.jsonl")
+    self.buffer, self.interval, self.history = MetricsBuffer(), _Interval(), []
+    self.last, self.last_eval = {}, {}  # the newest fetched step's metrics; the newest eval's
+    self.evaluating = {}  # step -> fetch of its eval: dispatched with that step's params, logged after its record
+    self.summary = None  # (step, fingerprints and finiteness of its state, being computed) for its save
+    self.recent_records = collections.deque(maxlen=4)  # (step, record ids of this process's rows): provenance
+    self.flops = metrics_lib.flops_per_token(run.model, c.data.seq_len)
+    self.peak = metrics_lib.peak_flops_per_device(c.metrics.peak_tflops)
+    self.config_dict = json.loads(c.to_json_best_effort())  # saved with every checkpoint
+
+  def run(self):
+    """Trains; returns ``(state, history)``. Raises TrainingStopped when the NaN policy or its limits stop it."""
+    c, m = self.config, self.config.monitor
+    logging.info("%.3g model FLOPs per token (6N + attention); %s", self.flops,
+                 f"peak {self.peak / 1e12:.0f} TFLOP/s per device" if self.peak else
+                 "device peak unknown: MFU not reported (set metrics.peak_tflops)")
+    self.writer = metrics_lib.MetricWriter(c.workdir, c.train.steps, self.counts.step, c.metrics, self.config_dict)
+    self.anomalies = monitor.AnomalyDetector(m.spike_sigma, m.spike_window, m.stagnation_logs)
+    self.watchdog = monitor.Watchdog(m.watchdog_multiple, m.watchdog_min_s, m.watchdog_timeout_s).start()
+    self.profile = _Profiler(c)
+    self._clock = (time.perf_counter(), self.counts.wall_time)
+    try:  # the profiler trace, watchdog and writers must not outlive the loop, whatever ends it
+      with PreemptionGuard() as preemption:
+        while self.counts.step < self.last_step:
+          if not self._step(preemption):
+            break  # preempted, step saved
+    finally:
+      self.profile.stop()
+      self.watchdog.stop()
+      self.writer.close()
+    self.checkpointer.wait()
+    if self.counts.step == self.last_step:
+      self._final_report()
+    return self.state, self.history
+
+  def _step(self, preemption) -> bool:
+    """Step N: dispatched, then step N-1 settled while it runs (or N itself before N's checkpoint). False when
+    preempted (N saved)."""
+    step, metrics = self._dispatch()
+    if self._settle(self.buffer.push(step, metrics)):
+      return True  # rolled back: step N was dropped with the steps after the checkpoint
+    preempted = preemption.requested(step)
+    due = checkpoint_due(step, self.last_step, preempted, self.checkpointer.should_save)
+    if due:
+      # Wait for the step's fingerprints before its metrics are logged, so that the save follows the log.
+      fingerprints = integrity.read(self.summary[1]) if self.summary and self.summary[0] == step else None
+      if self._settle(self.buffer.flush()):
+        return True  # rolled back: no checkpoint follows a bad step
+      if self._save(step, due == "forced", fingerprints):
+        return True  # its state was not finite: rolled back
+    if preempted:
+      self.checkpointer.wait()
+      if self.nonfinite.streak:
+        logging.warning("preempted at step %d, not saved (in a run of non-finite steps), exiting", step)
+      else:
+        logging.info("preempted: saved step %d, exiting", step)
+    return not preempted
+
+  def _dispatch(self) -> tuple[int, Any]:
+    """Next batch -> the step, its eval and (before a save) its fingerprints, all dispatched, none waited for."""
+    t = time.perf_counter()
+    local = next(self.data)
+    batch = data_lib.to_global(local, self.plan.batch_sharding)
+    self.interval.data_wait += time.perf_counter() - t
+    step = self.counts.step + 1
+    self.recent_records.append((step, local.get("records")))
+    self.profile(step - 1, self.state)
+    self.state, metrics = self.step_fn(self.state, batch, np.bool_(step in self.counts.bad_steps))
+    self.counts.step = step
+    if self.evaluate is not None and eval_due(step, self.config.eval.every_steps, self.last_step):
+      self.evaluating[step] = self.evaluate(self.state.params)  # before the next step donates these params
+    if self.checkpointer.verify and (step == self.last_step or self.checkpointer.should_save(step)):
+      self.summary = (step, self.summarize(self.state))  # the device runs it right after the step
+    return step, metrics
+
+  def _settle(self, fetched: tuple[int, dict[str, float]] | None) -> bool:
+    """A fetched step: counted, judged (NaN policy), logged with its eval. True if the run went back to a
+    checkpoint."""
+    if fetched is None:
+      return False
+    step, values = fetched
+    self.last = values
+    self.watchdog.beat()
+    self.counts.tokens_seen += int(values["tokens"])
+    self.counts.skipped_steps += int(values["skipped"])
+    self.interval.steps.append(values)
+    action = self.nonfinite.observe(step, bool(values["nonfinite"]), self.counts.bad_steps)
+    if action is not None:
+      logging.warning("step %d: non-finite loss, gradients or updated state; update not applied (policy %s)",
+                      step, self.nonfinite.name)
+      report_bad_batch(self.plan, step, self.recent_records, "non-finite loss, gradients or updated state")
+      if action == "stop":
+        raise TrainingStopped(f"step {step}: non-finite loss, gradients or updated state and monitor.nan_policy="
+                              f"{self.nonfinite.name}; the last checkpoint is intact (steps: "
+                              f"{self.checkpointer.steps() or 'none'})")
+    self._log(step)
+    return action in ("rollback", "escalate") and self._recover(action, step)
+
+  def _log(self, step: int) -> None:
+    if step % self.config.train.log_every == 0 or step == self.last_step:
+      record = self.interval.record(self.plan, self.flops, self.peak, self.counts.skipped_steps)
+      found = self.anomalies(step, record)
+      record["anomalies"] = len(found)
+      if found:
+        report_bad_batch(self.plan, step, self.recent_records, ", ".join(found))
+      self.writer.write(step, record)
+      self.history.append({"step": step, **record})
+      self.interval = _Interval()
+    if step in self.evaluating:
+      self.last_eval.update(self.evaluating.pop(step)())
+      self.writer.write(step, self.last_eval)
+      self.watchdog.beat()
+
+  def _save(self, step: int, forced: bool, fingerprints) -> bool:
+    """Saves ``step`` if it may (:func:`may_save`). True if its state was non-finite and the run rolled back."""
+    if not may_save(forced, self.nonfinite.streak, bool(self.last["skipped"])):
+      logging.warning("step %d: not saving a checkpoint after a step whose update was not applied", step)
+      return False
+    meta = checkpoint_meta(RunMeta.now(self.plan, self.last.get("loss")), self._counts_now())
+    try:
+      self.checkpointer.save(step, self.state, self.data, meta=meta, config=self.config_dict, force=forced,
+                             summary=fingerprints)
+    except checkpoint_lib.NonFiniteState as e:
+      logging.warning("step %d: not saved: %s", step, e)
+      return self._recover("escalate", step, why=f"a state with {e}")
+    self.interval.checkpoint_blocked += self.checkpointer.last_save_blocked_s
+    return False
+
+  def _recover(self, action: monitor.Action, bad_step: int, why: str = "") -> bool:
+    """Back to the newest checkpoint that restores (params, optimizer state, data position and LoopState), within
+    :class:`RollbackLimits`; the loop then replays the batches since, skipping the bad ones. False if there is
+    none (a policy rollback then goes on, the update skipped)."""
+    why = why or (f"{self.nonfinite.streak} non-finite step(s) in a row" if action == "escalate" else
+                  "a non-finite step")
+    self.limits.check(action, bad_step, why, self.checkpointer.steps())
+    plan = self.plan
+    restored = self.checkpointer.restore(state_lib.abstract(plan.model, plan.tx, plan.state_shardings), self.data)
+    if restored is None:
+      logging.warning("rollback at step %d: no checkpoint yet; the update was skipped instead", bad_step)
+      return False
+    self.state, meta = restored
+    self.counts = self.counts.rewound_to(LoopState.from_meta(meta, int(self.state.step)))
+    logging.warning("rollback at step %d (%s): back to checkpoint step %d; the batches of the non-finite steps "
+                    "will be skipped", bad_step, why, self.counts.step)
+    self.nonfinite.streak, self.summary = 0, None
+    self.buffer.clear()
+    self.evaluating = {s: fetch for s, fetch in self.evaluating.items() if s <= self.counts.step}
+    return True
+
+  def _counts_now(self) -> LoopState:
+    started, wall_time = self._clock
+    self.counts.wall_time = wall_time + time.perf_counter() - started
+    return self.counts
+
+  def _final_report(self) -> None:
+    """The run's last line: where it ended and where everything is."""
+    c, step, counts = self.config, self.counts.step, self._counts_now()
+    workdir = epath.Path(c.workdir)
+    loss = f"loss {self.last['loss']:.4f}" if self.last else "no step run"
+    if self.last_eval:
+      loss += f", eval loss {self.last_eval['eval_loss']:.4f}"
+    minutes, seconds = divmod(round(counts.wall_time), 60)
+    saved = self.checkpointer.directory / str(step) if step in self.checkpointer.steps() else "not saved"
+    where = f"checkpoint {saved}, metrics {workdir / 'metrics.jsonl'}"
+    if c.metrics.tensorboard:
+      where += f", TensorBoard {workdir / 'tensorboard'}"
+    logging.info("done: step %d/%d, %s, %s tokens, %dm%02ds of training in all; %s; plot: python "
+                 "tools/plot_metrics.py %s --out=%s", step, c.train.steps, loss, f"{counts.tokens_seen:,}", minutes,
+                 seconds, where, workdir, workdir / "metrics.png")
 
 
 class _Interval:
@@ -53,217 +403,18 @@ class _Interval:
     return record
 
 
-def train_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Checkpointer, step_fn, summarize,
-               evaluate, state, meta: dict):
-  config = run.config
-
-  flops = metrics_lib.flops_per_token(run.model, config.data.seq_len)
-  peak = metrics_lib.peak_flops_per_device(config.metrics.peak_tflops)
-  logging.info("%.3g model FLOPs per token (6N + attention); %s", flops,
-               f"peak {peak / 1e12:.0f} TFLOP/s per device" if peak else
-               "device peak unknown: MFU not reported (set metrics.peak_tflops)")
-  config_dict = json.loads(config.to_json_best_effort())  # saved with every checkpoint
-  writer = metrics_lib.MetricWriter(config.workdir, config.train.steps, int(state.step), config.metrics,
-                                    config_dict)
-  m = config.monitor
-  anomalies = monitor.AnomalyDetector(m.spike_sigma, m.spike_window, m.stagnation_logs)
-  watchdog = monitor.Watchdog(m.watchdog_multiple, m.watchdog_min_s, m.watchdog_timeout_s).start()
-  profile = _Profiler(config)
-  tokens_seen, wall_time = meta.get("tokens_seen", 0), meta.get("wall_time", 0.0)
-  bad_steps, skipped_total = set(meta.get("bad_steps", [])), meta.get("skipped_steps", 0)
-  history, interval, last, last_eval = [], _Interval(), {}, {}
-  recent_records = collections.deque(maxlen=4)  # (step, record ids of this process's rows): provenance
-  t_start = time.perf_counter()
-
-  streak = 0  # consecutive new non-finite steps (known bad batches being replayed neither count nor reset)
-  rollbacks = collections.Counter()  # checkpoint step -> rollbacks to it
-  summary = None  # (step, fingerprints and finiteness of its state, being computed) for the next save
-  evaluating = {}  # step -> fetch of its eval metrics: dispatched with that step's params, logged after its record
-
-  def save(step: int, force: bool, fingerprints) -> None:
-    checkpointer.save(step, state, data, config=config_dict, force=force, meta={
-        "jaxtrain_version": jaxtrain.__version__, "step": step, "mesh": dict(run.mesh.shape),
-        "loss": float(last["loss"]) if last else None, "tokens_seen": tokens_seen, "seed": config.train.seed,
-        "wall_time": wall_time + time.perf_counter() - t_start, "saved_at": time.time(),
-        "bad_steps": sorted(bad_steps), "skipped_steps": skipped_total},
-        summary=fingerprints)
-    interval.checkpoint_blocked += checkpointer.last_save_blocked_s
-
-  def finish(step: int, metrics) -> str | None:
-    """Step ``step`` is done: fetch its metrics (one step late), apply the NaN policy, log. Returns
-    'rollback' (policy rollback) or 'escalate' (too many non-finite steps in a row under skip, or a run that
-    would end on one) when the run must go back to its last checkpoint."""
-    nonlocal last, tokens_seen, skipped_total, interval, streak
-    last = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    if not math.isfinite(last["tokens"]):  # a NaN loss mask: count no tokens for this step
-      last["tokens"] = 0.0
-    watchdog.beat()
-    tokens_seen += int(last["tokens"])
-    skipped_total += int(last["skipped"])
-    interval.steps.append(last)
-    action = None
-    if not last["nonfinite"]:
-      streak = 0
-    elif step not in bad_steps:  # a known bad step is skipped on replay: no new rollback
-      bad_steps.add(step)
-      streak += 1
-      logging.warning("step %d: non-finite loss, gradients or updated state; update not applied (policy %s)",
-                      step, m.nan_policy)
-      report_bad_batch(run, step, recent_records, "non-finite loss, gradients or updated state")
-      if m.nan_policy == "stop":
-        raise TrainingStopped(f"step {step}: non-finite loss, gradients or updated state and monitor.nan_policy="
-                              f"stop; the last checkpoint is intact (steps: {checkpointer.steps() or 'none'})")
-      if m.nan_policy == "rollback":
-        action = "rollback"
-      elif streak >= m.max_consecutive_nonfinite or step == config.train.steps:
-        action = "escalate"
-    if step % config.train.log_every == 0 or step == config.train.steps:
-      record = interval.record(run, flops, peak, skipped_total)
-      found = anomalies(step, record)
-      record["anomalies"] = len(found)
-      if found:
-        report_bad_batch(run, step, recent_records, ", ".join(found))
-      writer.write(step, record)
-      history.append({"step": step, **record})
-      interval = _Interval()
-    if step in evaluating:
-      last_eval.update(evaluating.pop(step)())
-      writer.write(step, last_eval)
-      watchdog.beat()
-    return action
-
-  def recover(action: str, bad_step: int, why: str = ""):
-    """Back to the newest checkpoint (see _rollback), within limits: under skip, a second escalation to the
-    same checkpoint stops the run (exit 1), as do more than max_consecutive_nonfinite policy rollbacks to it."""
-    nonlocal streak
-    steps = checkpointer.steps()
-    why = why or (f"{streak} non-finite step(s) in a row" if action == "escalate" else "a non-finite step")
-    if steps:
-      rollbacks[steps[-1]] += 1
-      limit = 1 if action == "escalate" else m.max_consecutive_nonfinite
-      if rollbacks[steps[-1]] > limit:
-        raise TrainingStopped(f"step {bad_step}: {why} again after {rollbacks[steps[-1]] - 1} rollback(s) to "
-                              f"checkpoint step {steps[-1]}; the checkpoints are intact (steps: {steps}): look at "
-                              f"{epath.Path(config.workdir) / 'bad_batches.jsonl'}, lower optim.lr or fix the data")
-    elif action == "escalate":
-      raise TrainingStopped(f"step {bad_step}: {why} and no checkpoint to roll back to; nothing was saved: lower "
-                            "optim.lr or fix the data, or save earlier with checkpoint.every_steps")
-    streak = 0
-    return _rollback(run, checkpointer, data, state, bad_step, why)
-
-  def will_save(step: int) -> bool:  # may this step's state be saved (preemption saves compute theirs later)?
-    return checkpointer.verify and (step == config.train.steps or checkpointer.should_save(step))
-
-  try:  # the profiler trace, watchdog and writers must not outlive the loop, whatever ends it
-    with PreemptionGuard() as preemption:
-      pending = None  # (step, metrics) dispatched but not yet fetched
-      step = int(state.step)
-      while step < config.train.steps:
-        t = time.perf_counter()
-        local = next(data)
-        batch = data_lib.to_global(local, run.batch_sharding)
-        interval.data_wait += time.perf_counter() - t
-        recent_records.append((step + 1, local.get("records")))
-        profile(step, state)
-        state, metrics = step_fn(state, batch, np.bool_(step + 1 in bad_steps))
-        step += 1
-        if evaluate is not None and (step % config.eval.every_steps == 0 or step == config.train.steps):
-          evaluating[step] = evaluate(state.params)  # before the next step donates these params
-        if will_save(step):  # dispatched now (not waited for): the device runs it right after the step
-          summary = (step, summarize(state))
-        if pending is not None and (action := finish(*pending)):
-          state, step, pending = recover(action, step - 1)
-          continue
-        pending = (step, metrics)
-        stop = preemption.requested(step)
-        if stop or step == config.train.steps or checkpointer.should_save(step):
-          # Wait for the step's fingerprints before its metrics are logged, so that the save follows the log.
-          fingerprints = integrity.read(summary[1]) if summary and summary[0] == step else None
-          if action := finish(*pending):  # a checkpoint must not follow a bad step under rollback
-            state, step, pending = recover(action, step)
-            continue
-          pending = None
-          forced = stop or step == config.train.steps
-          # A step that did not apply its update leaves a finite state (the step's guard) that has not moved:
-          # a periodic save then waits for a step that does (else replays of known bad batches would carry the
-          # checkpoints past a problem that persists); a forced one only for new non-finite steps.
-          if streak or (last["skipped"] and not forced):
-            logging.warning("step %d: not saving a checkpoint after a step whose update was not applied", step)
-          else:
-            try:
-              save(step, forced, fingerprints)
-            except checkpoint_lib.NonFiniteState as e:
-              logging.warning("step %d: not saved: %s", step, e)
-              state, step, pending = recover("escalate", step, why=f"a state with {e}")
-              continue
-        if stop:
-          checkpointer.wait()
-          if streak:
-            logging.warning("preempted at step %d, not saved (in a run of non-finite steps), exiting", step)
-          else:
-            logging.info("preempted: saved step %d, exiting", step)
-          break
-      if pending is not None:
-        finish(*pending)
-  finally:
-    profile.stop()
-    watchdog.stop()
-    writer.close()
-  checkpointer.wait()
-  if step == config.train.steps:
-    _final_report(config, checkpointer, step, last, last_eval, tokens_seen, wall_time + time.perf_counter() - t_start)
-  return state, history
-
-
-def _final_report(config, checkpointer, step: int, last: dict, last_eval: dict, tokens: int, wall_s: float) -> None:
-  """The run's last line: where it ended and where everything is."""
-  workdir = epath.Path(config.workdir)
-  loss = f"loss {last['loss']:.4f}" if last else "no step run"
-  if last_eval:
-    loss += f", eval loss {last_eval['eval_loss']:.4f}"
-  minutes, seconds = divmod(round(wall_s), 60)
-  saved = checkpointer.directory / str(step) if step in checkpointer.steps() else "not saved"
-  where = f"checkpoint {saved}, metrics {workdir / 'metrics.jsonl'}"
-  if config.metrics.tensorboard:
-    where += f", TensorBoard {workdir / 'tensorboard'}"
-  logging.info("done: step %d/%d, %s, %s tokens, %dm%02ds of training in all; %s; plot: python "
-               "tools/plot_metrics.py %s --out=%s", step, config.train.steps, loss, f"{tokens:,}", minutes,
-               seconds, where, workdir, workdir / "metrics.png")
-
-
 def report_bad_batch(run: Run, step: int, recent_records, why: str) -> None:
   """Logs which documents formed this process's rows of ``step`` and appends them, with their shard files
   and indices, to ``<workdir>/bad_batches.jsonl`` (one file per process)."""
   records = dict(recent_records).get(step)
   entry = {"step": step, "why": why, "process": jax.process_index()}
   c = run.config
-  if records is None:
-    entry["source"] = f"synthetic (seed {c.train.seed}, batch {step - 1})" if c.data.source == "synthetic" else \
-        "unknown"
-  else:
-    from jaxtrain.data import pipeline
-    ids = sorted({int(r) for r in np.unique(records) if r >= 0})
-    root = data_lib.data_root(c)
-    manifest = pipeline.load_manifest(root, verify_checksums=False)
-    entry.update(data=root, records=ids, shards=[pipeline.locate(manifest, "train", r) for r in ids])
+  entry.update(data_lib.provenance(c, step, records))
   logging.warning("step %d (%s): batch %s", step, why, json.dumps({k: v for k, v in entry.items()
                                                                    if k != "shards"})[:500])
   name = "bad_batches.jsonl" if jax.process_count() == 1 else f"bad_batches.p{jax.process_index()}.jsonl"
   with (epath.Path(c.workdir) / name).open("a") as f:
     f.write(json.dumps(entry) + "\n")
-
-
-def _rollback(run: Run, checkpointer, data, state, bad_step: int, why: str):
-  """Back to the newest checkpoint (params, optimizer state and data position); the loop then replays the
-  batches since, skipping the bad ones."""
-  abstract = state_lib.abstract(run.model, run.tx, run.state_shardings)
-  restored = checkpointer.restore(abstract, data)
-  if restored is None:
-    logging.warning("rollback at step %d: no checkpoint yet; the update was skipped instead", bad_step)
-    return state, int(state.step), None
-  logging.warning("rollback at step %d (%s): back to checkpoint step %d; the batches of the non-finite steps "
-                  "will be skipped", bad_step, why, int(restored[0].step))
-  return restored[0], int(restored[0].step), None
 
 
 class _Profiler:
