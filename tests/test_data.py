@@ -168,13 +168,13 @@ def test_two_processes_split_the_epoch_and_build_the_same_global_batch(shakespea
 
 
 def _lane_documents(src, lane, tokens, seed=0, lanes=8):
-  """The record ids of lane ``lane``'s documents as the loader's docstring specifies them (documents lane,
+  """The ids of lane ``lane``'s documents as the loader's docstring specifies them (documents lane,
   lane + lanes, ... of the seeded shuffle), as many as hold ``tokens`` tokens."""
-  order, records, size = grain.MapDataset.range(len(src)).seed(seed).shuffle(), [], 0
+  order, doc_ids, size = grain.MapDataset.range(len(src)).seed(seed).shuffle(), [], 0
   while size < tokens:
-    records.append(order[lane + lanes * len(records)])
-    size += src[records[-1]].size
-  return records
+    doc_ids.append(order[lane + lanes * len(doc_ids)])
+    size += src[doc_ids[-1]].size
+  return doc_ids
 
 
 def test_packed_batch_masks_document_boundaries(shakespeare):
@@ -187,8 +187,8 @@ def test_packed_batch_masks_document_boundaries(shakespeare):
   batches = _take(iter(_dataset(shakespeare, seq_len=256)), 3)
   n = len(batches) * 257
   for row in range(8):
-    records = _lane_documents(src, row, n)
-    docs = [src[r] for r in records]
+    doc_ids = _lane_documents(src, row, n)
+    docs = [src[i] for i in doc_ids]
     tokens = np.concatenate(docs)[:n].reshape(-1, 257)
     doc = np.repeat(np.arange(len(docs)), [d.size for d in docs])[:n].reshape(-1, 257)  # each token's document
     pos = np.concatenate([np.arange(d.size) for d in docs])[:n].reshape(-1, 257)  # its position in it
@@ -198,7 +198,7 @@ def test_packed_batch_masks_document_boundaries(shakespeare):
       np.testing.assert_array_equal(b["positions"][row], p[:-1])
       np.testing.assert_array_equal(b["segment_ids"][row], d[:-1] - d[0] + 1)
       np.testing.assert_array_equal(b["loss_mask"][row], d[1:] == d[:-1])
-      np.testing.assert_array_equal(b["records"][row], np.asarray(records)[d[:-1]])
+      np.testing.assert_array_equal(b["doc_ids"][row], np.asarray(doc_ids)[d[:-1]])
   segments = np.stack([b["segment_ids"] for b in batches])
   assert (segments.max(axis=-1) >= 2).any(), "no row holds two documents: packing is not tested"
   assert (np.stack([b["positions"] for b in batches])[..., 0] > 0).any(), "no row goes on with a cut document"
@@ -501,9 +501,9 @@ def test_batches_record_their_documents(shakespeare):
   for row in range(8):
     for seg in np.unique(b["segment_ids"][row]):
       piece = b["segment_ids"][row] == seg
-      (record,) = np.unique(b["records"][row][piece])
+      (doc_id,) = np.unique(b["doc_ids"][row][piece])
       start = b["positions"][row][piece][0]
-      doc = src[int(record)]
+      doc = src[int(doc_id)]
       np.testing.assert_array_equal(b["inputs"][row][piece], doc[start:start + piece.sum()])
-      shard, index = loader.locate(manifest, "train", int(record))
+      shard, index = loader.locate(manifest, "train", int(doc_id))
       assert shard.startswith("train-") and 0 <= index < manifest["splits"]["train"]["documents"]

@@ -68,7 +68,7 @@ def test_aux_loss_reaches_the_gradient(tmp_path, microbatches):
     assert run.aux_weights == {"z_loss": weight}
     state = trainer.init_state(run)
     batch = next(SyntheticSource(32, 256, 16, 0, 0, 1))
-    batch = {k: jnp.asarray(v) for k, v in batch.items() if k != "records"}
+    batch = {k: jnp.asarray(v) for k, v in batch.items() if k != "doc_ids"}
     ref = jax.jit(jax.grad(lambda p, b, w=weight: _reference_objective(run.model, p, b, w)))(state.params, batch)
     _, m = trainer.compile_step(run)(state, batch, np.bool_(False))
     norms[weight] = float(m["grad_norm"])
@@ -178,7 +178,7 @@ def test_a_data_source_registers_from_outside(make_config):
     return source
 
   data_lib.SOURCES.register("seven_test", data_lib.Source(
-      open_train=open_train, open_eval=lambda c: [], provenance=lambda c, step, records: {"source": "seven"},
+      open_train=open_train, open_eval=lambda c: [], provenance=lambda c, step, doc_ids: {"source": "seven"},
       reads_path=False))
   config = make_config(fsdp=8)
   config.data.source = "seven_test"

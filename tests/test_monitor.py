@@ -354,15 +354,15 @@ def test_an_anomaly_on_prepared_data_names_its_shard_files_and_documents(make_co
   stream = data_lib.open_train(config)
   batch = [next(stream) for _ in range(3)][-1]
   data_lib.close(stream)
-  records = batch["records"]
-  assert entry["records"] == sorted({int(r) for r in np.unique(records) if r >= 0})
-  assert len(entry["shards"]) == len(entry["records"])
+  doc_ids = batch["doc_ids"]
+  assert entry["documents"] == sorted({int(d) for d in np.unique(doc_ids) if d >= 0})
+  assert len(entry["shards"]) == len(entry["documents"])
   dtype = loader.load_manifest(prepared)["dtype"]
-  for record, (shard, index) in zip(entry["records"], entry["shards"]):
+  for doc_id, (shard, index) in zip(entry["documents"], entry["shards"]):
     assert shard.startswith("train-") and shard.endswith(".array_record")
     document = np.frombuffer(grain.sources.ArrayRecordDataSource([os.path.join(prepared, shard)])[index], dtype)
     for row in range(16):
-      piece = records[row] == record
+      piece = doc_ids[row] == doc_id
       if piece.any():
         offset = batch["positions"][row][piece][0]
         np.testing.assert_array_equal(batch["inputs"][row][piece], document[offset:offset + piece.sum()])

@@ -22,8 +22,8 @@ from jaxtrain.registry import Registry
 class Source:
   """open_train: ``config -> iterator`` of this process's batches (validated before anything is compiled: raise
     DataError / ConfigError on bad input). open_eval: ``config -> list`` of this process's held-out batches.
-  provenance: ``(config, step, records) -> dict``: where the rows of ``step`` came from (``records``: the batch's
-    ``records`` field, or None if it has none). reads_path: whether the source reads ``data.path``."""
+  provenance: ``(config, step, doc_ids) -> dict``: where the rows of ``step`` came from (``doc_ids``: the batch's
+    ``doc_ids`` field, or None if it has none). reads_path: whether the source reads ``data.path``."""
   open_train: Callable[[Any], Iterator[dict]]
   open_eval: Callable[[Any], list[dict]]
   provenance: Callable[[Any, int, Any], dict]
@@ -59,7 +59,7 @@ def validate(config) -> None:
 
 def to_global(local_batch: dict, sharding: NamedSharding) -> dict:
   """This process's rows -> global arrays laid out with ``sharding`` (works on one host and on many).
-  Host-side fields (``records``: provenance) stay behind."""
+  Host-side fields (``doc_ids``: provenance) stay behind."""
   from jaxtrain.data.batch import KEYS
   return {k: jax.make_array_from_process_local_data(sharding, local_batch[k]) for k in KEYS}
 
@@ -81,9 +81,9 @@ def open_eval(config) -> list[dict]:
   return SOURCES.get(config.data.source).open_eval(config)[:config.eval.max_batches or None]
 
 
-def provenance(config, step: int, records) -> dict:
+def provenance(config, step: int, doc_ids) -> dict:
   """Where the rows of ``step`` came from, for bad-batch reports."""
-  return SOURCES.get(config.data.source).provenance(config, step, records)
+  return SOURCES.get(config.data.source).provenance(config, step, doc_ids)
 
 
 def _arrayrecord_train(c) -> Iterator[dict]:
@@ -106,15 +106,15 @@ def _arrayrecord_eval(c) -> list[dict]:
                              process_count=jax.process_count())
 
 
-def _arrayrecord_provenance(c, step: int, records) -> dict:
-  if records is None:
+def _arrayrecord_provenance(c, step: int, doc_ids) -> dict:
+  if doc_ids is None:
     return {"source": "unknown"}
   import numpy as np
   from jaxtrain.data import loader
-  ids = sorted({int(r) for r in np.unique(records) if r >= 0})
+  ids = sorted({int(d) for d in np.unique(doc_ids) if d >= 0})
   root = data_root(c)
   manifest = loader.load_manifest(root, verify_checksums=False)
-  return {"data": root, "records": ids, "shards": [loader.locate(manifest, "train", r) for r in ids]}
+  return {"data": root, "documents": ids, "shards": [loader.locate(manifest, "train", d) for d in ids]}
 
 
 def _synthetic(c, seed: int):
@@ -128,8 +128,8 @@ def _synthetic_eval(c) -> list[dict]:
   return [next(source) for _ in range(c.eval.max_batches or 4)]
 
 
-def _synthetic_provenance(c, step: int, records) -> dict:
-  del records
+def _synthetic_provenance(c, step: int, doc_ids) -> dict:
+  del doc_ids
   return {"source": f"synthetic (seed {c.train.seed}, batch {step - 1})"}
 
 

@@ -75,7 +75,7 @@ def _same_tokenizer(config_value: str, manifest_value: str) -> bool:
 
 
 class TokenSource(grain.sources.RandomAccessDataSource):
-  """Random access to the documents of one split: record i -> int32 token ids."""
+  """Random access to the documents of one split: document i -> int32 token ids."""
 
   def __init__(self, root: str, manifest: dict, split: str):
     files = [os.fspath(epath.Path(root) / s["file"]) for s in manifest["shards"] if s["split"] == split]
@@ -93,17 +93,17 @@ class TokenSource(grain.sources.RandomAccessDataSource):
 
 def _to_train_batch(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   batch = batch_lib.from_packed(rows["tokens"], rows["segment_ids"], rows["positions"])
-  batch["records"] = rows["records"][:, :-1]  # host-side provenance: the record of each input token
+  batch["doc_ids"] = rows["doc_ids"][:, :-1]  # host-side provenance: the document of each input token
   return batch
 
 
-def locate(manifest: dict, split: str, record: int) -> tuple[str, int]:
-  """A split's record index -> (shard file, index within that shard)."""
+def locate(manifest: dict, split: str, doc_id: int) -> tuple[str, int]:
+  """A split's document id (its index in the split) -> (shard file, index within that shard)."""
   for shard in (s for s in manifest["shards"] if s["split"] == split):
-    if record < shard["documents"]:
-      return shard["file"], record
-    record -= shard["documents"]
-  raise IndexError(record)
+    if doc_id < shard["documents"]:
+      return shard["file"], doc_id
+    doc_id -= shard["documents"]
+  raise IndexError(doc_id)
 
 
 def train_dataset(root: str, manifest: dict, *, seq_len: int, global_batch: int, seed: int,
@@ -113,10 +113,10 @@ def train_dataset(root: str, manifest: dict, *, seq_len: int, global_batch: int,
   if global_batch % process_count:
     raise ValueError(f"global batch {global_batch} does not split over {process_count} processes")
   source = TokenSource(root, manifest, split)
-  record_ids = grain.MapDataset.range(len(source)).seed(seed).shuffle().repeat(None)
+  doc_ids = grain.MapDataset.range(len(source)).seed(seed).shuffle().repeat(None)
   per_process = global_batch // process_count
   lanes = range(process_index * per_process, (process_index + 1) * per_process)
-  ds = packing_lib.PackedLanes(record_ids, source, lanes, global_batch, seq_len + 1, packing)
+  ds = packing_lib.PackedLanes(doc_ids, source, lanes, global_batch, seq_len + 1, packing)
   if num_workers > 0:
     if per_process % num_workers:
       raise ValueError(f"{num_workers} workers do not divide the {per_process} rows of a process's batch")
@@ -167,7 +167,7 @@ def eval_batches(root: str, manifest: dict, *, seq_len: int, global_batch: int, 
   source = TokenSource(root, manifest, split)
   rows = list(packing_lib.PackedLanes(grain.MapDataset.range(len(source)), source, [0], 1, seq_len + 1))
   empty = {k: np.zeros(seq_len + 1, np.int32) for k in ("tokens", "segment_ids", "positions")}
-  empty["records"] = np.full(seq_len + 1, -1, np.int32)
+  empty["doc_ids"] = np.full(seq_len + 1, -1, np.int32)
   rows += [empty] * (-len(rows) % global_batch)
   per_process = global_batch // process_count
   batches = []

@@ -3,7 +3,7 @@
 Lane r of a global batch of B rows reads documents ``docs[r], docs[r + B], docs[r + 2B], ...`` and cuts their
 concatenation into rows of ``length`` tokens; a document that does not fit continues in the lane's next row.
 Every row carries segment ids (1, 2, ... per document piece, 0 for padding), positions (within the
-document) and the record index of each token's document (-1 for padding), so a bad batch can be traced.
+document) and the id of each token's document (-1 for padding), so a bad batch can be traced.
 Without packing each row holds the start of one document, padded.
 
 Why not ``grain.experimental.ConcatThenSplitIterDataset`` + ``InterleaveIterDataset``: measured here they cost
@@ -24,17 +24,17 @@ from jaxtrain.config import DataError
 
 
 class PackedLanes(grain.IterDataset):
-  """Yields rows ``{"tokens", "segment_ids", "positions", "records"}`` (each [length]) cycling through
+  """Yields rows ``{"tokens", "segment_ids", "positions", "doc_ids"}`` (each [length]) cycling through
   ``lanes`` in order:
   one row of each lane per round, so batching ``len(lanes)`` consecutive rows gives the lanes' rows of one
   step. Grain's worker processes each take a strided subset of the lanes (``set_slice``); their round-robin
   merge restores the lane order when the lane count is a multiple of the worker count."""
 
-  def __init__(self, record_ids: grain.MapDataset, source, lanes: Sequence[int], num_lanes: int, length: int,
+  def __init__(self, doc_ids: grain.MapDataset, source, lanes: Sequence[int], num_lanes: int, length: int,
                packing: bool = True):
-    """``record_ids``: the (shuffled, repeated) order of record indices; ``source[i]``: record i's tokens."""
+    """``doc_ids``: the (shuffled, repeated) order of document ids; ``source[i]``: document i's tokens."""
     super().__init__()
-    self.docs, self.source, self.lanes, self.num_lanes = record_ids, source, list(lanes), num_lanes
+    self.docs, self.source, self.lanes, self.num_lanes = doc_ids, source, list(lanes), num_lanes
     self.length, self.packing = length, packing
 
   def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
@@ -60,17 +60,17 @@ class _PackedLanesIterator(grain.DatasetIterator):
     index = self._ds.lanes[i] + self._doc[i] * self._ds.num_lanes
     if self._finite and index >= len(self._ds.docs):
       return None, None
-    record = int(self._ds.docs[index])
-    return record, self._ds.source[record]
+    doc_id = int(self._ds.docs[index])
+    return doc_id, self._ds.source[doc_id]
 
   def _row(self, i: int) -> dict[str, np.ndarray] | None:
     """Lane i's next row, or None when its (finite) documents are used up."""
     length = self._ds.length
     row = {k: np.zeros(length, np.int32) for k in ("tokens", "segment_ids", "positions")}
-    row["records"] = np.full(length, -1, np.int32)
+    row["doc_ids"] = np.full(length, -1, np.int32)
     filled, segment = 0, 0
     while filled < length:
-      record, doc = self._document(i)
+      doc_id, doc = self._document(i)
       if doc is None:
         return row if filled else None
       start = self._offset[i]
@@ -79,7 +79,7 @@ class _PackedLanesIterator(grain.DatasetIterator):
       row["tokens"][filled:filled + take] = doc[start:start + take]
       row["segment_ids"][filled:filled + take] = segment
       row["positions"][filled:filled + take] = np.arange(start, start + take)
-      row["records"][filled:filled + take] = record
+      row["doc_ids"][filled:filled + take] = doc_id
       filled += take
       if self._ds.packing and start + take < doc.size:
         self._offset[i] = start + take  # the rest of this document opens the lane's next row

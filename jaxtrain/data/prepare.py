@@ -6,7 +6,7 @@ complete or not at all: everything is written into a temporary sibling directory
 at the end, so no half-written shard can ever look valid. Same inputs and seed give identical bytes.
 
 Each record is one document: its token ids as little-endian ``uint16`` (``uint32`` when the vocabulary needs
-it). ``manifest.json`` lists per split the shards with their record and token counts, bytes and SHA-256.
+it). ``manifest.json`` lists per split the shards with their document and token counts, bytes and SHA-256.
 """
 
 from __future__ import annotations
@@ -102,13 +102,13 @@ def read_documents(path: str, field: str, text_split: str) -> list[str]:
       if not line.strip():
         continue
       try:
-        record = json.loads(line)
+        obj = json.loads(line)
       except json.JSONDecodeError as e:
         raise DataError(f"{path}:{i}", f"not a JSON line ({e.msg})", "fix or remove the line") from None
-      if not isinstance(record, dict) or field not in record:
+      if not isinstance(obj, dict) or field not in obj:
         raise DataError(f"{path}:{i}", f"no field '{field}'", "pass --field=NAME")
-      if record[field]:
-        docs.append(str(record[field]))
+      if obj[field]:
+        docs.append(str(obj[field]))
     return docs
   if text_split == "file":
     return [text] if text.strip() else []

@@ -216,7 +216,7 @@ class Loop:
     self.last, self.last_eval = {}, {}  # the newest fetched step's metrics; the newest eval's
     self.evaluating = {}  # step -> fetch of its eval: dispatched with that step's params, logged after its record
     self.summary = None  # (step, fingerprints and finiteness of its state, being computed) for its save
-    self.recent_records = collections.deque(maxlen=4)  # (step, record ids of this process's rows): provenance
+    self.recent_doc_ids = collections.deque(maxlen=4)  # (step, document ids of this process's rows): provenance
     self.flops = metrics_lib.flops_per_token(run.model, c.data.seq_len)
     self.peak = metrics_lib.peak_flops_per_device(c.metrics.peak_tflops)
     self.config_dict = json.loads(c.to_json_best_effort())  # saved with every checkpoint
@@ -224,7 +224,7 @@ class Loop:
   def run(self):
     """Trains; returns ``(state, history)``. Raises TrainingStopped when the NaN policy or its limits stop it."""
     c, m = self.config, self.config.monitor
-    logging.info("%.3g model FLOPs per token (6N + attention); %s", self.flops,
+    logging.info("%.3g model FLOPs per token (the model family's count); %s", self.flops,
                  f"peak {self.peak / 1e12:.0f} TFLOP/s per device" if self.peak else
                  "device peak unknown: MFU not reported (set metrics.peak_tflops)")
     self.writer = metrics_lib.MetricWriter(c.workdir, c.train.steps, self.counts.step, c.metrics, self.config_dict)
@@ -276,7 +276,7 @@ class Loop:
     batch = data_lib.to_global(local, self.plan.batch_sharding)
     self.interval.data_wait += time.perf_counter() - t
     step = self.counts.step + 1
-    self.recent_records.append((step, local.get("records")))
+    self.recent_doc_ids.append((step, local.get("doc_ids")))
     self.profile(step - 1, self.state)
     self.state, metrics = self.step_fn(self.state, batch, np.bool_(step in self.counts.bad_steps))
     self.counts.step = step
@@ -301,7 +301,7 @@ class Loop:
     if action is not None:
       logging.warning("step %d: non-finite loss, gradients or updated state; update not applied (policy %s)",
                       step, self.nonfinite.name)
-      report_bad_batch(self.plan, step, self.recent_records, "non-finite loss, gradients or updated state")
+      report_bad_batch(self.plan, step, self.recent_doc_ids, "non-finite loss, gradients or updated state")
       if action == "stop":
         raise TrainingStopped(f"step {step}: non-finite loss, gradients or updated state and monitor.nan_policy="
                               f"{self.nonfinite.name}; the last checkpoint is intact (steps: "
@@ -315,7 +315,7 @@ class Loop:
       found = self.anomalies(step, record)
       record["anomalies"] = len(found)
       if found:
-        report_bad_batch(self.plan, step, self.recent_records, ", ".join(found))
+        report_bad_batch(self.plan, step, self.recent_doc_ids, ", ".join(found))
       self.writer.write(step, record)
       self.history.append({"step": step, **record})
       self.interval = _Interval()
@@ -403,13 +403,13 @@ class _Interval:
     return record
 
 
-def report_bad_batch(run: Run, step: int, recent_records, why: str) -> None:
+def report_bad_batch(run: Run, step: int, recent_doc_ids, why: str) -> None:
   """Logs which documents formed this process's rows of ``step`` and appends them, with their shard files
   and indices, to ``<workdir>/bad_batches.jsonl`` (one file per process)."""
-  records = dict(recent_records).get(step)
+  doc_ids = dict(recent_doc_ids).get(step)
   entry = {"step": step, "why": why, "process": jax.process_index()}
   c = run.config
-  entry.update(data_lib.provenance(c, step, records))
+  entry.update(data_lib.provenance(c, step, doc_ids))
   logging.warning("step %d (%s): batch %s", step, why, json.dumps({k: v for k, v in entry.items()
                                                                    if k != "shards"})[:500])
   name = "bad_batches.jsonl" if jax.process_count() == 1 else f"bad_batches.p{jax.process_index()}.jsonl"
