@@ -10,9 +10,9 @@ import pytest
 
 from jaxtrain import config as config_lib
 from jaxtrain import monitor
-from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.metrics import read_records
 from jaxtrain.train import loop, trainer
+from tests.test_monitor import Poisoned  # batch `bad` (0-based) has a NaN in its loss mask: no tokens counted
 
 TOKENS = 16 * 32  # target tokens of one small_config step (every synthetic position is a target)
 
@@ -118,22 +118,6 @@ def test_loop_state_is_saved_and_restored_as_one_unit_under_the_old_keys():
 # Whole runs ------------------------------------------------------------------------------------------------------
 
 
-class NanBatch(SyntheticSource):
-  """Batch ``bad`` (0-based, so step bad + 1) has a NaN in its loss mask: that step's loss and gradients are NaN,
-  and it counts no tokens; every other step counts TOKENS."""
-
-  def __init__(self, bad, *args):
-    super().__init__(*args)
-    self.bad = bad
-
-  def __next__(self):
-    bad = self.step == self.bad
-    batch = super().__next__()
-    if bad:
-      batch["loss_mask"][0, 0] = np.nan
-    return batch
-
-
 def _config(make_config, steps, every_steps, policy="skip"):
   config = make_config(fsdp=8)
   config.train.steps = steps
@@ -157,7 +141,7 @@ def test_a_rollback_restores_tokens_seen_with_the_state(make_config, caplog):
   after it count each step of their history once: not the rolled-back steps 4 and 5 again."""
   config = _config(make_config, steps=8, every_steps=3, policy="rollback")
   with caplog.at_level("WARNING"):
-    state, history = trainer.train(config, data=NanBatch(4, 32, 256, 16, 0))
+    state, history = trainer.train(config, data=Poisoned(4, 32, 256, 16, 0))
   assert "rollback at step 5 (a non-finite step): back to checkpoint step 3" in caplog.text
   assert int(state.step) == 8
   assert [s for s, _ in _logged(config.workdir)] == [1, 2, 3, 4, 5, 4, 5, 6, 7, 8]
@@ -177,7 +161,7 @@ def test_a_rollback_before_the_first_checkpoint_keeps_the_step_in_flight(make_co
   config = _config(make_config, steps=5, every_steps=0, policy="rollback")
   config.eval.every_steps = 3
   with caplog.at_level("WARNING"):
-    _, history = trainer.train(config, data=NanBatch(1, 32, 256, 16, 0))
+    _, history = trainer.train(config, data=Poisoned(1, 32, 256, 16, 0))
   assert "rollback at step 2: no checkpoint yet; the update was skipped instead" in caplog.text
   assert _logged(config.workdir) == [(1, "train"), (2, "train"), (3, "train"), (3, "eval"), (4, "train"),
                                      (5, "train"), (5, "eval")]
