@@ -10,8 +10,8 @@ then arithmetic over the mesh (no arrays are created, no program is compiled). A
   params) plus its int32 step counters; the train state adds one int32 step counter;
 - activations and tensor-parallel traffic are the model family's estimate (Family.activation_estimate; a
   family without one: not estimated). Llama's: activations per device, kept for the backward pass, per layer
-  (b = local batch rows per microbatch,
-  t = seq_len, d = d_model, f = mlp_dim, h = heads x head_dim, kv = kv_heads x head_dim, in the compute dtype):
+  (b = local batch rows per microbatch, t = seq_len, d = d_model, f = mlp_dim, h = heads x head_dim,
+  kv = kv_heads x head_dim, in the compute dtype):
   remat=full: the layer input b*t*d; save_dots: + the matmul outputs b*t*(h + 2 kv + d + 3 f);
   none: + attention probabilities heads*b*t*t and the elementwise intermediates ~ b*t*(4 d + 2 f); plus the
   float32 logits b*t*vocab (sharded over tensor). Activations shrink with tensor parallelism for h, kv, f, vocab.
