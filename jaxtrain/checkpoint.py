@@ -61,8 +61,6 @@ def validate(config) -> None:
   check_positive(config, ["checkpoint.keep_last"])
   check_choice(config, "checkpoint.restore_mode", ("params", "state"))
 
-ITEMS = ("state", "data", "meta", "config")
-
 
 class CheckpointError(UserError):
   """A checkpoint could not be written or read (disk full, permissions, nothing to restore from)."""
