@@ -286,7 +286,7 @@ class Checkpointer:
     if isinstance(data_iterator, DataPosition):
       items["data"] = ocp.args.JsonSave(_saved_position(data_iterator))
       meta = {**meta, _DATA_PROCESSES: jax.process_count()}
-    elif not self._warned_data:
+    elif data_iterator is not None and not self._warned_data:  # None: no data stream (e.g. an imported model)
       logging.warning("the data iterator (%s) has no get_state/set_state/resplit (jaxtrain.checkpoint."
                       "DataPosition); checkpoints will not hold the data position", type(data_iterator).__name__)
       self._warned_data = True

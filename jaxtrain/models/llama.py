@@ -28,8 +28,18 @@ def defaults() -> dict:
       mlp_dim=256,
       tie_embeddings=False,
       rope_theta=10_000.0,
+      # RoPE frequency scaling: "" (none) or "llama3" (Llama 3.1-3.3: low frequencies divided by
+      # rope_scaling_factor, high ones kept, a smooth ramp between; as transformers' "llama3" rope_type)
+      rope_scaling="",
+      rope_scaling_factor=8.0,
+      rope_low_freq_factor=1.0,
+      rope_high_freq_factor=4.0,
+      rope_original_max_positions=8192,
       norm_eps=1e-5,
   )
+
+
+ROPE_SCALINGS = ("", "llama3")
 
 
 def validate(cfg) -> None:
@@ -38,6 +48,16 @@ def validate(cfg) -> None:
   if cfg.num_heads % cfg.num_kv_heads:
     raise ConfigError("model.num_kv_heads", f"{cfg.num_kv_heads} does not divide model.num_heads={cfg.num_heads}",
                       "grouped-query attention needs num_heads to be a multiple of num_kv_heads")
+  if cfg.rope_scaling not in ROPE_SCALINGS:
+    raise ConfigError("model.rope_scaling", f"'{cfg.rope_scaling}' is not one of '' (none), llama3",
+                      "set model.rope_scaling to '' or llama3")
+  if cfg.rope_scaling == "llama3":
+    check_positive({"model": cfg}, [f"model.{k}" for k in ("rope_scaling_factor", "rope_low_freq_factor",
+                                                            "rope_high_freq_factor", "rope_original_max_positions")])
+    if cfg.rope_high_freq_factor <= cfg.rope_low_freq_factor:
+      raise ConfigError("model.rope_high_freq_factor", f"{cfg.rope_high_freq_factor} is not greater than "
+                        f"model.rope_low_freq_factor={cfg.rope_low_freq_factor}",
+                        "llama3 RoPE scaling needs high_freq_factor > low_freq_factor (Llama 3.1: 4 and 1)")
 
 
 def flops_per_token(cfg, seq_len: int, abstract_params) -> float:
@@ -70,10 +90,38 @@ def _param(names):
   return nnx.with_partitioning(_INIT, names)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding of x [batch, length, heads, head_dim] at integer positions [batch, length]."""
-  half = x.shape[-1] // 2
+def rope_frequencies(head_dim: int, theta: float, scaling: tuple[float, float, float, int] | None = None):
+  """The ``head_dim // 2`` rotary frequencies (float32). ``scaling``: ``(factor, low_freq_factor,
+  high_freq_factor, original_max_positions)`` of Llama 3's scheme, computed as transformers'
+  ``_compute_llama3_parameters`` does: wavelengths longer than ``original / low_freq_factor`` are divided by
+  ``factor``, those shorter than ``original / high_freq_factor`` kept, and those between interpolated."""
+  half = head_dim // 2
   freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  if scaling is None:
+    return freq
+  factor, low, high, original = scaling
+  wavelen = 2 * jnp.pi / freq
+  scaled = jnp.where(wavelen > original / low, freq / factor, freq)
+  smooth = (original / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def rope_scaling(cfg) -> tuple[float, float, float, int] | None:
+  """The ``scaling`` argument of :func:`rope` for the model group ``cfg`` (None without RoPE scaling)."""
+  if not cfg.get("rope_scaling"):
+    return None
+  return (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+          cfg.rope_original_max_positions)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float,
+         scaling: tuple[float, float, float, int] | None = None) -> jax.Array:
+  """Rotary embedding of x [batch, length, heads, head_dim] at integer positions [batch, length]: the head_dim
+  is split in halves (x1, x2) rotated pairwise, the convention of Hugging Face's ``rotate_half`` (so HF Llama
+  q/k weights need no permutation). ``scaling``: see :func:`rope_frequencies`."""
+  freq = rope_frequencies(x.shape[-1], theta, scaling)
   angle = positions[..., None].astype(jnp.float32) * freq  # [b, t, half]
   sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -99,11 +147,11 @@ class Attention(nnx.Module):
     self.k = nnx.Einsum("btd,dnh->btnh", (d, k, h), kernel_init=_param(("embed", "kv_heads", "head_dim")), **kw)
     self.v = nnx.Einsum("btd,dnh->btnh", (d, k, h), kernel_init=_param(("embed", "kv_heads", "head_dim")), **kw)
     self.o = nnx.Einsum("btnh,nhd->btd", (n, h, d), kernel_init=_param(("heads", "head_dim", "embed")), **kw)
-    self.theta, self.backend = cfg.rope_theta, cfg.attention
+    self.theta, self.scaling, self.backend = cfg.rope_theta, rope_scaling(cfg), cfg.attention
 
   def __call__(self, x, positions, segment_ids):
-    q = constrain(rope(self.q(x), positions, self.theta), ("batch", "length", "heads", "head_dim"))
-    k = constrain(rope(self.k(x), positions, self.theta), ("batch", "length", "kv_heads", "head_dim"))
+    q = constrain(rope(self.q(x), positions, self.theta, self.scaling), ("batch", "length", "heads", "head_dim"))
+    k = constrain(rope(self.k(x), positions, self.theta, self.scaling), ("batch", "length", "kv_heads", "head_dim"))
     v = constrain(self.v(x), ("batch", "length", "kv_heads", "head_dim"))
     out = attend(self.backend, q, k, v, segment_ids)  # causal, never across documents
     return self.o(constrain(out, ("batch", "length", "heads", "head_dim")))

@@ -1,0 +1,65 @@
+"""Hugging Face Llama checkpoints in and out of jaxtrain.
+
+  python tools/convert_hf.py import --hf=HF_DIR --output=OUT_DIR
+  python tools/convert_hf.py export --checkpoint=CKPT_DIR [--step=N] --output=HF_DIR [--max_shard_mb=5000]
+                                    [--dtype=auto|float32|bfloat16|float16]
+
+import: OUT_DIR/checkpoints/0 (the params), OUT_DIR/config.py (train from them: python -m jaxtrain.main
+--config=OUT_DIR/config.py) and OUT_DIR/hf/ (the source's config.json and tokenizer files). export: CKPT_DIR is a
+run's workdir, its checkpoints folder or one step folder. A mistake in the input prints one line
+``convert_hf: error: ...`` and exits 2, and nothing is written. The logic is jaxtrain/hf.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a clone, uninstalled
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="convert_hf", description=__doc__.split("\n\n")[0])
+  sub = p.add_subparsers(dest="command", required=True)
+  imp = sub.add_parser("import", help="a Hugging Face Llama folder -> a jaxtrain checkpoint and config")
+  imp.add_argument("--hf", required=True, help="Hugging Face model folder (config.json, *.safetensors)")
+  imp.add_argument("--output", required=True, help="new folder for the checkpoint, config.py and hf/")
+  exp = sub.add_parser("export", help="a jaxtrain Llama checkpoint -> a Hugging Face folder")
+  exp.add_argument("--checkpoint", required=True, help="a run's workdir, its checkpoints folder or a step folder")
+  exp.add_argument("--step", type=int, default=None, help="the step to export (default: the newest)")
+  exp.add_argument("--output", required=True, help="new folder for config.json and *.safetensors")
+  exp.add_argument("--max_shard_mb", type=float, default=5000, help="largest safetensors file, in MB")
+  exp.add_argument("--dtype", default="auto", help="auto (the imported source's dtype, else float32), float32, "
+                   "bfloat16 or float16")
+  return p
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion is host work: never grab an accelerator
+  from jaxtrain import hf
+  from jaxtrain.errors import UserError
+  t = time.perf_counter()
+  try:
+    if args.command == "import":
+      info = hf.import_llama(args.hf, args.output)
+      what = f"{info['params']:,} params ({info['source_dtype']} source)"
+      nbytes = info["bytes"]
+    else:
+      info = hf.export_llama(args.checkpoint, args.output, step=args.step, max_shard_mb=args.max_shard_mb,
+                             dtype=args.dtype)
+      what = f"{info['step_dir']} as {info['dtype']} in {info['shards']} file{'s' * (info['shards'] > 1)}"
+      nbytes = info["bytes"]
+  except UserError as e:
+    print(f"convert_hf: error: {e}", file=sys.stderr)
+    return 2
+  seconds = time.perf_counter() - t
+  print(f"convert_hf: {args.command}ed {what} -> {os.path.abspath(args.output)} ({nbytes / 1e6:,.1f} MB in "
+        f"{seconds:.1f}s)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
