@@ -32,3 +32,20 @@ def small_config(workdir, **mesh):
 @pytest.fixture
 def make_config(tmp_path):
   return lambda **mesh: small_config(tmp_path, **mesh)
+
+
+def count_dispatched_steps(monkeypatch) -> list[int]:
+  """Makes every train step a run dispatches add 1 to the returned ``[count]`` (patches trainer.compile_step)."""
+  from jaxtrain.train import trainer
+  dispatched, compile_step = [0], trainer.compile_step
+
+  def counting(run, train_step=None):
+    step_fn = compile_step(run, train_step)
+
+    def counted(*args):
+      dispatched[0] += 1
+      return step_fn(*args)
+    return counted
+
+  monkeypatch.setattr(trainer, "compile_step", counting)
+  return dispatched

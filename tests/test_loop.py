@@ -12,6 +12,7 @@ from jaxtrain import config as config_lib
 from jaxtrain import monitor
 from jaxtrain.metrics import read_records
 from jaxtrain.train import loop, trainer
+from tests.conftest import count_dispatched_steps
 from tests.test_monitor import Poisoned  # batch `bad` (0-based) has a NaN in its loss mask: no tokens counted
 
 TOKENS = 16 * 32  # target tokens of one small_config step (every synthetic position is a target)
@@ -197,23 +198,13 @@ def test_eval_is_logged_under_its_step_whatever_the_checkpoints(make_config, tmp
 def test_each_step_is_fetched_after_the_next_is_dispatched_except_before_a_save(make_config, monkeypatch):
   """The overlap that keeps the loop at the speed of a hand-written one: the host reads step N's metrics while the
   device runs N+1; only a step about to be saved is read before the next one starts."""
-  dispatched, fetched = [0], []
-  compile_step, fetch = trainer.compile_step, loop._fetch
-
-  def counting(run, train_step=None):
-    step_fn = compile_step(run, train_step)
-
-    def counted(*args):
-      dispatched[0] += 1
-      return step_fn(*args)
-    return counted
+  dispatched, fetched, fetch = count_dispatched_steps(monkeypatch), [], loop._fetch
 
   def recorded(held):
     if held is not None:
       fetched.append((held[0], dispatched[0]))
     return fetch(held)
 
-  monkeypatch.setattr(trainer, "compile_step", counting)
   monkeypatch.setattr(loop, "_fetch", recorded)
   trainer.train(_config(make_config, steps=5, every_steps=2))
   # (step fetched, steps dispatched by then): 2 and 4 save every 2 steps, 5 is the last.

@@ -22,6 +22,7 @@ from jaxtrain.data import loader, prepare
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.metrics import read_records
 from jaxtrain.train import loop, trainer
+from tests.conftest import count_dispatched_steps
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -473,17 +474,8 @@ def test_plot_metrics_draws_the_logged_values(make_config, tmp_path):
 def _trace_calls(monkeypatch, real: bool) -> list[tuple[str, int]]:
   """(start_trace | stop_trace, train steps dispatched before it) as a run calls them; the real profiler runs
   only if ``real``."""
-  calls, dispatched = [], [0]
-  compile_step = trainer.compile_step
+  calls, dispatched = [], count_dispatched_steps(monkeypatch)
   start_trace, stop_trace = jax.profiler.start_trace, jax.profiler.stop_trace
-
-  def counting(run, train_step=None):
-    step_fn = compile_step(run, train_step)
-
-    def counted(*args):
-      dispatched[0] += 1
-      return step_fn(*args)
-    return counted
 
   def start(directory, *args, **kwargs):
     calls.append(("start_trace", dispatched[0]))
@@ -495,7 +487,6 @@ def _trace_calls(monkeypatch, real: bool) -> list[tuple[str, int]]:
     if real:
       stop_trace()
 
-  monkeypatch.setattr(trainer, "compile_step", counting)
   monkeypatch.setattr(jax.profiler, "start_trace", start)
   monkeypatch.setattr(jax.profiler, "stop_trace", stop)
   return calls
