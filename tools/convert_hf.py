@@ -39,8 +39,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion is host work: never grab an accelerator
-  from jaxtrain import hf
+  from jaxtrain import hf, paths
   from jaxtrain.errors import UserError
+  for name in ("hf", "output", "checkpoint"):  # ~ and relative paths, as everywhere in jaxtrain
+    if getattr(args, name, None):
+      setattr(args, name, paths.resolve(getattr(args, name)))
   t = time.perf_counter()
   try:
     if args.command == "import":
