@@ -25,8 +25,9 @@ import os
 import shutil
 import struct
 import tempfile
-from typing import Any, Iterator
+from typing import Any
 
+import jax
 import ml_collections
 import numpy as np
 
@@ -297,7 +298,7 @@ def read_params(hf_dir: str, model: Any) -> tuple[dict, str]:
       raise HFError(entries[name].file, f"{name} is {list(entries[name].shape)}, config.json says {list(shape)}",
                     "the weights do not match config.json")
   abstract = models.Model.from_config(model).abstract_params
-  params = _map_tree(lambda a: np.empty(a.shape, np.float32), abstract)
+  params = jax.tree.map(lambda a: np.empty(a.shape, np.float32), abstract)
   dtypes = set()
   for name, path, layer, _, is_linear in expected:
     w = entries[name].read()
@@ -309,18 +310,6 @@ def read_params(hf_dir: str, model: Any) -> tuple[dict, str]:
       target[layer] = to_jaxtrain(w, target.shape[1:], is_linear)
     del w
   return params, dtypes.pop() if len(dtypes) == 1 else "float32"
-
-
-def _map_tree(fn, tree):
-  return {k: _map_tree(fn, v) for k, v in tree.items()} if isinstance(tree, dict) else fn(tree)
-
-
-def _leaves(tree, prefix=()) -> Iterator[tuple[tuple[str, ...], Any]]:
-  for k, v in tree.items():
-    if isinstance(v, dict):
-      yield from _leaves(v, prefix + (k,))
-    else:
-      yield prefix + (k,), v
 
 
 _CONFIG_PY = '''"""{name}: imported by tools/convert_hf.py from the Hugging Face checkpoint
@@ -367,10 +356,9 @@ def import_llama(hf_dir: str, output: str) -> dict:
     config = base_config()
     config.model = model
     config.workdir = f"runs/{os.path.basename(staging.output)}"
-    import jax
     # On the CPU backend device_put aliases the numpy buffers (no copy); Orbax writes jax arrays with one staging
     # copy fewer than numpy arrays (peak host memory of a 58M-param import: 0.66 GB against 0.97 GB).
-    params = _map_tree(jax.device_put, params)
+    params = jax.tree.map(jax.device_put, params)
     ckpt = checkpoint_lib.Checkpointer(os.path.join(tmp, "checkpoints"), async_save=False)  # fingerprinted
     try:
       ckpt.save(0, {"step": np.zeros((), np.int32), "params": params}, None, meta, config.to_dict(), force=True)
@@ -378,8 +366,8 @@ def import_llama(hf_dir: str, output: str) -> dict:
       raise HFError(hf_dir, f"holds {e}", "the source checkpoint is broken") from None
     finally:
       ckpt.close()
-    nbytes = sum(a.nbytes for _, a in _leaves(params))
-    count = sum(a.size for _, a in _leaves(params))
+    nbytes = sum(a.nbytes for a in jax.tree.leaves(params))
+    count = sum(a.size for a in jax.tree.leaves(params))
     del params
     os.makedirs(os.path.join(tmp, "hf"))
     for f in SIDE_FILES:
@@ -439,7 +427,6 @@ def export_llama(checkpoint: str, output: str, step: int | None = None, max_shar
   step unless ``step``) as an HF folder ``output``: config.json, model.safetensors (shards of at most
   ``max_shard_mb`` MB plus model.safetensors.index.json when larger) and the imported source's tokenizer and
   generation files. ``dtype``: float32, bfloat16, float16 or auto (the imported source's dtype, else float32)."""
-  import jax
   from jaxtrain import checkpoint as checkpoint_lib
   from jaxtrain import models
   from jaxtrain.train.state import TrainState

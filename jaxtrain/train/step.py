@@ -10,7 +10,7 @@ import optax
 from jaxtrain import integrity
 from jaxtrain.models import Model, Output
 from jaxtrain.parallel import pipeline as pipeline_lib
-from jaxtrain.parallel.pipeline import split_microbatches  # noqa: F401 - part of this module's API
+from jaxtrain.parallel.pipeline import split_microbatches
 from jaxtrain.train.state import TrainState
 
 
