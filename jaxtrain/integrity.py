@@ -31,10 +31,39 @@ def _bits(x: jax.Array) -> jax.Array:
   return bits.astype(jnp.uint32)
 
 
-def _fingerprint(x: jax.Array) -> jax.Array:
-  bits = _bits(x)
-  # w_i = 2 * K * i + 1 with i = sum_d iota_d * stride_d: one multiply-add per dimension, constants folded.
-  weight = jnp.full(bits.shape, 1, jnp.uint32)
+# XLA:CPU does not fuse the elementwise work into the reduction: a whole-array fingerprint or finiteness check
+# materializes a temporary as large as the array (measured: +1 GB for a 1 GB float32 array), which doubles the
+# host memory of tools/convert_hf.py. On the CPU, arrays larger than this many elements are therefore reduced
+# block by block (whole rows of their leading axis) in a loop; the value is the same. Accelerators fuse it.
+_BLOCK_ELEMENTS = 1 << 22
+
+
+def _rows_per_block(x: jax.Array) -> int:
+  """Rows of x's leading axis per block: the largest divisor of it within the budget; 0: do not block."""
+  if jax.default_backend() != "cpu" or x.ndim < 1 or x.size <= _BLOCK_ELEMENTS:
+    return 0
+  row = x.size // x.shape[0]
+  fit = max(_BLOCK_ELEMENTS // max(row, 1), 1)
+  return max(d for d in range(1, min(fit, x.shape[0]) + 1) if x.shape[0] % d == 0)
+
+
+def _by_blocks(x: jax.Array, reduce_block, combine, init):
+  """``reduce_block(block, first_row)`` over blocks of x's leading axis, combined into ``init``."""
+  rows = _rows_per_block(x)
+  if not rows or rows == x.shape[0]:
+    return reduce_block(x, 0)
+
+  def body(i, acc):
+    return combine(acc, reduce_block(jax.lax.dynamic_slice_in_dim(x, i * rows, rows, 0), i * rows))
+
+  return jax.lax.fori_loop(0, x.shape[0] // rows, body, init)
+
+
+def _weighted_sum(bits: jax.Array, first: jax.Array | int) -> jax.Array:
+  """sum_i w_{first + i} * bits_i mod 2**32 over the flat indices i of ``bits`` (``first``: flat index of its
+  first element in the whole array)."""
+  # w_i = 2 * K * i + 1 with i = first + sum_d iota_d * stride_d: one multiply-add per dimension, constants folded.
+  weight = jnp.full(bits.shape, 1, jnp.uint32) + jnp.asarray(first, jnp.uint32) * np.uint32(2 * _GOLDEN % 2**32)
   stride = 1
   for dim in reversed(range(bits.ndim)):
     multiplier = np.uint32(2 * _GOLDEN * stride % 2**32)
@@ -43,8 +72,19 @@ def _fingerprint(x: jax.Array) -> jax.Array:
   return jnp.sum(bits * weight, dtype=jnp.uint32)
 
 
+def _fingerprint(x: jax.Array) -> jax.Array:
+  row = np.uint32(x.size // x.shape[0] % 2**32) if x.ndim else np.uint32(0)
+
+  def block(b, first_row):
+    return _weighted_sum(_bits(b), jnp.asarray(first_row, jnp.uint32) * row)
+
+  return _by_blocks(x, block, jnp.add, jnp.uint32(0))
+
+
 def _finite(x: jax.Array) -> jax.Array:
-  return jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+  if not jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.bool_(True)
+  return _by_blocks(x, lambda b, _: jnp.all(jnp.isfinite(b)), jnp.logical_and, jnp.bool_(True))
 
 
 def all_finite(tree: Any, shardings: Any = None) -> jax.Array:

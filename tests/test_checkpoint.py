@@ -617,3 +617,28 @@ def test_inspect_checkpoint_lists_steps_meta_and_tensors(make_config, tmp_path):
   table = subprocess.run([sys.executable, "tools/inspect_checkpoint.py", str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
   assert "steps 5, 10" in table.stdout and "params/lm_head/kernel" in table.stdout
+
+
+def _fingerprint_by_formula(x: np.ndarray) -> int:
+  """sum_i (2 K i + 1) * bits_i mod 2**32 in Python integers (jaxtrain/integrity.py's definition)."""
+  bits = x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]).ravel().astype(np.uint64)
+  i = np.arange(bits.size, dtype=np.uint64)
+  return int(np.sum((2 * 2654435761 * i + 1) % 2**32 * bits % 2**32) % 2**32)
+
+
+@pytest.mark.parametrize("block", [None, 8])
+def test_fingerprints_equal_their_formula_whole_or_block_by_block(monkeypatch, block):
+  """On the CPU large arrays are fingerprinted block by block (XLA:CPU would otherwise hold a temporary as large
+  as the array): the value is the definition's either way, and a NaN in any block is found."""
+  from jaxtrain import integrity
+  if block:
+    monkeypatch.setattr(integrity, "_BLOCK_ELEMENTS", block)
+  rng = np.random.default_rng(0)
+  tree = {"a": rng.standard_normal((12, 5, 7)).astype(np.float32), "b": rng.integers(0, 9, (10, 3)).astype(np.int32),
+          "c": rng.standard_normal((7, 11)).astype(np.float16), "d": np.float32(2.5)}
+  tree["a"][9, 4, 6] = np.nan  # in the last block
+  # (a new function to trace: jit's cache would otherwise hand back the other parameter's program)
+  fingerprints, nonfinite = integrity.read(jax.jit(lambda t: integrity.summary(t))(tree))
+  assert fingerprints == {k: _fingerprint_by_formula(np.asarray(v)) for k, v in tree.items()}
+  assert nonfinite == ["a"]
+  assert [integrity._rows_per_block(jnp.asarray(tree[k])) for k in "abcd"] == ([1, 2, 1, 0] if block else [0] * 4)

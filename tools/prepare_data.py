@@ -1,11 +1,24 @@
 """Tokenize raw text into ArrayRecord shards + manifest for jaxtrain.
 
-  python tools/prepare_data.py --input=PATH [--input=PATH ...] --output=DIR [--tokenizer=FILE]
-      [--field=text] [--seed=N] [--eval_fraction=F] [--text_split=paragraph|file] [--workers=N]
+  python tools/prepare_data.py --input=PATH [--input=PATH ...] --output=DIR [--tokenizer=FILE|FOLDER]
+      [--format=auto|text|sft] [--field=text] [--seed=N] [--eval_fraction=F] [--text_split=paragraph|file]
+      [--workers=N] [--prompt_field=prompt] [--response_field=response] [--messages_field=messages]
+      [--chat_template=FILE]
 
-Inputs: text files (documents separated by blank lines; --text_split=file for one per file), JSONL (field
---field), Parquet (column --field), folders (recursive) and globs. Exact duplicate documents are removed and
-counted. The output folder appears complete or not at all. Bad input: one line on stderr, exit code 2.
+Pretraining text (--format=text): text files (documents separated by blank lines; --text_split=file for one
+per file), JSONL (field --field), Parquet (column --field), folders (recursive) and globs.
+
+Supervised fine-tuning (--format=sft; --format=auto, the default, picks it when the first JSONL line of the
+inputs has a 'messages' field or both 'prompt' and 'response' fields): JSONL lines
+{"prompt": ..., "response": ...} or {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}.
+With a chat template (a Hugging Face tokenizer folder given as --tokenizer, whose tokenizer_config.json has
+"chat_template" (or chat_template.jinja), or --chat_template=FILE) each record is rendered as transformers'
+apply_chat_template renders it and only the assistant messages' tokens (and the end-of-turn token after each)
+are trained; without one: BOS (if the tokenizer config names one), prompt tokens, response tokens + EOS (if
+named), only the response and EOS trained. See jaxtrain/data/chat.py.
+
+Exact duplicate documents / records are removed and counted. The output folder appears complete or not at all.
+Bad input: one line on stderr (file and line for JSONL records), exit code 2, nothing written.
 """
 
 from __future__ import annotations
@@ -23,7 +36,16 @@ from jaxtrain.data import prepare  # noqa: E402
 
 _INPUT = flags.DEFINE_multi_string("input", None, "Input file, folder or glob (repeatable).", required=True)
 _OUTPUT = flags.DEFINE_string("output", None, "Output folder (must not exist or be empty).", required=True)
-_TOKENIZER = flags.DEFINE_string("tokenizer", "byte", "'byte', a tokenizers JSON file or a SentencePiece model.")
+_TOKENIZER = flags.DEFINE_string("tokenizer", "byte", "'byte', a tokenizers JSON file, a Hugging Face tokenizer "
+                                 "folder (tokenizer.json + tokenizer_config.json: special tokens, chat template) or "
+                                 "a SentencePiece model.")
+_FORMAT = flags.DEFINE_enum("format", "auto", prepare.FORMATS, "text: pretraining documents; sft: prompt/response "
+                            "or chat JSONL, only responses trained; auto: sft when the first JSONL line has a "
+                            "messages field or prompt and response fields, else text.")
+_PROMPT = flags.DEFINE_string("prompt_field", "prompt", "SFT: JSONL field holding the prompt.")
+_RESPONSE = flags.DEFINE_string("response_field", "response", "SFT: JSONL field holding the response.")
+_MESSAGES = flags.DEFINE_string("messages_field", "messages", "SFT: JSONL field holding the chat messages.")
+_TEMPLATE = flags.DEFINE_string("chat_template", "", "SFT: a jinja chat template file (overrides the tokenizer's).")
 _FIELD = flags.DEFINE_string("field", "text", "JSONL field / Parquet column holding the text.")
 _SEED = flags.DEFINE_integer("seed", 0, "Shuffle seed.")
 _EVAL = flags.DEFINE_float("eval_fraction", 0.01, "Fraction of documents held out for eval.")
@@ -41,14 +63,18 @@ def main(argv):
         tokenizer=_TOKENIZER.value if _TOKENIZER.value == "byte" else paths.resolve(_TOKENIZER.value),
         field=_FIELD.value,
         seed=_SEED.value, eval_fraction=_EVAL.value, text_split=_SPLIT.value, shard_mib=_SHARD_MIB.value,
-        workers=_WORKERS.value, overwrite=_OVERWRITE.value, progress=sys.stderr.isatty()))
+        workers=_WORKERS.value, overwrite=_OVERWRITE.value, progress=sys.stderr.isatty(), format=_FORMAT.value,
+        prompt_field=_PROMPT.value, response_field=_RESPONSE.value, messages_field=_MESSAGES.value,
+        chat_template=paths.resolve(_TEMPLATE.value) if _TEMPLATE.value else ""))
   except UserError as e:
     print(f"prepare_data: error: {e}", file=sys.stderr)
     sys.exit(2)
   splits = manifest["splits"]
   print(f"{manifest['documents']:,} documents ({splits['train']['documents']:,} train, "
         f"{splits['eval']['documents']:,} eval), {manifest['tokens']:,} tokens, "
-        f"{manifest['duplicates_removed']:,} duplicates removed, tokenizer {manifest['tokenizer']} "
+        + (f"{manifest['trained_tokens']:,} trained (SFT, {manifest['sft']['template'].replace('_', ' ')}), "
+           if manifest.get("loss_mask") else "")
+        + f"{manifest['duplicates_removed']:,} duplicates removed, tokenizer {manifest['tokenizer']} "
         f"(vocab {manifest['vocab_size']:,}), {len(manifest['shards'])} shards -> {_OUTPUT.value}")
 
 

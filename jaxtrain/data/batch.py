@@ -7,10 +7,14 @@ import numpy as np
 KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
 
 
-def from_packed(tokens: np.ndarray, segment_ids: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
+def from_packed(tokens: np.ndarray, segment_ids: np.ndarray, positions: np.ndarray,
+                trained: np.ndarray | None = None) -> dict[str, np.ndarray]:
   """Packed rows of ``seq_len + 1`` tokens with segment ids (0 = padding) and positions -> a training batch.
-  A target counts only when it continues the input's document: never across documents, never padding."""
+  A target counts only when it continues the input's document: never across documents, never padding; and,
+  given ``trained`` (per token, SFT data), only when the target token is trained (a response token)."""
   same_doc = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
+  if trained is not None:
+    same_doc &= trained[:, 1:] > 0
   return {
       "inputs": tokens[:, :-1].astype(np.int32),
       "targets": tokens[:, 1:].astype(np.int32),

@@ -7,6 +7,8 @@ together cover each epoch exactly once, and the global batch is the same for any
 Lanes are interleaved round-robin and batched by Grain, so the whole pipeline is one Grain dataset whose
 iterator state (``get_state`` / ``set_state``) restores the stream exactly. :class:`TrainIterator` adds what a
 checkpoint needs to resume it on another number of processes (``resplit``); only this package knows Grain.
+Supervised fine-tuning data (manifest ``loss_mask: true``, see :mod:`jaxtrain.data.prepare`) brings per-token
+trained flags, cut into rows with the tokens: a target then counts only if it is a trained (response) token.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def load_manifest(path: str, verify_checksums: bool = True) -> dict:
                     "tools/prepare_data.py")
   try:
     manifest = json.loads(manifest_path.read_text())
-    assert manifest["format"] == prepare.FORMAT and isinstance(manifest["shards"], list)
+    assert manifest["format"] in (prepare.FORMAT, prepare.FORMAT_SFT) and isinstance(manifest["shards"], list)
   except Exception:
     raise DataError(os.fspath(manifest_path), "not a jaxtrain manifest (unreadable or wrong format)",
                     "re-run tools/prepare_data.py") from None
@@ -75,7 +77,8 @@ def _same_tokenizer(config_value: str, manifest_value: str) -> bool:
 
 
 class TokenSource(grain.sources.RandomAccessDataSource):
-  """Random access to the documents of one split: document i -> int32 token ids."""
+  """Random access to the documents of one split: document i -> int32 token ids [n] or, for SFT data
+  (``masked``), int32 [2, n]: its token ids and their trained flags (1: the token's prediction is trained)."""
 
   def __init__(self, root: str, manifest: dict, split: str):
     files = [os.fspath(epath.Path(root) / s["file"]) for s in manifest["shards"] if s["split"] == split]
@@ -83,16 +86,22 @@ class TokenSource(grain.sources.RandomAccessDataSource):
       raise DataError(root, f"no '{split}' shards in the manifest", "prepare the data with that split")
     self._source = grain.sources.ArrayRecordDataSource(files)
     self._dtype = np.dtype(manifest["dtype"])
+    self.masked = bool(manifest.get("loss_mask", False))
 
   def __len__(self) -> int:
     return len(self._source)
 
   def __getitem__(self, index: int) -> np.ndarray:
-    return np.frombuffer(self._source[index], self._dtype).astype(np.int32)
+    record = self._source[index]
+    if not self.masked:
+      return np.frombuffer(record, self._dtype).astype(np.int32)
+    n = len(record) // (self._dtype.itemsize + 1)  # n token ids, then n uint8 flags
+    return np.stack([np.frombuffer(record, self._dtype, n).astype(np.int32),
+                     np.frombuffer(record, np.uint8, n, n * self._dtype.itemsize).astype(np.int32)])
 
 
 def _to_train_batch(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  batch = batch_lib.from_packed(rows["tokens"], rows["segment_ids"], rows["positions"])
+  batch = batch_lib.from_packed(rows["tokens"], rows["segment_ids"], rows["positions"], rows.get("trained"))
   batch["doc_ids"] = rows["doc_ids"][:, :-1]  # host-side provenance: the document of each input token
   return batch
 
@@ -116,7 +125,7 @@ def train_dataset(root: str, manifest: dict, *, seq_len: int, global_batch: int,
   doc_ids = grain.MapDataset.range(len(source)).seed(seed).shuffle().repeat(None)
   per_process = global_batch // process_count
   lanes = range(process_index * per_process, (process_index + 1) * per_process)
-  ds = packing_lib.PackedLanes(doc_ids, source, lanes, global_batch, seq_len + 1, packing)
+  ds = packing_lib.PackedLanes(doc_ids, source, lanes, global_batch, seq_len + 1, packing, source.masked)
   if num_workers > 0:
     if per_process % num_workers:
       raise ValueError(f"{num_workers} workers do not divide the {per_process} rows of a process's batch")
@@ -165,8 +174,10 @@ def eval_batches(root: str, manifest: dict, *, seq_len: int, global_batch: int, 
   """One pass over the eval split, packed in file order, this process's rows of each global batch.
   The last batch is padded with empty rows (loss mask 0), so every document counts exactly once."""
   source = TokenSource(root, manifest, split)
-  rows = list(packing_lib.PackedLanes(grain.MapDataset.range(len(source)), source, [0], 1, seq_len + 1))
-  empty = {k: np.zeros(seq_len + 1, np.int32) for k in ("tokens", "segment_ids", "positions")}
+  rows = list(packing_lib.PackedLanes(grain.MapDataset.range(len(source)), source, [0], 1, seq_len + 1,
+                                      masked=source.masked))
+  empty = {k: np.zeros(seq_len + 1, np.int32) for k in ("tokens", "segment_ids", "positions")
+           + (("trained",) if source.masked else ())}
   empty["doc_ids"] = np.full(seq_len + 1, -1, np.int32)
   rows += [empty] * (-len(rows) % global_batch)
   per_process = global_batch // process_count

@@ -3,7 +3,9 @@
 Lane r of a global batch of B rows reads documents ``docs[r], docs[r + B], docs[r + 2B], ...`` and cuts their
 concatenation into rows of ``length`` tokens; a document that does not fit continues in the lane's next row.
 Every row carries segment ids (1, 2, ... per document piece, 0 for padding), positions (within the
-document) and the id of each token's document (-1 for padding), so a bad batch can be traced.
+document) and the id of each token's document (-1 for padding), so a bad batch can be traced. Over SFT data
+(``masked``: a document is [2, n], its tokens and their trained flags) rows also carry ``trained`` (0 for
+padding), cut exactly like the tokens.
 Without packing each row holds the start of one document, padded.
 
 Why not ``grain.experimental.ConcatThenSplitIterDataset`` + ``InterleaveIterDataset``: measured here they cost
@@ -24,18 +26,19 @@ from jaxtrain.config import DataError
 
 
 class PackedLanes(grain.IterDataset):
-  """Yields rows ``{"tokens", "segment_ids", "positions", "doc_ids"}`` (each [length]) cycling through
-  ``lanes`` in order:
+  """Yields rows ``{"tokens", "segment_ids", "positions", "doc_ids"}`` (each [length]; plus ``"trained"`` when
+  ``masked``) cycling through ``lanes`` in order:
   one row of each lane per round, so batching ``len(lanes)`` consecutive rows gives the lanes' rows of one
   step. Grain's worker processes each take a strided subset of the lanes (``set_slice``); their round-robin
   merge restores the lane order when the lane count is a multiple of the worker count."""
 
   def __init__(self, doc_ids: grain.MapDataset, source, lanes: Sequence[int], num_lanes: int, length: int,
-               packing: bool = True):
-    """``doc_ids``: the (shuffled, repeated) order of document ids; ``source[i]``: document i's tokens."""
+               packing: bool = True, masked: bool = False):
+    """``doc_ids``: the (shuffled, repeated) order of document ids; ``source[i]``: document i's tokens [n], or
+    with ``masked`` its tokens and trained flags [2, n]."""
     super().__init__()
     self.docs, self.source, self.lanes, self.num_lanes = doc_ids, source, list(lanes), num_lanes
-    self.length, self.packing = length, packing
+    self.length, self.packing, self.masked = length, packing, masked
 
   def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
     if sequential_slice:
@@ -66,22 +69,26 @@ class _PackedLanesIterator(grain.DatasetIterator):
   def _row(self, i: int) -> dict[str, np.ndarray] | None:
     """Lane i's next row, or None when its (finite) documents are used up."""
     length = self._ds.length
-    row = {k: np.zeros(length, np.int32) for k in ("tokens", "segment_ids", "positions")}
+    keys = ("tokens", "segment_ids", "positions") + (("trained",) if self._ds.masked else ())
+    row = {k: np.zeros(length, np.int32) for k in keys}
     row["doc_ids"] = np.full(length, -1, np.int32)
     filled, segment = 0, 0
     while filled < length:
       doc_id, doc = self._document(i)
       if doc is None:
         return row if filled else None
-      start = self._offset[i]
-      take = min(doc.size - start, length - filled)
+      start, size = self._offset[i], doc.shape[-1]
+      take = min(size - start, length - filled)
       segment += 1
+      if self._ds.masked:
+        row["trained"][filled:filled + take] = doc[1, start:start + take]
+        doc = doc[0]
       row["tokens"][filled:filled + take] = doc[start:start + take]
       row["segment_ids"][filled:filled + take] = segment
       row["positions"][filled:filled + take] = np.arange(start, start + take)
       row["doc_ids"][filled:filled + take] = doc_id
       filled += take
-      if self._ds.packing and start + take < doc.size:
+      if self._ds.packing and start + take < size:
         self._offset[i] = start + take  # the rest of this document opens the lane's next row
       else:
         self._doc[i], self._offset[i] = self._doc[i] + 1, 0
