@@ -33,8 +33,10 @@ TP = "configs/tiny.py:tp"
 DRY_RUN = "--config.dry_run=true"
 GPIPE = "--config.workdir=runs/gpipe"
 CIRCULAR = "--config.workdir=runs/circular"
-PREPARE = "tools/prepare_data.py"
+PREPARE = "--input=my_texts"
 TRAIN_PREPARED = "--config.data.path=data/my_texts"
+PREPARE_SFT = "--input=chats.jsonl"
+TRAIN_SFT = "--config.data.path=data/chats"
 # Shown but not runnable here, with the reason.
 NOT_RUN = {
     TEST_COMMAND: "the test command itself: .ci/run runs it, read from the README "
@@ -46,7 +48,8 @@ NOT_RUN = {
 def test_every_readme_command_is_run_by_a_test():
   """A command added to the README without a test here (or one a test no longer finds) fails."""
   run = [QUICK_START] + [readme.command(part) for part in (TRAIN_LONGER, INSPECT, PLOT, TP, DRY_RUN, GPIPE,
-                                                           CIRCULAR, PREPARE, TRAIN_PREPARED)]
+                                                           CIRCULAR, PREPARE, TRAIN_PREPARED, PREPARE_SFT,
+                                                           TRAIN_SFT)]
   not_run = [readme.command(part) for part in NOT_RUN]
   assert sorted(run + not_run) == sorted(readme.commands())
 
@@ -195,3 +198,17 @@ def test_prepare_data_and_train_on_it(user):
   resolved = json.loads((user.repo / "runs/my_texts/config.json").read_text())
   assert resolved["data"]["path"] == str(user.repo / "data" / "my_texts")
   assert user.committed("runs/my_texts") == [3] and "done: step 3/3" in err
+
+
+def test_prepare_sft_data_and_train_on_it(user):
+  lines = [{"prompt": f"Q{i}: what rhymes with {w}? ", "response": f"A{i}: {w}-ish, perhaps."}
+           for i, w in enumerate(["moon", "June", "spoon", "tune", "dune", "rune"] * 20)]
+  lines += [{"messages": [{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": f"{i}!"}]}
+            for i in range(40)]
+  (user.repo / "chats.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+  out = _ok_out(user.run(readme.command(PREPARE_SFT)))
+  manifest = json.loads((user.repo / "data" / "chats" / "manifest.json").read_text())
+  assert out.strip().endswith("-> data/chats") and manifest["format"] == "jaxtrain.sft.v1"
+  assert manifest["documents"] == 160 and 0 < manifest["trained_tokens"] < manifest["tokens"]
+  err = _ok(user.run(readme.command(TRAIN_SFT), "--config.train.steps=3"))
+  assert user.committed("runs/chats") == [3] and "done: step 3/3" in err
