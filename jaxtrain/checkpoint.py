@@ -436,9 +436,16 @@ def _params_first(names) -> list[str]:
   return sorted(names, key=lambda k: (not k.startswith("params"), k))
 
 
-def restore_from(path: str, abstract_state: Any, params_only: bool) -> tuple[Any, int]:
+def restore_from(path: str, abstract_state: Any, params_only: bool,
+                 optional: tuple[str, ...] = (), subset: bool = False) -> tuple[Any, int]:
   """Reads another run's checkpoint: ``path`` is a checkpoint folder (newest step) or one step folder.
-  Returns the restored state pytree (only its ``params`` are meaningful when ``params_only``) and the step."""
+  Returns the restored state pytree (only its ``params`` are meaningful when ``params_only``) and the step.
+  ``optional`` (with ``params_only``): top-level params keys that the checkpoint may lack (LoRA adapters, when
+  starting from a base model); those it lacks are not read and are absent from the returned params. Any other
+  difference between its params and ``abstract_state``'s (a missing or extra tensor, another shape) is a
+  CheckpointError naming it (metadata only, before any tensor is read). ``subset`` (with ``params_only``):
+  ``abstract_state``'s params name only some of the checkpoint's (read one at a time: tools/convert_hf.py export);
+  the others are not compared, nor read."""
   quiet_libraries()
   root = epath.Path(paths.resolve(path))
   step_dir = root if (root / "state").exists() else None
@@ -452,6 +459,16 @@ def restore_from(path: str, abstract_state: Any, params_only: bool) -> tuple[Any
   target = {"params": abstract_state.params} if params_only else abstract_state
   try:
     if params_only:  # read just the params subtree, whatever else (optimizer state) the other run saved
+      saved = {k: v for k, v in saved_tensors(item).items() if k.startswith("params/")}
+      if subset:
+        saved = {k: v for k, v in saved.items() if k in integrity.named({"params": abstract_state.params})}
+      absent = [k for k in optional if k in abstract_state.params and not any(
+          n.startswith(f"params/{k}/") for n in saved)]
+      target = {"params": {k: v for k, v in abstract_state.params.items() if k not in absent}}
+      mismatch = _mismatch(saved, target)
+      if mismatch:
+        raise CheckpointError(os.fspath(step_dir), f"holds params of another model ({mismatch})",
+                              "check that the checkpoint matches this model config (model.lora included)")
       with ocp.PyTreeCheckpointer() as ckptr:
         restored = ckptr.restore(item, args=ocp.args.PyTreeRestore(
             item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
@@ -462,6 +479,8 @@ def restore_from(path: str, abstract_state: Any, params_only: bool) -> tuple[Any
     verify(restored, json.loads(meta_file.read_text()) if meta_file.exists() else {})
   except CorruptCheckpoint as e:
     raise CheckpointError(os.fspath(step_dir), f"is corrupt ({e})", "restore from another step or run") from None
+  except CheckpointError:
+    raise
   except Exception as e:
     raise CheckpointError(os.fspath(step_dir), f"cannot restore ({describe(e)})",
                           "check that the checkpoint matches this model config") from None

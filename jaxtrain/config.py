@@ -54,6 +54,11 @@ def base_config(model: str = "llama") -> ml_collections.ConfigDict:
       # mesh.pipeline > 1, flowing through the stages together. 0 = auto: 1, or the stage count when pipelined.
       microbatches=0,
       log_every=10,
+      # Greedy continuations of sample_prompts (sample_tokens new tokens each) logged every N steps and at the end
+      # (0: off): to the log and <workdir>/samples.jsonl (jaxtrain.generate.Sampler, compiled once).
+      sample_every=0,
+      sample_prompts=("ROMEO:",),
+      sample_tokens=32,
   ))
   c.eval = ml_collections.ConfigDict(dict(
       every_steps=0,  # eval loss and perplexity on the held-out split every N steps (0: off)
@@ -90,6 +95,13 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
     _component(module).validate(cfg)
   check_positive(cfg, ["train.steps", "train.global_batch_size", "train.log_every"])
   check_positive(cfg, ["train.microbatches", "eval.every_steps", "eval.max_batches"], allow_zero=True)
+  check_positive(cfg, ["train.sample_every"], allow_zero=True)
+  check_positive(cfg, ["train.sample_tokens"])
+  prompts = cfg.train.sample_prompts
+  if cfg.train.sample_every and (isinstance(prompts, str) or not prompts or
+                                 not all(isinstance(p, str) and p for p in prompts)):
+    raise ConfigError("train.sample_prompts", f"{prompts!r} is not a non-empty tuple of non-empty strings",
+                      "set e.g. --config.train.sample_prompts=\"('ROMEO:', 'JULIET:')\"")
   if not cfg.workdir:
     raise ConfigError("workdir", "is empty", "set --config.workdir=DIR")
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import ml_collections
@@ -102,14 +102,27 @@ def decay_mask(params):
                                           params)
 
 
-def make(optim_cfg, train_steps: int) -> optax.GradientTransformation:
+def make(optim_cfg, train_steps: int,
+         trainable: Callable[[Any], Any] | None = None) -> optax.GradientTransformation:
   """Global-norm clipping (unless ``clip_norm`` is 0), then ``OPTIMIZERS[optim_cfg.name]`` with the lr
-  :func:`schedule`. ConfigError naming ``optim.name`` if it is not registered."""
+  :func:`schedule`. ConfigError naming ``optim.name`` if it is not registered.
+
+  ``trainable``: ``params -> tree of bools`` when only part of the params is trained (LoRA: the model's
+  ``trainable_mask()``); the clipping and the optimizer then see only the trained params (the global norm is
+  theirs), and the frozen ones get zero updates and have no optimizer state at all (``optax.multi_transform``
+  with ``set_to_zero``)."""
   chain = []
   if optim_cfg.clip_norm > 0:
     chain.append(optax.clip_by_global_norm(optim_cfg.clip_norm))
   chain.append(OPTIMIZERS.get(optim_cfg.name)(optim_cfg, schedule(optim_cfg, train_steps)))
-  return optax.chain(*chain)
+  tx = optax.chain(*chain)
+  if trainable is None:
+    return tx
+
+  def labels(params):
+    return jax.tree.map(lambda t: "train" if t else "frozen", trainable(params))
+
+  return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
 
 
 # Schedules after the warmup ----------------------------------------------------------------------------------

@@ -35,8 +35,14 @@ GPIPE = "--config.workdir=runs/gpipe"
 CIRCULAR = "--config.workdir=runs/circular"
 PREPARE = "--input=my_texts"
 TRAIN_PREPARED = "--config.data.path=data/my_texts"
-PREPARE_SFT = "--input=chats.jsonl"
+PREPARE_SFT = "--output=data/chats"
 TRAIN_SFT = "--config.data.path=data/chats"
+GENERATE = "--checkpoint=runs/tiny"
+HF_IMPORT = "import --hf=hf/my-llama"
+HF_PREPARE = "--tokenizer=imported/my-llama/hf"
+HF_TRAIN = "--config=imported/my-llama/config.py"
+HF_GENERATE = "--checkpoint=runs/my-llama --prompt"
+HF_EXPORT = "export --checkpoint=runs/my-llama"
 # Shown but not runnable here, with the reason.
 NOT_RUN = {
     TEST_COMMAND: "the test command itself: .ci/run runs it, read from the README "
@@ -49,7 +55,8 @@ def test_every_readme_command_is_run_by_a_test():
   """A command added to the README without a test here (or one a test no longer finds) fails."""
   run = [QUICK_START] + [readme.command(part) for part in (TRAIN_LONGER, INSPECT, PLOT, TP, DRY_RUN, GPIPE,
                                                            CIRCULAR, PREPARE, TRAIN_PREPARED, PREPARE_SFT,
-                                                           TRAIN_SFT)]
+                                                           TRAIN_SFT, GENERATE, HF_IMPORT,
+                                                           HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT)]
   not_run = [readme.command(part) for part in NOT_RUN]
   assert sorted(run + not_run) == sorted(readme.commands())
 
@@ -200,15 +207,63 @@ def test_prepare_data_and_train_on_it(user):
   assert user.committed("runs/my_texts") == [3] and "done: step 3/3" in err
 
 
-def test_prepare_sft_data_and_train_on_it(user):
+def _write_chats(path):
   lines = [{"prompt": f"Q{i}: what rhymes with {w}? ", "response": f"A{i}: {w}-ish, perhaps."}
            for i, w in enumerate(["moon", "June", "spoon", "tune", "dune", "rune"] * 20)]
   lines += [{"messages": [{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": f"{i}!"}]}
             for i in range(40)]
-  (user.repo / "chats.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+  path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+
+def test_prepare_sft_data_and_train_on_it(user):
+  _write_chats(user.repo / "chats.jsonl")
   out = _ok_out(user.run(readme.command(PREPARE_SFT)))
   manifest = json.loads((user.repo / "data" / "chats" / "manifest.json").read_text())
   assert out.strip().endswith("-> data/chats") and manifest["format"] == "jaxtrain.sft.v1"
   assert manifest["documents"] == 160 and 0 < manifest["trained_tokens"] < manifest["tokens"]
   err = _ok(user.run(readme.command(TRAIN_SFT), "--config.train.steps=3"))
   assert user.committed("runs/chats") == [3] and "done: step 3/3" in err
+
+
+def test_generate_from_the_quick_start_run(user):
+  result = user.run(readme.command(GENERATE))
+  out = _ok_out(result)
+  lines = out.splitlines()
+  # one line: the 64 bytes that follow the prompt (the byte tokenizer has no EOS), newlines written as \\n
+  assert len(lines) == 1 and len(lines[0].replace("\\n", "\n").encode()) >= 60, out
+  again = _ok_out(user.run(readme.command(GENERATE)))
+  assert again == out  # greedy: the same completion every time
+
+
+def test_hugging_face_import_lora_fine_tune_generate_export(user):
+  """The README's Hugging Face flow on a small random Llama whose folder has a real (tiny BPE) tokenizer with a
+  Llama 3 chat template: every command exits 0, the LoRA run trains only adapters, and the export equals the
+  source except the adapted q and v projections."""
+  torch = pytest.importorskip("torch", reason="torch (test-only) builds the random Hugging Face Llama")
+  transformers = pytest.importorskip("transformers", reason="transformers (test-only) builds and loads the Llama")
+  from safetensors.numpy import load_file
+  from tests import test_sft
+  folder = user.repo / "hf" / "my-llama"
+  test_sft._tokenizer_folder(folder, "llama3", test_sft.LLAMA3)
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                    bos_token_id=0, eos_token_id=3)
+  transformers.LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+  _write_chats(user.repo / "chats.jsonl")
+  _ok(user.run(readme.command(HF_IMPORT)))
+  assert (user.repo / "imported/my-llama/hf/tokenizer_config.json").exists()
+  out = _ok_out(user.run(readme.command(HF_PREPARE)))
+  assert json.loads((user.repo / "data/llama_chats/manifest.json").read_text())["sft"]["template"] == "chat_template"
+  err = _ok(user.run(readme.command(HF_TRAIN), "--config.train.steps=3", "--config.data.seq_len=64",
+                     "--config.train.global_batch_size=8"))
+  assert "LoRA rank 8" in err and "done: step 3/3" in err, err[-3000:]
+  assert user.committed("runs/my-llama") == [3]
+  out = _ok_out(user.run(readme.command(HF_GENERATE)))
+  assert len(out.splitlines()) == 1
+  _ok(user.run(readme.command(HF_EXPORT)))
+  source = load_file(folder / "model.safetensors")
+  exported = load_file(user.repo / "exported/my-llama/model.safetensors")
+  assert sorted(source) == sorted(exported)
+  changed = sorted(k for k in source if source[k].tobytes() != exported[k].tobytes())
+  assert changed and all(".q_proj." in k or ".v_proj." in k for k in changed), changed

@@ -7,7 +7,9 @@ then arithmetic over the mesh (no arrays are created, no program is compiled). A
 - params and gradients float32; the optimizer state is that of optim.name (jaxtrain.optim) for the params,
   laid out as training lays it out (jaxtrain/train/state.py: moments sharded like their params, factored
   moments like their params less the factored dim, counters replicated); AdamW: two float32 moments (2 x
-  params) plus its int32 step counters; the train state adds one int32 step counter;
+  params) plus its int32 step counters; the train state adds one int32 step counter; with LoRA
+  (model.lora.rank > 0) the optimizer state covers the adapters only, and the gradients are the adapters' plus
+  the full gradient of every targeted kernel (the forward runs on merged weights: jaxtrain/models/lora.py);
 - activations and tensor-parallel traffic are the model family's estimate (Family.activation_estimate; a
   family without one: not estimated). Llama's: activations per device, kept for the backward pass, per layer
   (b = local batch rows per microbatch, t = seq_len, d = d_model, f = mlp_dim, h = heads x head_dim,
@@ -37,6 +39,7 @@ from absl import app, flags  # noqa: E402
 from jaxtrain import config as config_lib  # noqa: E402
 from jaxtrain import mesh as mesh_lib  # noqa: E402
 from jaxtrain import models, optim, sharding  # noqa: E402
+from jaxtrain.models import lora  # noqa: E402
 from jaxtrain.train import state as state_lib  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "configs/tiny.py", "Config file.")
@@ -79,9 +82,17 @@ def estimate(config, devices: int, slices: int = 1) -> dict:
   params = _nbytes(shards)
   # The optimizer's state for the full params (its shapes may depend on the full shapes: Adafactor factors dims
   # >= 128), laid out by the training run's own rule (train/state.py) on an abstract mesh of these sizes.
-  tx = optim.make(config.optim, config.train.steps)
+  tx = optim.make(config.optim, config.train.steps, model.trainable_mask())  # LoRA: the adapters' state only
   layout = state_lib.shardings(model, tx, jax.sharding.AbstractMesh(tuple(mesh.values()), tuple(mesh)), rules)
   optimizer = sharding.shard_bytes(jax.eval_shape(tx.init, model.abstract_params), layout.opt_state)
+  grads = params
+  if model.lora:  # gradients of the adapters, and the full gradient of each merged (targeted) kernel
+    trained = model.split_trainable(model.abstract_params)[0]
+    grads = sharding.shard_bytes(trained, model.split_trainable(layout.params)[0])
+    targets = lora.targets(model.split_trainable(model.abstract_params)[1],
+                           model.split_trainable(model.logical_specs)[1], model.lora)
+    grads += _nbytes([jax.ShapeDtypeStruct(sharding.shard_shape(a.shape, jax.sharding.PartitionSpec(*s), rules,
+                                                                 mesh), a.dtype) for a, s in targets.values()])
   state = params + optimizer + 4  # + the train state's int32 step counter
   m, t = config.model, config.train
   b = t.global_batch_size // (t.microbatches or 1) // sharding.batch_shards(mesh, rules)[1]
@@ -103,8 +114,8 @@ def estimate(config, devices: int, slices: int = 1) -> dict:
       comm[axis] = 2 * (n - 1) / n * per_family["tensor_allreduce_bytes"] * (t.microbatches or 1)
   return {
       "mesh": mesh, "devices": devices, "params": model.num_params(), "local_batch_rows": b,
-      "bytes_per_device": {"params": params, "grads": params, "optimizer": optimizer,
-                           "activations": activations, "total": state + params + (activations or 0)},
+      "bytes_per_device": {"params": params, "grads": grads, "optimizer": optimizer,
+                           "activations": activations, "total": state + grads + (activations or 0)},
       # The whole train state (params, optimizer state, step counter): what the compiled step takes as
       # arguments besides the batch, to the byte.
       "params_plus_optimizer_per_device": state, "full_param_bytes": full_params,

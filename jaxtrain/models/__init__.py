@@ -14,6 +14,18 @@ A module can be split into pipeline stages (jaxtrain/parallel/pipeline.py) when 
 as methods: ``embed_tokens(tokens, positions) -> x``, a stacked layer module ``layers`` (leading ``layers`` axis),
 ``apply_layer(weights, x, (positions, segment_ids)) -> x`` for one layer's slice of ``params['layers']``, and
 ``head(x) -> logits or Output``.
+
+Decoding (jaxtrain/generate.py) works with a module that also has a classmethod ``init_cache(cfg, batch, max_len)
+-> KVCache`` (jaxtrain.models.attention) and takes the cache as a fourth argument: ``(tokens, positions,
+segment_ids, cache) -> (logits, cache)``. The cache holds every layer's keys and values ``[layers, batch, max_len,
+kv_heads, head_dim]`` (logical axes ``(batch, None, kv_heads, head_dim)`` per layer), the segment id and position of
+the token in each slot ``[batch, max_len]`` and the next slot to write, ``index`` (one for all rows). The call
+writes the ``length`` new tokens' keys and values at ``index`` through the model's own attention layers, lets the
+new queries attend over the cache with ``attention.cached_mask`` (key j is visible to query i iff they have the
+same nonzero segment id and ``kv_position[j] <= q_position[i]``) and returns the cache with ``index + length``.
+Prompts of different lengths are left-padded: pads have segment id 0, each row's positions start at 0 at its first
+real token, so a prefill (whole prompts at once) and then one token per call compute the logits of the training
+forward on the same rows. Without a cache the call is the training forward, unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import ml_collections
 from flax import nnx
 
 from jaxtrain.errors import ConfigError, check_choice, check_positive
+from jaxtrain.models import lora
 from jaxtrain.registry import Registry
 
 _STAGE_METHODS = ("embed_tokens", "apply_layer", "head")
@@ -40,6 +53,7 @@ def _shared_defaults() -> dict:
       dtype="float32",  # compute dtype; params are always float32
       remat="none",  # what the backward pass recomputes per layer: a name in models.REMAT (none | full | save_dots)
       attention="xla",  # the attention backend: a name in models.attention.BACKENDS
+      lora=lora.defaults(),  # LoRA fine-tuning (rank 0 = off): jaxtrain/models/lora.py
   )
 
 
@@ -145,6 +159,9 @@ def validate(config) -> None:
   from jaxtrain.models import attention
   attention.BACKENDS.check(config)
   family.validate(m)
+  lora.validate(m)
+  if lora.active(m):
+    Model.from_config(m)  # ConfigError naming model.lora.targets if a target names no kernel
 
 
 def axis_key(name: str, axis: str) -> str:
@@ -195,12 +212,41 @@ class Model:
     graphdef, state = nnx.split(abstract, nnx.Param)
     specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
     params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state))
+    if lora.active(model_cfg):  # the adapters, under params['lora'] (jaxtrain/models/lora.py)
+      params, specs = lora.add_adapters(params, specs, model_cfg.lora)
     return cls(family, model_cfg, graphdef, params, specs)
 
   def init(self, rng: jax.Array) -> dict:
     with nnx.use_eager_sharding(False):
       module = self.cls(self.cfg, rngs=nnx.Rngs(params=rng))
-    return nnx.to_pure_dict(nnx.state(module, nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(module, nnx.Param))
+    if self.lora:  # the base is initialized as without LoRA; B = 0: the adapted model equals it
+      params[lora.KEY] = lora.init(jax.random.fold_in(rng, 0x10EA), self.abstract_params[lora.KEY],
+                                   self.logical_specs[lora.KEY])
+    return params
+
+  @property
+  def lora(self):
+    """The ``model.lora`` config group when LoRA is on (rank > 0), else None."""
+    return lora.active(self.cfg)
+
+  def effective_params(self, params: dict) -> dict:
+    """The plain params the module computes with: with LoRA adapters the merged weights (lora.merge, the base
+    frozen by stop_gradient), else ``params`` themselves. Every forward goes through here (bind, the pipeline)."""
+    return lora.merge(params, self.lora) if self.lora and lora.KEY in params else params
+
+  def trainable_mask(self):
+    """``params -> tree of bools`` (True: trained) when only part of the params is trained (LoRA: the
+    adapters), else None (everything is trained)."""
+    return lora.trainable_mask if self.lora else None
+
+  def split_trainable(self, params: dict) -> tuple[Any, Any]:
+    """(trained params, frozen params): with LoRA (adapters, base), else (params, {})."""
+    return lora.split(params) if self.lora else (params, {})
+
+  def join_trainable(self, trained: Any, frozen: Any) -> dict:
+    """The inverse of :meth:`split_trainable`."""
+    return lora.join(trained, frozen) if self.lora else trained
 
   def forward(self, params: dict, tokens, positions, segment_ids) -> Output:
     return Output.of(self.bind(params)(tokens, positions, segment_ids))
@@ -212,7 +258,7 @@ class Model:
   def bind(self, params: dict) -> nnx.Module:
     """The module with these parameter values (inside a traced function: tracers)."""
     with nnx.use_eager_sharding(False):
-      return nnx.merge(self.graphdef, params)
+      return nnx.merge(self.graphdef, self.effective_params(params))
 
   def aux_loss_weights(self, names) -> dict[str, float]:
     """``{name: model.<name>_weight}`` for the auxiliary losses ``names``; ConfigError if a weight is missing."""
@@ -223,7 +269,8 @@ class Model:
     return {n: float(self.cfg[f"{n}_weight"]) for n in names}
 
   def flops_per_token(self, seq_len: int) -> float:
-    return float(self.family.flops_per_token(self.cfg, seq_len, self.abstract_params))
+    base = {k: v for k, v in self.abstract_params.items() if k != lora.KEY}  # the computed weights (merged)
+    return float(self.family.flops_per_token(self.cfg, seq_len, base))
 
   def why_not_stageable(self) -> str | None:
     """Why this model cannot be split into pipeline stages, or None if it can."""
@@ -239,3 +286,16 @@ class Model:
 
   def num_params(self) -> int:
     return sum(x.size for x in jax.tree.leaves(self.abstract_params))
+
+  def can_decode(self) -> bool:
+    """Whether the module supports decoding with a KV cache (see the module docstring)."""
+    return callable(getattr(self.cls, "init_cache", None))
+
+  def init_cache(self, batch: int, max_len: int):
+    """An empty KV cache (jaxtrain.models.attention.KVCache) of ``max_len`` slots for ``batch`` rows."""
+    return self.cls.init_cache(self.cfg, batch, max_len)
+
+  def decode(self, params: dict, tokens, positions, segment_ids, cache):
+    """``(logits, cache)``: the tokens' logits with the cache's keys and values in view, and the updated cache."""
+    logits, cache = self.bind(params)(tokens, positions, segment_ids, cache)
+    return Output.of(logits).logits, cache

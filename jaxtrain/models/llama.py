@@ -5,13 +5,15 @@ Knows only logical axis names; see jaxtrain/sharding.py for how they map onto th
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain import models
 from jaxtrain.errors import ConfigError, check_positive
-from jaxtrain.models.attention import attend
+from jaxtrain.models.attention import KV_AXES, KVCache, attend, attend_cached, write_kv
 from jaxtrain.sharding import constrain
 
 _INIT = nnx.initializers.normal(0.02)
@@ -149,10 +151,19 @@ class Attention(nnx.Module):
     self.o = nnx.Einsum("btnh,nhd->btd", (n, h, d), kernel_init=_param(("heads", "head_dim", "embed")), **kw)
     self.theta, self.scaling, self.backend = cfg.rope_theta, rope_scaling(cfg), cfg.attention
 
-  def __call__(self, x, positions, segment_ids):
+  def __call__(self, x, positions, segment_ids, cache=None):
+    """``cache``: None (training), or ``(k, v, slots)`` for decoding: this layer's cached keys and values ``[batch,
+    max_len, kv_heads, head_dim]`` and the KVCache whose segment ids and positions already hold the new tokens;
+    the new keys and values are written at ``slots.index`` and the queries attend over the cache. Returns the
+    output, and with a cache also the updated ``(k, v)``."""
     q = constrain(rope(self.q(x), positions, self.theta, self.scaling), ("batch", "length", "heads", "head_dim"))
     k = constrain(rope(self.k(x), positions, self.theta, self.scaling), ("batch", "length", "kv_heads", "head_dim"))
     v = constrain(self.v(x), ("batch", "length", "kv_heads", "head_dim"))
+    if cache is not None:
+      k_cache, v_cache, slots = cache
+      k, v = write_kv(k_cache, k, slots.index), write_kv(v_cache, v, slots.index)
+      out = attend_cached(q, k, v, segment_ids, positions, slots.segment_ids, slots.positions)
+      return self.o(constrain(out, ("batch", "length", "heads", "head_dim"))), (k, v)
     out = attend(self.backend, q, k, v, segment_ids)  # causal, never across documents
     return self.o(constrain(out, ("batch", "length", "heads", "head_dim")))
 
@@ -176,7 +187,13 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
     self.mlp = MLP(cfg, dtype, rngs)
 
-  def __call__(self, x, positions, segment_ids):
+  def __call__(self, x, positions, segment_ids, cache=None):
+    """With a ``cache`` (see Attention) returns ``(x, (k, v))``."""
+    if cache is not None:
+      attn, kv = self.attn(self.attn_norm(x), positions, segment_ids, cache)
+      x = x + attn
+      x = x + self.mlp(self.mlp_norm(x))
+      return constrain(x, ("batch", "length", "embed")), kv
     x = x + self.attn(self.attn_norm(x), positions, segment_ids)
     x = x + self.mlp(self.mlp_norm(x))
     return constrain(x, ("batch", "length", "embed"))
@@ -221,11 +238,37 @@ class Llama(nnx.Module):
     logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
     return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
-  def __call__(self, tokens, positions, segment_ids):
+  def __call__(self, tokens, positions, segment_ids, cache: KVCache | None = None):
+    """Logits ``[batch, length, vocab]``; with a ``cache`` (decoding, see jaxtrain/models), ``(logits, cache)``:
+    the tokens' keys and values are written at ``cache.index`` and they attend over the cache."""
+    if cache is not None:
+      return self._decode(tokens, positions, segment_ids, cache)
     x = self.embed_tokens(tokens, positions)
     stacked = nnx.state(self.layers)
     x, _ = jax.lax.scan(lambda h, w: (self.apply_layer(w, h, (positions, segment_ids)), None), x, stacked)
     return self.head(x)
+
+  @classmethod
+  def init_cache(cls, cfg, batch: int, max_len: int) -> KVCache:
+    """An empty cache of ``max_len`` slots per row (keys and values in the compute dtype)."""
+    return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
+
+  def _decode(self, tokens, positions, segment_ids, cache: KVCache):
+    slots = cache.write_slots(segment_ids, positions)
+    graphdef = nnx.graphdef(self.layers)
+    stacked_axes = (None, *KV_AXES)  # the layer stack of keys or values: never split over pipeline stages here
+
+    def layer(h, xs):
+      weights, k, v = xs
+      h, (k, v) = nnx.merge(graphdef, weights)(h, positions, segment_ids, (k, v, slots))
+      return h, (k, v)
+
+    x = self.embed_tokens(tokens, positions)
+    k, v = constrain(cache.k, stacked_axes), constrain(cache.v, stacked_axes)
+    x, (k, v) = jax.lax.scan(layer, x, (nnx.state(self.layers), k, v))
+    cache = dataclasses.replace(slots, k=constrain(k, stacked_axes), v=constrain(v, stacked_axes),
+                                index=slots.index + tokens.shape[1])
+    return self.head(x), cache
 
 
 models.register("llama", models.Family(module=Llama, defaults=defaults, flops_per_token=flops_per_token,

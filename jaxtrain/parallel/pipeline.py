@@ -195,6 +195,7 @@ def forward(model, params, batch, schedule: Schedule, head_loss: Callable[[Any, 
   and ``head_loss(head_output, batch_chunk) -> pytree of scalars`` S microbatches at a time, one on each stage
   (no stage repeats another's head, and only S microbatches' logits exist at once). Returns the sum of
   ``head_loss`` over all microbatches."""
+  params = model.effective_params(params)  # LoRA: merged weights (jaxtrain/models/lora.py), the stack included
   module = model.bind(params)
   m, s = schedule.microbatches, schedule.stages
   micro = split_microbatches(batch, m)

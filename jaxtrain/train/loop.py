@@ -101,6 +101,12 @@ def eval_due(step: int, every: int, last: int) -> bool:
   return bool(every) and (step % every == 0 or step == last)
 
 
+def sample_due(step: int, every: int, last: int) -> bool:
+  """Whether greedy samples of ``step``'s params are logged: at multiples of ``train.sample_every`` (0: never) and
+  at the last step."""
+  return bool(every) and (step % every == 0 or step == last)
+
+
 def checkpoint_due(step: int, last: int, preempted: bool, should_save: Callable[[int], bool]) -> str | None:
   """``'forced'`` at the last step and on preemption, ``'periodic'`` where ``should_save(step)`` (the
   checkpointer's every_steps / every_minutes) says so, else None."""
@@ -215,6 +221,11 @@ class Loop:
     self.buffer, self.interval, self.history = MetricsBuffer(), _Interval(), []
     self.last, self.last_eval = {}, {}  # the newest fetched step's metrics; the newest eval's
     self.evaluating = {}  # step -> fetch of its eval: dispatched with that step's params, logged after its record
+    self.sampling = {}  # step -> fetch of its samples (train.sample_every), likewise
+    self.sample = None
+    if c.train.get("sample_every", 0):
+      from jaxtrain import generate
+      self.sample = generate.Sampler(run)  # compiled once, here
     self.summary = None  # (step, fingerprints and finiteness of its state, being computed) for its save
     self.recent_doc_ids = collections.deque(maxlen=4)  # (step, document ids of this process's rows): provenance
     self.flops = metrics_lib.flops_per_token(run.model, c.data.seq_len)
@@ -282,6 +293,8 @@ class Loop:
     self.counts.step = step
     if self.evaluate is not None and eval_due(step, self.config.eval.every_steps, self.last_step):
       self.evaluating[step] = self.evaluate(self.state.params)  # before the next step donates these params
+    if self.sample is not None and sample_due(step, self.config.train.sample_every, self.last_step):
+      self.sampling[step] = self.sample(self.state.params)  # likewise
     if self.checkpointer.verify and (step == self.last_step or self.checkpointer.should_save(step)):
       self.summary = (step, self.summarize(self.state))  # the device runs it right after the step
     return step, metrics
@@ -323,6 +336,9 @@ class Loop:
       self.last_eval.update(self.evaluating.pop(step)())
       self.writer.write(step, self.last_eval)
       self.watchdog.beat()
+    if step in self.sampling:
+      write_samples(self.config.workdir, step, self.sampling.pop(step)(), self.writer)
+      self.watchdog.beat()
 
   def _save(self, step: int, forced: bool, fingerprints) -> bool:
     """Saves ``step`` if it may (:func:`may_save`). True if its state was non-finite and the run rolled back."""
@@ -358,6 +374,7 @@ class Loop:
     self.nonfinite.streak, self.summary = 0, None
     self.buffer.clear()
     self.evaluating = {s: fetch for s, fetch in self.evaluating.items() if s <= self.counts.step}
+    self.sampling = {s: fetch for s, fetch in self.sampling.items() if s <= self.counts.step}
     return True
 
   def _counts_now(self) -> LoopState:
@@ -401,6 +418,22 @@ class _Interval:
     if peak:
       record["mfu"] = tflops * 1e12 / peak
     return record
+
+
+def write_samples(workdir: str, step: int, samples: list[dict[str, str]], writer=None) -> None:
+  """Logs ``step``'s samples and appends them to ``<workdir>/samples.jsonl`` (one JSON object per sample: step,
+  prompt, completion) and, where the run writes TensorBoard, as text (process 0)."""
+  if jax.process_index() != 0:
+    return
+  for s in samples:
+    logging.info("step %d sample: %r -> %r", step, s["prompt"], s["completion"])
+  with (epath.Path(workdir) / "samples.jsonl").open("a") as f:
+    for s in samples:
+      f.write(json.dumps({"step": step, **s}, ensure_ascii=False) + "\n")
+  tb = getattr(writer, "tb", None)
+  if tb is not None:
+    tb.add_text("samples", "\n\n".join(f"**{s['prompt']}**{s['completion']}" for s in samples), step)
+    tb.flush()
 
 
 def report_bad_batch(run: Run, step: int, recent_doc_ids, why: str) -> None:

@@ -62,8 +62,11 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
   bad batch being replayed) is false; otherwise params and optimizer state stay as they were and only the step
   counter advances. Metrics: ``loss`` (the cross-entropy), ``aux_loss/<name>``, the model's own metrics, ..."""
   aux_weights = aux_weights or {}
+  # Only the trained params are differentiated, updated and checked (LoRA: the adapters; the frozen base is
+  # passed through untouched, bitwise); without LoRA that is all of them.
   param_shardings = state_shardings.params if state_shardings is not None else None
-  update_shardings = (param_shardings, state_shardings.opt_state) if state_shardings is not None else None
+  trained_shardings = model.split_trainable(param_shardings)[0] if param_shardings is not None else None
+  update_shardings = (trained_shardings, state_shardings.opt_state) if state_shardings is not None else None
   passes = 1 if pipeline is not None else microbatches
 
   def objective(params, batch, aux_scale):
@@ -75,10 +78,14 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
       value = value + aux_scale * sum(w * out["aux"][n] / out["forwards"] for n, w in aux_weights.items())
     return value, out
 
-  grad_fn = jax.value_and_grad(objective, has_aux=True)
+  def grad_fn(params, batch, aux_scale):  # the gradient with respect to the trained params only
+    trained, frozen = model.split_trainable(params)
+    return jax.value_and_grad(lambda t: objective(model.join_trainable(t, frozen), batch, aux_scale),
+                              has_aux=True)(trained)
 
   def train_step(state: TrainState, batch, skip):
     aux_scale = jnp.sum(batch["loss_mask"].astype(jnp.float32)) / passes
+    trained, frozen = model.split_trainable(state.params)
     if passes == 1:
       (_, out), grads = grad_fn(state.params, batch, aux_scale)
       aux = jax.tree.map(lambda v: v / out["forwards"], (out["aux"], out["metrics"]))
@@ -87,9 +94,9 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
         (_, out), g = grad_fn(state.params, microbatch, aux_scale)
         mean = jax.tree.map(lambda v: v / out["forwards"], (out["aux"], out["metrics"]))
         return jax.tree.map(jnp.add, carry, (out["loss_sum"], out["tokens"], mean, g)), None
-      zero_grads = jax.tree.map(jnp.zeros_like, state.params)
-      if param_shardings is not None:
-        zero_grads = jax.lax.with_sharding_constraint(zero_grads, param_shardings)
+      zero_grads = jax.tree.map(jnp.zeros_like, trained)
+      if trained_shardings is not None:
+        zero_grads = jax.lax.with_sharding_constraint(zero_grads, trained_shardings)
       micro = split_microbatches(batch, microbatches)
       first = jax.tree.map(lambda a: a[0], micro)
       shapes = jax.eval_shape(lambda: forward_losses(model, state.params, first, pipeline))
@@ -100,19 +107,21 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
       out = {"loss_sum": loss_sum, "tokens": tokens}
     denom = jnp.maximum(out["tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / denom, grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    # The optimizer sees the whole params tree (frozen params: zero gradients it ignores, no state).
+    full_grads = model.join_trainable(grads, jax.tree.map(jnp.zeros_like, frozen))
+    updates, opt_state = tx.update(full_grads, state.opt_state, state.params)
+    new_trained = optax.apply_updates(trained, model.split_trainable(updates)[0])
     loss, grad_norm = out["loss_sum"] / denom, optax.tree.norm(grads)
     finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-              & integrity.all_finite((params, opt_state), update_shardings))
+              & integrity.all_finite((new_trained, opt_state), update_shardings))
     apply = finite & ~skip
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)  # noqa: E731
     aux_losses, model_metrics = aux
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step), "tokens": out["tokens"],
                "nonfinite": (~finite).astype(jnp.float32), "skipped": (~apply).astype(jnp.float32),
                **{f"aux_loss/{k}": v for k, v in aux_losses.items()}, **model_metrics}
-    return TrainState(step=state.step + 1, params=keep(params, state.params),
-                      opt_state=keep(opt_state, state.opt_state)), metrics
+    params = model.join_trainable(keep(new_trained, trained), frozen)
+    return TrainState(step=state.step + 1, params=params, opt_state=keep(opt_state, state.opt_state)), metrics
 
   return train_step
 

@@ -29,6 +29,7 @@ from jaxtrain import models
 from jaxtrain import optim
 from jaxtrain import sharding
 from jaxtrain import workdir as workdir_lib
+from jaxtrain.models import lora
 from jaxtrain.config import ConfigError
 from jaxtrain.data import batch as batch_lib
 from jaxtrain.parallel import pipeline as pipeline_lib
@@ -93,7 +94,7 @@ see :func:`jaxtrain.config.resolve`). Raises ConfigError on user mistakes."""
   if config.data.num_workers and per_process % config.data.num_workers:
     raise ConfigError("data.num_workers", f"{config.data.num_workers} does not divide the {per_process} rows "
                       "each process loads per step", "use a divisor of global_batch_size / processes")
-  tx = optim.make(config.optim, config.train.steps)
+  tx = optim.make(config.optim, config.train.steps, model.trainable_mask())  # LoRA: the adapters only
   aux_weights = model.aux_loss_weights(step_lib.aux_loss_names(model, config.data.seq_len))
   return Run(config=config, mesh=mesh, rules=rules, model=model, tx=tx,
              lr_schedule=optim.schedule(config.optim, config.train.steps),
@@ -108,6 +109,7 @@ def report(run: Run) -> dict[str, Any]:
   sh = run.state_shardings
   info = {
       "params": run.model.num_params(),
+      "trainable_params": sum(x.size for x in jax.tree.leaves(run.model.split_trainable(abstract.params)[0])),
       "param_bytes_total": sharding.total_bytes(abstract.params),
       "param_bytes_per_device": sharding.shard_bytes(abstract.params, sh.params),
       "opt_bytes_total": sharding.total_bytes(abstract.opt_state),
@@ -120,6 +122,11 @@ def report(run: Run) -> dict[str, Any]:
                "MiB/device (%.1f MiB total)", dict(run.mesh.shape), f"{info['params']:,}",
                info["param_bytes_per_device"] / mib, info["param_bytes_total"] / mib,
                info["opt_bytes_per_device"] / mib, info["opt_bytes_total"] / mib)
+  if run.model.lora:
+    lora_cfg = run.model.lora
+    logging.info("LoRA rank %d, alpha %g on %s: %s trainable parameters (%.3f%%), the base is frozen",
+                 lora_cfg.rank, lora_cfg.alpha, lora_cfg.targets, f"{info['trainable_params']:,}",
+                 100 * info["trainable_params"] / info["params"])
   if run.pipeline_schedule:
     p = run.pipeline_schedule
     logging.info("pipeline: %d stages, %s, %d microbatches, %d layers per stage -> bubble %.1f%% "
@@ -181,8 +188,18 @@ def restore_or_init(run: Run, checkpointer: checkpoint_lib.Checkpointer, data) -
   state = init_state(run)
   c = run.config.checkpoint
   if c.restore_from:
-    other, step = checkpoint_lib.restore_from(c.restore_from, abstract, params_only=c.restore_mode == "params")
-    state = state.replace(params=other["params"]) if c.restore_mode == "params" else other
+    # LoRA from a base checkpoint (e.g. tools/convert_hf.py import): its params lack the adapters, which then
+    # keep their fresh init (B = 0: the run starts from exactly the base model).
+    optional = (lora.KEY,) if run.model.lora and c.restore_mode == "params" else ()
+    other, step = checkpoint_lib.restore_from(c.restore_from, abstract, params_only=c.restore_mode == "params",
+                                              optional=optional)
+    if c.restore_mode == "params":
+      fresh = [k for k in state.params if k not in other["params"]]
+      state = state.replace(params={**state.params, **other["params"]})
+      if fresh:
+        logging.info("%s has no %s params: freshly initialized", c.restore_from, ", ".join(fresh))
+    else:
+      state = other
     logging.info("started from %s of %s (step %d)", c.restore_mode, c.restore_from, step)
   return state, {}
 

@@ -1,0 +1,314 @@
+"""Text generation (jaxtrain/generate.py): greedy decoding equals transformers' on an imported model, KV-cache logits
+equal a full recompute at every step, sampling is reproducible, a sharded mesh generates what one device does, the
+command line prints completions (one line and exit 2 for mistakes), and training logs samples."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain import generate
+from jaxtrain import models
+from jaxtrain import sharding
+from jaxtrain.config import base_config
+from jaxtrain.data.tokenizers import ByteTokenizer
+from tests.conftest import small_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Three prompts of different lengths (left-padded into one batch), one of a single token.
+PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [12, 99, 3], [64]]
+
+
+def _model(vocab=256):
+  c = base_config()
+  c.model.update(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, vocab_size=vocab)
+  return models.Model.from_config(c.model)
+
+
+def _layout(devices=1, **mesh):
+  c = base_config()
+  c.mesh.update(**{"data": 1, "fsdp": 1, "tensor": 1, **mesh})
+  mesh = sharding.make_mesh(c.mesh, jax.devices()[:devices])
+  return mesh, sharding.rules_from_config(c.sharding)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  """A random 2-layer model on one device: model, mesh, rules, param shardings, params."""
+  model = _model()
+  mesh, rules = _layout()
+  shardings = sharding.logical_to_sharding(model.logical_specs, mesh, rules)
+  params = jax.device_put(model.init(jax.random.key(3)), shardings)
+  return model, mesh, rules, shardings, params
+
+
+def _generator(tiny, prompts=PROMPTS, **kw):
+  model, mesh, rules, shardings, _ = tiny
+  kw.setdefault("max_new_tokens", 12)
+  return generate.Generator(model, mesh, rules, shardings, rows=generate.padded_rows(len(prompts), mesh, rules),
+                            prompt_len=max(map(len, prompts)), **kw)
+
+
+# (b) The KV cache against a full recompute ------------------------------------------------------------------------
+
+
+def test_cached_logits_equal_full_recompute_at_every_step(tiny):
+  params = tiny[-1]
+  results = {}
+  for use_cache in (True, False):
+    gen = _generator(tiny, use_cache=use_cache, return_logits=True)
+    batch = gen.batch(PROMPTS)
+    out, produced, logits, _ = jax.device_get(gen(params, batch))
+    results[use_cache] = out, produced, logits
+  (out, produced, logits), (ref_out, ref_produced, ref_logits) = results[True], results[False]
+  np.testing.assert_array_equal(produced, [12, 12, 12])
+  np.testing.assert_array_equal(ref_produced, [12, 12, 12])
+  np.testing.assert_array_equal(out, ref_out)
+  err = np.max(np.abs(logits - ref_logits))
+  print(f"max |cached - recomputed| logit over 3 rows x 12 steps: {err:.2e}")
+  assert err < 1e-5 and np.max(np.abs(ref_logits)) > 0.1  # logits that are not all ~0
+  # Every step's logits are those of the training forward of the row alone (prompt + the tokens generated
+  # before that step, unpadded, positions from 0) at the step's input token.
+  model = tiny[0]
+  for r, ids in enumerate(PROMPTS):
+    row = np.asarray([ids + out[r, :-1].tolist()], np.int32)
+    alone = np.asarray(model.apply(params, row, np.arange(row.shape[1])[None], np.ones_like(row)))[0]
+    assert np.max(np.abs(logits[r] - alone[len(ids) - 1:])) < 1e-5, r
+
+
+def test_cache_mask_is_by_segment_and_position():
+  from jaxtrain.models.attention import cached_mask
+  q_seg, q_pos = np.array([[1, 1]]), np.array([[1, 2]])
+  kv_seg, kv_pos = np.array([[0, 1, 1, 1, 2, 0]]), np.array([[0, 0, 1, 2, 0, 9]])
+  np.testing.assert_array_equal(np.asarray(cached_mask(q_seg, q_pos, kv_seg, kv_pos))[0, 0],
+                                [[0, 1, 1, 0, 0, 0], [0, 1, 1, 1, 0, 0]])
+
+
+# (c) Sampling ------------------------------------------------------------------------------------------------------
+
+
+def test_sampling_is_reproducible_and_top_k_1_is_greedy(tiny):
+  params = tiny[-1]
+  greedy = _generator(tiny).generate(params, PROMPTS)
+  hot = _generator(tiny, sampling=generate.Sampling(temperature=1.5))
+  a, b, c = (hot.generate(params, PROMPTS, seed=s) for s in (7, 7, 8))
+  assert a == b and a != c and a != greedy
+  assert _generator(tiny, sampling=generate.Sampling(temperature=1.5, top_k=1)).generate(params, PROMPTS) == greedy
+  assert _generator(tiny, sampling=generate.Sampling(temperature=1.5, top_p=1e-6)).generate(params, PROMPTS) == greedy
+  # A row's draws do not depend on the other rows of the batch.
+  assert hot.generate(params, PROMPTS[:1], seed=7) == a[:1]
+
+
+def test_top_k_and_top_p_keep_exactly_their_tokens():
+  logits = np.log(np.array([[0.05, 0.5, 0.15, 0.3]] * 256, np.float32))
+  key = jax.random.key(0)
+
+  def drawn(**kw):
+    return set(np.asarray(generate.next_tokens(logits, key, generate.Sampling(temperature=1.0, **kw))).tolist())
+
+  assert drawn() == {0, 1, 2, 3}
+  assert drawn(top_k=2) == {1, 3}
+  assert drawn(top_k=3) == {1, 2, 3}
+  assert drawn(top_p=0.7) == {1, 3}  # 0.5 < 0.7, 0.5 + 0.3 >= 0.7: the nucleus is {1, 3}
+  assert drawn(top_p=0.8) == {1, 3}
+  assert drawn(top_p=0.81) == {1, 2, 3}
+  assert drawn(top_p=0.5) == {1}
+  assert set(np.asarray(generate.next_tokens(logits, key, generate.Sampling())).tolist()) == {1}
+
+
+def test_eos_ends_a_row(tiny):
+  params = tiny[-1]
+  full = _generator(tiny).generate(params, PROMPTS)
+  eos = full[0][4]  # row 0's fifth new token
+  stopped = _generator(tiny, eos_ids=(eos,)).generate(params, PROMPTS)
+  for row, ref in zip(stopped, full):
+    assert row == (ref[:ref.index(eos)] if eos in ref else ref)
+  assert len(stopped[0]) <= 4
+
+
+# (d) Sharded -------------------------------------------------------------------------------------------------------
+
+
+def test_sharded_mesh_generates_what_one_device_does(tiny):
+  model, _, _, _, params = tiny
+  expected = {s: _generator(tiny, sampling=generate.Sampling(s)).generate(params, PROMPTS, seed=1)
+              for s in (0.0, 1.0)}
+  mesh, rules = _layout(8, data=2, fsdp=2, tensor=2)
+  shardings = sharding.logical_to_sharding(model.logical_specs, mesh, rules)
+  sharded = jax.device_put(jax.device_get(params), shardings)
+  spec = sharded["layers"]["attn"]["k"]["kernel"].sharding.spec
+  assert spec == jax.sharding.PartitionSpec("pipeline", "fsdp", "tensor", None)  # sharded over all 8 devices
+  for temperature, want in expected.items():
+    gen = generate.Generator(model, mesh, rules, shardings, rows=generate.padded_rows(3, mesh, rules), prompt_len=7,
+                             max_new_tokens=12, sampling=generate.Sampling(temperature))
+    assert gen.rows == 4  # padded to the data x fsdp = 4 batch shards
+    assert gen.generate(sharded, PROMPTS, seed=1) == want
+
+
+# (a) transformers ------------------------------------------------------------------------------------------------
+
+
+def test_greedy_equals_transformers_generate(tmp_path):
+  torch = pytest.importorskip("torch", reason="torch (test-only) is not installed: the comparison with "
+                              "transformers needs it")
+  pytest.importorskip("transformers", reason="transformers (test-only) is not installed: the comparison needs it")
+  from jaxtrain import hf
+  from tests.test_hf import CONFIGS, _hf_model
+  ref = _hf_model(tmp_path / "src", **CONFIGS["gqa_untied"])
+  hf.import_llama(str(tmp_path / "src"), str(tmp_path / "out"))
+  loaded = generate.load(str(tmp_path / "out"))
+  assert dict(loaded.mesh.shape)["fsdp"] == 8  # the import's config: fsdp=-1 over the 8 devices
+  eos = ref.config.eos_token_id
+  prompts = [[p % 128 for p in ids] for ids in PROMPTS]
+  new = 16
+  gen = generate.Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings,
+                           rows=generate.padded_rows(len(prompts), loaded.mesh, loaded.rules), prompt_len=7,
+                           max_new_tokens=new, eos_ids=(eos,))
+  ours = gen.generate(loaded.params, prompts)
+  batch = gen.batch(prompts)
+  with torch.no_grad():
+    theirs = ref.generate(input_ids=torch.tensor(batch.tokens[:3]), attention_mask=torch.tensor(batch.segment_ids[:3]),
+                          do_sample=False, max_new_tokens=new, pad_token_id=0, eos_token_id=eos).numpy()[:, 7:]
+  for row, ids in zip(theirs, ours):
+    expected = row.tolist()
+    if eos in expected:
+      expected = expected[:expected.index(eos)]
+    assert ids == expected
+  print("new tokens:", ours)
+  assert sum(map(len, ours)) >= 12
+  # The import's tokenizer (hf/tokenizer.json) and its BOS / EOS ids from hf/config.json.
+  import tokenizers
+  vocab = {f"w{i}": i for i in range(128)}
+  word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+  word_level.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  word_level.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins the words with spaces
+  word_level.save(str(tmp_path / "out" / "hf" / "tokenizer.json"))
+  tok = generate.tokenizer_for(loaded.config, loaded.saved, loaded.step_dir)
+  assert tok.where.endswith("hf/tokenizer.json") and tok.bos_id == 1 and tok.eos_ids == (eos,)
+  assert tok.encode("w12 w99 w3") == [1, 12, 99, 3]
+  assert tok.decode([12, 99]) == "w12 w99"
+  result = _cli(f"--checkpoint={tmp_path / 'out'}", "--prompt=w12 w99 w3", f"--max_new_tokens={new}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  gen = generate.Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings, rows=8, prompt_len=4,
+                           max_new_tokens=new, eos_ids=(eos,))
+  assert result.stdout == tok.decode(gen.generate(loaded.params, [[1, 12, 99, 3]])[0]) + "\n"
+
+
+# (e) The command line --------------------------------------------------------------------------------------------
+
+
+def _cli(*args, timeout=300):
+  return subprocess.run([sys.executable, "-m", "jaxtrain.generate", *args], cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+  """configs/tiny.py trained 3 steps on the bundled corpus (byte-level)."""
+  from configs import tiny
+  from jaxtrain.train import trainer
+  c = tiny.get_config()
+  c.workdir = str(tmp_path_factory.mktemp("tiny_run"))
+  c.data.seq_len = 32
+  c.train.update(steps=3, global_batch_size=8, log_every=1)
+  c.optim.warmup_steps = 1
+  c.metrics.tensorboard = False
+  trainer.train(c)
+  return pathlib.Path(c.workdir)
+
+
+def test_cli_prints_completions_and_they_equal_the_api(trained_run):
+  result = _cli(f"--checkpoint={trained_run}", "--prompt=ROMEO:", "--prompt=To be", "--max_new_tokens=10")
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.splitlines()
+  assert len(lines) == 2
+  loaded = generate.load(str(trained_run))
+  assert loaded.step_dir == str(trained_run / "checkpoints" / "3")
+  tok = generate.tokenizer_for(loaded.config, loaded.saved, loaded.step_dir)
+  assert isinstance(tok.tokenizer, ByteTokenizer) and tok.eos_ids == ()
+  gen = generate.Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings, rows=8, prompt_len=6,
+                           max_new_tokens=10)
+  ids = gen.generate(loaded.params, [tok.encode("ROMEO:"), tok.encode("To be")])
+  assert [len(i) for i in ids] == [10, 10]
+  assert lines == [tok.decode(i).replace("\\", "\\\\").replace("\n", "\\n") for i in ids]
+  # Another mesh (data=2, fsdp=2, tensor=2) from the command line, jsonl: the same completions.
+  sharded = _cli(f"--checkpoint={trained_run / 'checkpoints'}", "--prompt=ROMEO:", "--prompt=To be",
+                 "--max_new_tokens=10", "--config.mesh.data=2", "--config.mesh.fsdp=2", "--set=mesh.tensor=2",
+                 "--format=jsonl", "--no_cache")
+  assert sharded.returncode == 0, sharded.stderr[-3000:]
+  assert "'data': 2, 'pipeline': 1, 'fsdp': 2, 'tensor': 2" in sharded.stderr
+  records = [json.loads(line) for line in sharded.stdout.splitlines()]
+  assert [r["completion"] for r in records] == [tok.decode(i) for i in ids]
+  assert [r["prompt"] for r in records] == ["ROMEO:", "To be"]
+
+
+CLI_ERRORS = [
+    (["--checkpoint={tmp}/nothing", "--prompt=a"], "does not exist"),
+    (["--checkpoint={tmp}", "--prompt=a"], "holds no committed checkpoint"),
+    (["--checkpoint={run}", "--prompt="], "prompt 1: is empty"),
+    (["--checkpoint={run}"], "--prompt: no prompt given"),
+    (["--checkpoint={run}", "--prompt=a", "--temperature=-1"], "--temperature: must be >= 0, got -1.0"),
+    (["--checkpoint={run}", "--prompt=a", "--top_p=0"], "--top_p: must be in (0, 1], got 0.0"),
+    (["--checkpoint={run}", "--prompt=a", "--max_new_tokens=0"], "--max_new_tokens: must be > 0, got 0"),
+    (["--checkpoint={run}", "--prompt=a", "--max_new_tokens=many"], "--max_new_tokens=many"),
+    (["--checkpoint={run}", "--prompt=a", "--set=model.num_layers=2"], "model.num_layers: cannot be overridden"),
+    (["--checkpoint={run}", "--prompt=a", "--config.mesh.fsdp=3"], "mesh: ICI mesh data=1 x pipeline=1 x fsdp=3"),
+    (["--checkpoint={run}", "--prompt=a", "--prompts_file={tmp}/missing.txt"], "missing.txt: cannot be read"),
+    (["--prompt=a"], "--checkpoint: is required"),
+]
+
+
+@pytest.mark.parametrize("args,message", CLI_ERRORS, ids=[m.split(":")[0] + ":" + m.split(":")[-1][:20]
+                                                         for _, m in CLI_ERRORS])
+def test_cli_mistakes_give_one_line_and_exit_2(args, message, trained_run, tmp_path):
+  result = _cli(*(a.format(tmp=tmp_path, run=trained_run) for a in args))
+  errors = [line for line in result.stderr.splitlines() if line.startswith("generate: error:")]
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
+  assert "Traceback" not in result.stderr and not result.stdout
+
+
+# (f) Samples during training ---------------------------------------------------------------------------------------
+
+
+def test_training_logs_greedy_samples(tmp_path, monkeypatch):
+  from jaxtrain.train import trainer
+  compiled = []
+  init = generate.Generator.__init__
+
+  def counting(self, *args, **kw):
+    compiled.append(1)
+    init(self, *args, **kw)
+
+  monkeypatch.setattr(generate.Generator, "__init__", counting)
+  c = small_config(tmp_path, fsdp=8)
+  c.train.update(steps=5, sample_every=2, sample_prompts=("ROMEO:", "ab"), sample_tokens=6)
+  state, _ = trainer.train(c)
+  samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+  assert [(s["step"], s["prompt"]) for s in samples] == [(2, "ROMEO:"), (2, "ab"), (4, "ROMEO:"), (4, "ab"),
+                                                         (5, "ROMEO:"), (5, "ab")]
+  assert len(compiled) == 1  # one Generator for the whole run
+  # The last samples are the greedy continuations of the final params.
+  run = trainer.build(c)
+  gen = generate.Generator(run.model, run.mesh, run.rules, run.state_shardings.params, rows=8, prompt_len=6,
+                           max_new_tokens=6)
+  ids = gen.generate(state.params, [list(b"ROMEO:"), list(b"ab")])
+  byte = ByteTokenizer()
+  assert [s["completion"] for s in samples[-2:]] == [byte.decode(i) for i in ids]
+  assert all(len(s["completion"].encode("utf-8", errors="surrogatepass")) >= 1 for s in samples)
+
+
+def test_sample_config_is_validated(tmp_path):
+  from jaxtrain.config import ConfigError, validate_values
+  c = small_config(tmp_path)
+  c.train.update(sample_every=2, sample_prompts=("ROMEO:", ""))
+  with pytest.raises(ConfigError, match="train.sample_prompts"):
+    validate_values(c)
+  c.train.update(sample_every=-1, sample_prompts=("ROMEO:",))
+  with pytest.raises(ConfigError, match="train.sample_every: must be >= 0, got -1"):
+    validate_values(c)
