@@ -5,7 +5,8 @@ without ``model.safetensors.index.json``, tokenizer files) into ``OUT/checkpoint
 ``checkpoint.restore_from`` with ``restore_mode=params`` starts from), ``OUT/config.py`` (a config file for
 ``python -m jaxtrain.main``) and ``OUT/hf/`` (the source's config.json, tokenizer and generation files, which
 :func:`export_llama` writes back). :func:`export_llama` writes a jaxtrain checkpoint (imported or trained) as such
-a folder. Tensors are read and written one at a time (peak host memory: about one float32 copy of the model);
+a folder. Tensors are read and written one at a time (peak host memory: import about 1.5 x the float32 model,
+export one param);
 params are float32 (a bfloat16 or float16 source converts exactly, and exports back bitwise with that ``dtype``).
 
 Layouts: HF Linear weights are ``[out, in]``; jaxtrain kernels are ``[in, ...out]`` (q/k/v ``[d, heads,
@@ -317,9 +318,10 @@ def _to_jax(tree: dict) -> dict:
   leaf is freed once copied: peak host memory one model plus one leaf). Measured on the CPU backend:
   ``jax.device_put`` of a numpy array defers the copy, which the first computation on it (the checkpoint's
   fingerprint pass) then makes for every leaf at once; and Orbax writes jax arrays with one staging copy fewer
-  than numpy arrays."""
+  than numpy arrays; ``jnp.array`` of a numpy array holds two copies; ``device_put(may_alias=False)`` one."""
   for key, value in tree.items():
-    tree[key] = _to_jax(value) if isinstance(value, dict) else jax.numpy.array(value)
+    tree[key] = _to_jax(value) if isinstance(value, dict) else jax.block_until_ready(
+        jax.device_put(value, may_alias=False))
   return tree
 
 
