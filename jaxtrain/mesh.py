@@ -1,6 +1,6 @@
 """The device mesh's sizes: the ``mesh`` config group and the arithmetic that fills and checks it.
 
-Axes, in this order: ``data``, ``pipeline``, ``fsdp``, ``tensor``; each has an ICI size (within a slice or host)
+Axes, in this order: ``data``, ``pipeline``, ``fsdp``, ``expert``, ``tensor``; each has an ICI size (within a slice or host)
 and a DCN size (``dcn_<axis>``: across slices or hosts). One ``-1`` per kind fills the rest. The devices are
 arranged into a ``jax.sharding.Mesh`` by jaxtrain.sharding.make_mesh.
 """
@@ -13,14 +13,16 @@ import ml_collections
 
 from jaxtrain.errors import ConfigError
 
-MESH_AXES = ("data", "pipeline", "fsdp", "tensor")
+# ``expert`` shards the experts of Mixture-of-Experts layers (jaxtrain/parallel/experts.py); for every other layer
+# it is one more axis the batch is split over (as MaxText and torchtitan do), so a dense model is data-parallel on it.
+MESH_AXES = ("data", "pipeline", "fsdp", "expert", "tensor")
 
 
 def defaults() -> ml_collections.ConfigDict:
   """The ``mesh`` config group: sizes per axis, ICI (within a slice / host) and DCN (across slices or hosts)."""
   return ml_collections.ConfigDict(dict(
-      data=1, fsdp=-1, tensor=1, pipeline=1,
-      dcn_data=1, dcn_fsdp=1, dcn_tensor=1, dcn_pipeline=1,
+      data=1, fsdp=-1, tensor=1, pipeline=1, expert=1,
+      dcn_data=1, dcn_fsdp=1, dcn_tensor=1, dcn_pipeline=1, dcn_expert=1,
   ))
 
 

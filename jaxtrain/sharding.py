@@ -1,7 +1,8 @@
 """Mesh from the config, logical-axis rules, and everything that turns logical names into shardings.
 
 Models name logical axes only (``batch``, ``length``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``,
-``mlp``, ``vocab``, ``layers``; ``stage`` is the pipeline's). A rule table maps each logical name to mesh axes;
+``mlp``, ``vocab``, ``layers``; ``stage`` is the pipeline's; ``experts`` and ``expert_mlp`` are a Mixture-of-Experts
+layer's expert weights). A rule table maps each logical name to mesh axes;
 this module is the one place that resolves it, for parameters (:func:`logical_to_sharding`) and for activations
 (:func:`constrain`), using Flax's rule resolution: for each logical name the first rule whose mesh axes are
 still free in that array wins, so ``batch -> (data, fsdp)`` and ``embed -> fsdp`` coexist (an activation's
@@ -45,18 +46,21 @@ def validate(config) -> None:
 
 Rules = tuple[tuple[str, Any], ...]
 
-# Every preset: the batch over data and fsdp; the layer stack over pipeline stages (contiguous blocks of
-# layers; a no-op when mesh.pipeline is 1), and ``stage``, the pipeline's own view of it, too.
-_BATCH = (("batch", ("data", "fsdp")), ("length", None), ("layers", "pipeline"), ("stage", "pipeline"),
-          ("head_dim", None))
+# Every preset: the batch over data, fsdp and expert; the layer stack over pipeline stages (contiguous blocks of
+# layers; a no-op when mesh.pipeline is 1), and ``stage``, the pipeline's own view of it, too; the experts of a MoE
+# layer over expert (each device holds E / mesh.expert of them; tokens travel to them by all-to-all).
+_BATCH = (("batch", ("data", "fsdp", "expert")), ("length", None), ("layers", "pipeline"), ("stage", "pipeline"),
+          ("head_dim", None), ("experts", "expert"))
 PRESETS: dict[str, Rules] = {
     # Pure data parallelism: every parameter replicated, the batch split over data and fsdp.
-    "dp": _BATCH + (("embed", None), ("heads", None), ("kv_heads", None), ("mlp", None), ("vocab", None)),
+    "dp": _BATCH + (("embed", None), ("heads", None), ("kv_heads", None), ("mlp", None), ("vocab", None),
+                    ("expert_mlp", None)),
     # FSDP / ZeRO-3: every parameter, gradient and optimizer moment sharded over fsdp along embed.
-    "fsdp": _BATCH + (("embed", "fsdp"), ("heads", None), ("kv_heads", None), ("mlp", None), ("vocab", None)),
+    "fsdp": _BATCH + (("embed", "fsdp"), ("heads", None), ("kv_heads", None), ("mlp", None), ("vocab", None),
+                      ("expert_mlp", None)),
     # FSDP + tensor (Megatron) parallelism: heads, mlp and vocab split over tensor as well.
     "fsdp_tp": _BATCH + (("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"),
-                         ("vocab", "tensor")),
+                         ("vocab", "tensor"), ("expert_mlp", "tensor")),
 }
 
 

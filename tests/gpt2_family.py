@@ -86,7 +86,8 @@ class GPT2(nnx.Module):
     self.ln_f = _layer_norm(cfg, dtype, rngs)
     self.remat, self.dtype = cfg.remat, dtype
 
-  def embed_tokens(self, tokens, positions):
+  def embed_tokens(self, tokens, positions, segment_ids=None):
+    del segment_ids
     table = constrain(self.pos_embed[...], (None, None))  # gathered before the lookup, as Llama's embedding
     x = self.wte(tokens) + jnp.take(table, positions, axis=0).astype(self.dtype)
     return constrain(x, ("batch", "length", "embed"))

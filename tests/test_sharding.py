@@ -87,7 +87,7 @@ def test_dp_preset_replicates_params_and_splits_batch(make_config):
   run = trainer.build(config)
   state = trainer.init_state(run)
   assert all(a.sharding.is_fully_replicated for a in jax.tree.leaves(state.params))
-  assert run.batch_sharding.spec == P(("data", "fsdp"), None)
+  assert run.batch_sharding.spec == P(("data", "fsdp", "expert"), None)
   replicated = dict(trainer.report(run)["replicated"])
   assert "['embed']['embedding']" in replicated and "['final_norm']['scale']" not in replicated
 

@@ -11,9 +11,11 @@ The module contract: ``Module(cfg, *, rngs)`` where ``cfg`` is the ``model`` con
 or an :class:`Output` (logits plus auxiliary losses, added to the objective weighted by the config key
 ``model.<name>_weight``, and metrics, logged). Parameters are ``nnx.Param`` annotated with logical axis names only.
 A module can be split into pipeline stages (jaxtrain/parallel/pipeline.py) when it also has the parts of that call
-as methods: ``embed_tokens(tokens, positions) -> x``, a stacked layer module ``layers`` (leading ``layers`` axis),
-``apply_layer(weights, x, (positions, segment_ids)) -> x`` for one layer's slice of ``params['layers']``, and
-``head(x) -> logits or Output``.
+as methods: ``embed_tokens(tokens, positions, segment_ids) -> x``, a stacked layer module ``layers`` (leading
+``layers`` axis), ``apply_layer(weights, x, (positions, segment_ids)) -> x`` for one layer's slice of
+``params['layers']``, and ``head(x) -> logits or Output``. A layer with auxiliary losses or metrics (a MoE router's)
+returns ``(x, {"aux_losses": {...}, "metrics": {...}})`` instead, each scalar that layer's share (the sum over the
+stack is what the forward reports); the pipeline sums them over layers and microbatches like the head's.
 
 Decoding (jaxtrain/generate.py) works with a module that also has a classmethod ``init_cache(cfg, batch, max_len)
 -> KVCache`` (jaxtrain.models.attention) and takes the cache as a fourth argument: ``(tokens, positions,
@@ -110,7 +112,7 @@ class Family:
   activation_estimate: Callable[[Any, int, int, int], dict[str, int]] | None = None
 
 
-FAMILIES: Registry[Family] = Registry("model.name", "model", builtin=("jaxtrain.models.llama",),
+FAMILIES: Registry[Family] = Registry("model.name", "model", builtin=("jaxtrain.models.llama", "jaxtrain.models.moe"),
                                       how="jaxtrain.models.register")
 # What the backward pass recomputes inside each layer (jax.checkpoint policies); None: keep everything.
 REMAT: Registry[Any] = Registry("model.remat", "remat policy", how="jaxtrain.models.REMAT.register")

@@ -217,8 +217,8 @@ class Llama(nnx.Module):
         kernel_init=_param(("embed", "vocab")), rngs=rngs)
     self.remat = cfg.remat
 
-  def embed_tokens(self, tokens, positions=None):
-    del positions  # RoPE: positions enter in attention
+  def embed_tokens(self, tokens, positions=None, segment_ids=None):
+    del positions, segment_ids  # RoPE: positions enter in attention
     # FSDP: gather the table's embed dim before the lookup (its gradient is then reduce-scattered), instead
     # of gathering from an embed-sharded table, which XLA can only reshard by replicating the activations.
     table = constrain(self.embed.embedding[...], ("vocab", None))

@@ -136,7 +136,9 @@ def run(layer: Callable[[Any, jax.Array, Any], jax.Array], stacked: Any, specs: 
   L axis and ``specs`` their logical PartitionSpecs (same structure, first name ``layers``). ``x`` is
   ``[M, ...]`` (microbatches of activations, logical axes ``activation_axes`` after the M axis) and
   ``side`` a pytree of ``[M, ...]`` per-microbatch inputs that every layer reads (positions, segment ids).
-  Returns the last layer's output for every microbatch, ``[M, ...]``.
+  Returns the last layer's output for every microbatch, ``[M, ...]``. A layer that returns ``(x, extras)`` (a
+  pytree of scalars: a MoE layer's auxiliary losses and metrics) makes it return ``(x, sum of extras over every
+  layer and microbatch)``; the bubble's idle stage-iterations add nothing.
   """
   s_, r_, m_ = schedule.stages, schedule.repeats, schedule.microbatches
 
@@ -151,34 +153,48 @@ def run(layer: Callable[[Any, jax.Array, Any], jax.Array], stacked: Any, specs: 
   stage_act = ("stage",) + tuple(activation_axes)
   micro_act = (None,) + tuple(activation_axes)
 
+  one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stacked)
+  probe = jax.eval_shape(layer, one_layer, jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
+                         jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), side))
+  has_extras = isinstance(probe, tuple)
+  no_extras = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), probe[1]) if has_extras else ()
+
+  def with_extras(w_layer, carry, side):
+    h, extras = carry
+    out = layer(w_layer, h, side)
+    return (out[0], jax.tree.map(jnp.add, extras, out[1])) if has_extras else (out, extras)
+
   @jax.checkpoint  # remat per stage iteration: only the stage's input is kept for the backward pass
   def stage(w, rnd, x, side):  # one stage, one iteration: its K layers of round ``rnd`` on one microbatch
     w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, rnd, 0, keepdims=False), w)
-    x, _ = jax.lax.scan(lambda h, w_layer: (layer(w_layer, h, side), None), x, w)
-    return x
+    out, _ = jax.lax.scan(lambda carry, w_layer: (with_extras(w_layer, carry, side), None), (x, no_extras), w)
+    return out
 
   stages = jax.vmap(stage, in_axes=(1, 0, 0, 0), spmd_axis_name=stage_axis())
   ids = jnp.arange(s_)
   is_first = (ids == 0).reshape((s_,) + (1,) * (x.ndim - 1))
 
   def iteration(carry, i):
-    buffer, previous = carry  # [M, ...] latest activations per microbatch; [S, ...] last iteration's outputs
-    first = jax.lax.dynamic_index_in_dim(buffer, i % m_, 0, keepdims=True)
+    buffer, previous, extras = carry  # [M, ...] latest activations per microbatch; [S, ...] last iteration's
+    first = jax.lax.dynamic_index_in_dim(buffer, i % m_, 0, keepdims=True)  # outputs; extras summed so far
     shifted = constrain(jnp.roll(previous, 1, axis=0), stage_act)  # stage s gets s - 1's: a collective permute
     inputs = jnp.where(is_first, first, shifted)
     micro = (i - ids) % m_
     rnd = jnp.clip((i - ids) // m_, 0, r_ - 1)
-    outputs = constrain(stages(weights, rnd, inputs, jax.tree.map(lambda a: a[micro], side)), stage_act)
+    outputs, stage_extras = stages(weights, rnd, inputs, jax.tree.map(lambda a: a[micro], side))
+    outputs = constrain(outputs, stage_act)
+    working = (i - ids >= 0) & (i - ids < r_ * m_)  # [S]: stages not idling in the bubble
+    extras = jax.tree.map(lambda t, e: t + jnp.sum(jnp.where(working, e, 0), axis=0), extras, stage_extras)
     done = i - (s_ - 1)  # the microbatch-round the last stage just finished, if >= 0
     slot = jnp.maximum(done, 0) % m_
     kept = jax.lax.dynamic_index_in_dim(buffer, slot, 0, keepdims=False)
     buffer = jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(done >= 0, outputs[-1], kept), slot, 0)
-    return (constrain(buffer, micro_act), outputs), None
+    return (constrain(buffer, micro_act), outputs, extras), None
 
   previous = jnp.zeros((s_,) + x.shape[1:], x.dtype)
-  carry = (constrain(x, micro_act), constrain(previous, stage_act))
-  (x, _), _ = jax.lax.scan(iteration, carry, jnp.arange(schedule.iterations))
-  return constrain(x, micro_act)
+  carry = (constrain(x, micro_act), constrain(previous, stage_act), no_extras)
+  (x, _, extras), _ = jax.lax.scan(iteration, carry, jnp.arange(schedule.iterations))
+  return (constrain(x, micro_act), extras) if has_extras else constrain(x, micro_act)
 
 
 def split_microbatches(batch, num: int):
@@ -194,14 +210,16 @@ def forward(model, params, batch, schedule: Schedule, head_loss: Callable[[Any, 
   the batch, run the layer stack over ``schedule.microbatches`` microbatches through the stages, then the head
   and ``head_loss(head_output, batch_chunk) -> pytree of scalars`` S microbatches at a time, one on each stage
   (no stage repeats another's head, and only S microbatches' logits exist at once). Returns the sum of
-  ``head_loss`` over all microbatches."""
+  ``head_loss`` over all microbatches, and the layers' extras summed over layers and microbatches (None if the
+  layers return none; see :func:`run`)."""
   params = model.effective_params(params)  # LoRA: merged weights (jaxtrain/models/lora.py), the stack included
   module = model.bind(params)
   m, s = schedule.microbatches, schedule.stages
   micro = split_microbatches(batch, m)
-  x = split_microbatches(module.embed_tokens(batch["inputs"], batch["positions"]), m)
+  x = split_microbatches(module.embed_tokens(batch["inputs"], batch["positions"], batch["segment_ids"]), m)
   x = run(module.apply_layer, params["layers"], model.logical_specs["layers"], x,
           (micro["positions"], micro["segment_ids"]), schedule, ("batch", "length", "embed"))
+  x, extras = x if isinstance(x, tuple) else (x, None)
 
   def by_stage(a, axes):  # [M, ...] -> [M / S, S, ...], microbatch c S + j on stage j
     return sharding.constrain(a.reshape(m // s, s, *a.shape[1:]), (None, "stage") + axes)
@@ -219,4 +237,4 @@ def forward(model, params, batch, schedule: Schedule, head_loss: Callable[[Any, 
   first = jax.tree.map(lambda a: a[0, 0], chunks)  # one microbatch: the shapes of what head_loss returns
   zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, *first))
   total, _ = jax.lax.scan(chunk, zero, chunks)
-  return total
+  return total, extras

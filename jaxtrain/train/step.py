@@ -33,7 +33,11 @@ def forward_losses(model: Model, params, batch, pipeline: pipeline_lib.Schedule 
   schedule the model runs pipelined (jaxtrain.parallel.pipeline.forward), and aux losses and metrics are summed
   over its head's chunks (``forwards`` of them); divide by ``forwards`` for their mean."""
   if pipeline is not None:
-    return pipeline_lib.forward(model, params, batch, pipeline, _losses)
+    out, layer_extras = pipeline_lib.forward(model, params, batch, pipeline, _losses)
+    if layer_extras:  # the layers' aux losses and metrics (a MoE router's), summed like the head's
+      out = {**out, "aux": {**out["aux"], **layer_extras["aux_losses"]},
+             "metrics": {**out["metrics"], **layer_extras["metrics"]}}
+    return out
   return _losses(model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"]), batch)
 
 

@@ -1,0 +1,250 @@
+"""Mixture-of-Experts decoder (``model.name=moe``): Llama's attention, and feed-forward blocks of E routed SwiGLU
+experts of which each token uses k (Mixtral, OLMoE, Qwen-MoE, DeepSeek-MoE), optionally shared experts every
+token uses (DeepSeek) and dense first layers.
+
+Routing (per token, float32): router logits ``x W_r`` ``[E]``; scores ``softmax`` (Mixtral, OLMoE) or ``sigmoid``
+(DeepSeek-V3) of them; the top-k scores are the expert weights, divided by their sum when
+``normalize_topk`` (Mixtral) or kept (OLMoE). The experts run in jaxtrain/parallel/experts.py (dropless or with
+a capacity; sharded over the ``expert`` mesh axis with all-to-all).
+
+Auxiliary losses (mean over the MoE layers and the real tokens of a forward), in the objective times their
+``model.<name>_weight``:
+* ``load_balance``: Switch / GShard's ``E * sum_e f_e P_e``, f_e the fraction of the k-choices that went to
+  expert e and P_e the mean router probability of e (scores normalized to sum 1). 1.0 when perfectly even
+  (transformers' Mixtral ``load_balancing_loss_func`` is k times this).
+* ``router_z``: ST-MoE's router z-loss, the mean of ``logsumexp(router logits)^2``.
+
+Metrics: ``moe/load/eNN`` the fraction of choices that went to expert NN (mean over MoE layers; sums to 1),
+``moe/load_max`` the largest expert's load times E (1.0 = even), ``moe/dropped`` the fraction of choices dropped
+by capacity.
+"""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain import models
+from jaxtrain.errors import ConfigError, check_positive
+from jaxtrain.models import llama
+from jaxtrain.parallel import experts
+from jaxtrain.sharding import constrain
+
+ROUTER_SCORES = ("softmax", "sigmoid")
+
+
+def defaults() -> dict:
+  """The MoE family's ``model`` keys: Llama's (``mlp_dim`` is the dense first layers' hidden size) and these."""
+  return dict(
+      llama.defaults(),
+      num_experts=8,  # routed experts per MoE layer
+      experts_per_token=2,  # k
+      expert_mlp_dim=128,  # hidden size of each expert's SwiGLU
+      num_shared_experts=0,  # DeepSeek-style experts every token uses (one SwiGLU of num x expert_mlp_dim)
+      first_dense_layers=0,  # the first N of num_layers are dense Llama blocks (DeepSeek: 1)
+      router_scores="softmax",  # softmax | sigmoid
+      normalize_topk=True,  # divide the k expert weights by their sum
+      moe_impl="dropless",  # dropless (ragged_dot) | capacity (overflow dropped, counted)
+      capacity_factor=1.25,  # capacity mode: slots per expert = ceil(factor * assignments / num_experts)
+      load_balance_weight=0.01,
+      router_z_weight=0.001,
+  )
+
+
+def validate(cfg) -> None:
+  llama.validate(cfg)
+  check_positive({"model": cfg}, [f"model.{k}" for k in ("num_experts", "experts_per_token", "expert_mlp_dim",
+                                                          "capacity_factor")])
+  check_positive({"model": cfg}, ["model.num_shared_experts", "model.first_dense_layers", "model.load_balance_weight",
+                                  "model.router_z_weight"], allow_zero=True)
+  if cfg.experts_per_token > cfg.num_experts:
+    raise ConfigError("model.experts_per_token", f"{cfg.experts_per_token} is more than model.num_experts="
+                      f"{cfg.num_experts}", "route each token to at most num_experts experts")
+  if cfg.first_dense_layers >= cfg.num_layers:
+    raise ConfigError("model.first_dense_layers", f"{cfg.first_dense_layers} leaves no MoE layer of "
+                      f"model.num_layers={cfg.num_layers}", "make it smaller than num_layers (or use model.name=llama)")
+  if cfg.router_scores not in ROUTER_SCORES:
+    raise ConfigError("model.router_scores", f"'{cfg.router_scores}' is not one of {', '.join(ROUTER_SCORES)}",
+                      "set model.router_scores=softmax or sigmoid")
+  if cfg.moe_impl not in experts.MODES:
+    raise ConfigError("model.moe_impl", f"'{cfg.moe_impl}' is not one of {', '.join(experts.MODES)}",
+                      "set model.moe_impl=dropless or capacity")
+
+
+def _expert_params(abstract_params) -> int:
+  moe = abstract_params["layers"]["moe"]
+  return sum(moe[name].size for name in ("gate", "up", "down"))
+
+
+def param_counts(cfg, abstract_params) -> tuple[int, int]:
+  """(total, active) parameters: active counts k of the E routed experts per token (and everything else)."""
+  total = sum(a.size for a in jax.tree.leaves(abstract_params))
+  inactive = _expert_params(abstract_params) * (1 - cfg.experts_per_token / cfg.num_experts)
+  return total, int(round(total - inactive))
+
+
+def flops_per_token(cfg, seq_len: int, abstract_params) -> float:
+  """PaLM's dense formula over the parameters a token uses: the k routed experts (and shared ones), not all E."""
+  dense = models.dense_flops_per_token(abstract_params, seq_len, num_layers=cfg.num_layers,
+                                       attention_width=cfg.num_heads * cfg.head_dim,
+                                       tied_embeddings=cfg.tie_embeddings)
+  return dense - 6 * _expert_params(abstract_params) * (1 - cfg.experts_per_token / cfg.num_experts)
+
+
+def activation_estimate(cfg, rows: int, seq_len: int, tensor: int) -> dict[str, int]:
+  """Llama's estimate with the MLP's hidden activations those of the k routed (+ shared) experts per token."""
+  dense = llama.activation_estimate(types.SimpleNamespace(**{**cfg.to_dict(), "mlp_dim": _token_mlp_dim(cfg)}),
+                                    rows, seq_len, tensor)
+  return dense
+
+
+def _token_mlp_dim(cfg) -> int:
+  return (cfg.experts_per_token + cfg.num_shared_experts) * cfg.expert_mlp_dim
+
+
+AXIS_KEYS = {**llama.AXIS_KEYS, "experts": "num_experts", "expert_mlp": "expert_mlp_dim"}
+
+
+def _param(names):
+  return nnx.with_partitioning(nnx.initializers.normal(0.02), names)
+
+
+class MoE(nnx.Module):
+  """Router + E routed SwiGLU experts (+ shared experts)."""
+
+  def __init__(self, cfg, dtype, rngs: nnx.Rngs):
+    d, e, f = cfg.d_model, cfg.num_experts, cfg.expert_mlp_dim
+    self.router = nnx.Param(_param(("embed", None))(rngs.params(), (d, e)))
+    self.gate = nnx.Param(_param(("experts", "embed", "expert_mlp"))(rngs.params(), (e, d, f)))
+    self.up = nnx.Param(_param(("experts", "embed", "expert_mlp"))(rngs.params(), (e, d, f)))
+    self.down = nnx.Param(_param(("experts", "expert_mlp", "embed"))(rngs.params(), (e, f, d)))
+    self.shared = llama.MLP(types.SimpleNamespace(d_model=d, mlp_dim=cfg.num_shared_experts * f), dtype,
+                            rngs) if cfg.num_shared_experts else None
+    self.k, self.scores, self.normalize = cfg.experts_per_token, cfg.router_scores, cfg.normalize_topk
+    self.impl, self.capacity_factor = cfg.moe_impl, cfg.capacity_factor
+
+  def route(self, x):
+    """(router logits ``[b, t, E]`` float32, probabilities ``[b, t, E]`` (sum 1), top-k ids, top-k weights)."""
+    logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...])
+    scores = jax.nn.softmax(logits, axis=-1) if self.scores == "softmax" else jax.nn.sigmoid(logits)
+    weights, ids = jax.lax.top_k(scores, self.k)
+    if self.normalize:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    probs = scores if self.scores == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
+    return logits, probs, ids, weights
+
+  def __call__(self, x, segment_ids):
+    """(output, {aux losses}, {metrics}) for this layer."""
+    logits, probs, ids, weights = self.route(x)
+    valid = segment_ids != 0
+    y, dropped = experts.moe_ffn(x, ids, weights, valid, self.gate[...], self.up[...], self.down[...],
+                                 mode=self.impl, capacity_factor=self.capacity_factor)
+    y = constrain(y, ("batch", "length", "embed"))
+    if self.shared is not None:
+      y = y + self.shared(x)
+    num_experts = self.router.shape[1]
+    mask = valid.astype(jnp.float32)[..., None]
+    tokens = jnp.maximum(jnp.sum(mask), 1.0)
+    load = jnp.sum(jax.nn.one_hot(ids, num_experts).sum(2) * mask, axis=(0, 1)) / (tokens * self.k)  # f_e
+    importance = jnp.sum(probs * mask, axis=(0, 1)) / tokens  # P_e
+    aux = {"load_balance": num_experts * jnp.sum(load * importance),
+           "router_z": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2 * mask[..., 0]) / tokens}
+    metrics = {**{f"moe/load/e{i:02d}": load[i] for i in range(num_experts)},
+               "moe/load_max": num_experts * jnp.max(load),
+               "moe/dropped": dropped.astype(jnp.float32) / (tokens * self.k)}
+    return y, aux, metrics
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg, dtype, rngs: nnx.Rngs):
+    self.attn_norm = llama.RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+    self.attn = llama.Attention(cfg, dtype, rngs)
+    self.mlp_norm = llama.RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+    self.moe = MoE(cfg, dtype, rngs)
+
+  def __call__(self, x, positions, segment_ids):
+    x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+    y, aux, metrics = self.moe(self.mlp_norm(x), segment_ids)
+    return constrain(x + y, ("batch", "length", "embed")), aux, metrics
+
+
+def _stack(cfg, dtype, rngs, block, count: int, axis_name: str):
+  @nnx.split_rngs(splits=count)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis_name})
+  def make(rngs):
+    return block(cfg, dtype, rngs)
+  return make(rngs)
+
+
+class MoeLM(nnx.Module):
+  """Embedding, ``first_dense_layers`` Llama blocks (run by :meth:`embed_tokens`, before any pipeline stage), the
+  stacked MoE blocks ``layers`` (the pipeline splits these), final norm and head."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    dtype = jnp.dtype(cfg.dtype)
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
+                           embedding_init=_param(("vocab", "embed")), rngs=rngs)
+    # The dense stack's leading axis is named ``dense_layers``: no rule shards it (not over pipeline stages).
+    self.dense_layers = (_stack(cfg, dtype, rngs, llama.Block, cfg.first_dense_layers, "dense_layers")
+                         if cfg.first_dense_layers else None)
+    self.layers = _stack(cfg, dtype, rngs, Block, cfg.num_layers - cfg.first_dense_layers, "layers")
+    self.final_norm = llama.RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+    self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
+        cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
+        kernel_init=_param(("embed", "vocab")), rngs=rngs)
+    self.remat = cfg.remat
+    self.moe_layers = cfg.num_layers - cfg.first_dense_layers
+
+  def _remat(self, fn):
+    if self.remat == "none":
+      return fn
+    return jax.checkpoint(fn, policy=models.REMAT.get(self.remat), prevent_cse=False)
+
+  def embed_tokens(self, tokens, positions, segment_ids):
+    table = constrain(self.embed.embedding[...], ("vocab", None))
+    x = constrain(jnp.take(table, tokens, axis=0).astype(self.embed.dtype), ("batch", "length", "embed"))
+    if self.dense_layers is None:
+      return x
+    graphdef = nnx.graphdef(self.dense_layers)
+    layer = self._remat(lambda w, h, side: nnx.merge(graphdef, w)(h, *side))
+    x, _ = jax.lax.scan(lambda h, w: (layer(w, h, (positions, segment_ids)), None), x, nnx.state(self.dense_layers))
+    return x
+
+  def apply_layer(self, weights, x, side):
+    """One MoE layer: ``(x, {"aux_losses": ..., "metrics": ...})``, each already divided by the number of MoE
+    layers, so that their sum over the stack is the mean."""
+    graphdef = nnx.graphdef(self.layers)
+    n = self.moe_layers
+
+    def layer(w, h, side):
+      h, aux, metrics = nnx.merge(graphdef, w)(h, *side)
+      return h, {"aux_losses": {k: v / n for k, v in aux.items()}, "metrics": {k: v / n for k, v in metrics.items()}}
+    return self._remat(layer)(weights, x, side)
+
+  def head(self, x):
+    x = self.final_norm(x)
+    logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+    return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+
+  def __call__(self, tokens, positions, segment_ids):
+    x = self.embed_tokens(tokens, positions, segment_ids)
+    side = (positions, segment_ids)
+    zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                        jax.eval_shape(lambda w, h: self.apply_layer(w, h, side)[1],
+                                       jax.tree.map(lambda a: a[0], nnx.state(self.layers)), x))
+
+    def body(carry, w):
+      h, extras = carry
+      h, new = self.apply_layer(w, h, side)
+      return (h, jax.tree.map(jnp.add, extras, new)), None
+
+    (x, extras), _ = jax.lax.scan(body, (x, zero), nnx.state(self.layers))
+    return models.Output(self.head(x), extras["aux_losses"], extras["metrics"])
+
+
+models.register("moe", models.Family(module=MoeLM, defaults=defaults, flops_per_token=flops_per_token,
+                                     validate=validate, axis_keys=AXIS_KEYS,
+                                     activation_estimate=activation_estimate))

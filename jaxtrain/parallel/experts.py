@@ -1,0 +1,156 @@
+"""A Mixture-of-Experts feed-forward: every token to its k experts and back, the experts sharded over ``expert``.
+
+:func:`moe_ffn` takes the activations ``x`` ``[batch, length, embed]``, the routing (each token's k expert ids and
+their weights, computed by the model in the ordinary sharded program) and the stacked SwiGLU expert weights
+``[experts, embed, expert_mlp]`` / ``[experts, expert_mlp, embed]``, and returns ``sum_j weight_j * expert_j(x)``
+per token. It runs in ``jax.shard_map`` over the whole mesh with the layouts the logical-axis rules give (the batch
+over data, fsdp and expert; the experts over ``expert``, their hidden dim over ``tensor``; the weights' embed dim is
+all-gathered over fsdp at the boundary, and its gradient reduce-scattered), so each device holds E / ep experts:
+
+* Each device sorts its tokens' (token, expert) assignments by expert and sends each to the device holding that
+  expert with one ``all_to_all`` over the expert axes; the receiver runs its experts and a second ``all_to_all``
+  returns the outputs, which are weighted and summed per token. The tensor axis splits each expert's hidden dim
+  (a ``psum`` at the end, as a Megatron MLP). Without expert sharding (ep = 1) there is no collective at all.
+* ``dropless``: every assignment is computed, the experts as one grouped matmul over the sorted tokens
+  (``jax.lax.ragged_dot``: a real grouped kernel on TPU and GPU; XLA:CPU lowers it to a dense matmul over all E
+  experts, so on CPU it costs E / k times the FLOPs). Static shapes need a worst case: with ep > 1 each device's
+  send buffer has room for all of its assignments per destination (ep x the bytes actually needed; XLA:CPU has
+  no ``ragged_all_to_all``, which would ship only the real rows).
+* ``capacity`` (GShard / Switch): each device gives each expert ``capacity = ceil(capacity_factor * S / E)`` slots
+  (S: its assignments); assignments beyond an expert's slots, in token order (token t's j-th choice before token
+  t + 1's), are dropped (the token keeps its residual and its other experts) and counted. The experts then run as
+  one batched matmul ``[E, capacity, ...]`` and the all-to-all ships exactly the slot buffers.
+
+Tokens marked invalid (padding) are not dispatched and do not count as dropped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from jax.sharding import PartitionSpec as P
+
+MODES = ("dropless", "capacity")
+
+
+def capacity(assignments: int, num_experts: int, factor: float) -> int:
+  """Slots per expert per device for ``assignments`` local (token, expert) pairs."""
+  return max(1, math.ceil(factor * assignments / num_experts))
+
+
+def _axes(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _swiglu_grouped(x, gate, up, down, group_sizes):
+  """Rows of ``x`` sorted by expert, ``group_sizes[e]`` of them for expert e (rows past the groups give 0)."""
+  h = jax.nn.silu(jax.lax.ragged_dot(x, gate, group_sizes)) * jax.lax.ragged_dot(x, up, group_sizes)
+  return jax.lax.ragged_dot(h, down, group_sizes)
+
+
+def _swiglu_batched(x, gate, up, down):
+  """``x`` ``[experts, rows, embed]``: each expert on its own rows."""
+  h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", x, gate)) * jnp.einsum("ecd,edf->ecf", x, up)
+  return jnp.einsum("ecf,efd->ecd", h, down)
+
+
+def _dropless(xs, e, gate, up, down, num_experts, expert_axes, ep):
+  """Outputs ``[S, D]`` of the S assignments (token ``a // k`` to expert ``e[a]``; ``e = E`` marks one not to
+  compute) in assignment order; local experts ``gate/up/down`` are those of this device's expert shard."""
+  s, el = e.shape[0], num_experts // ep
+  order = jnp.argsort(e, stable=True)  # assignments grouped by expert; invalid ones (e = E) last
+  sorted_e = e[order]
+  rows = xs[order]
+  if ep == 1:
+    out_sorted = _swiglu_grouped(rows, gate, up, down, jnp.bincount(e, length=num_experts))
+    return jnp.zeros_like(out_sorted).at[order].set(out_sorted)
+  # To the devices holding the experts: destination d = e // el gets a block of up to S rows (the worst case).
+  dest = sorted_e // el  # non-decreasing; ep for invalid assignments (dropped by the scatter)
+  starts = jnp.cumsum(jnp.bincount(dest, length=ep)) - jnp.bincount(dest, length=ep)
+  slot = jnp.arange(s) - starts[jnp.minimum(dest, ep - 1)]
+  send = jnp.zeros((ep, s, xs.shape[1]), xs.dtype).at[dest, slot].set(rows, mode="drop")
+  send_e = jnp.full((ep, s), el, jnp.int32).at[dest, slot].set(sorted_e % el, mode="drop")  # el: empty row
+  recv = jax.lax.all_to_all(send, expert_axes, 0, 0, tiled=True).reshape(ep * s, -1)
+  recv_e = jax.lax.all_to_all(send_e, expert_axes, 0, 0, tiled=True).reshape(ep * s)
+  local_order = jnp.argsort(recv_e, stable=True)
+  computed = _swiglu_grouped(recv[local_order], gate, up, down, jnp.bincount(recv_e, length=el))
+  done = jnp.zeros_like(computed).at[local_order].set(computed).reshape(ep, s, -1)
+  back = jax.lax.all_to_all(done, expert_axes, 0, 0, tiled=True)  # back[d]: my rows that device d computed
+  out_sorted = back.at[dest, slot].get(mode="fill", fill_value=0)
+  return jnp.zeros_like(out_sorted).at[order].set(out_sorted)
+
+
+def _capacity(xs, e, gate, up, down, num_experts, expert_axes, ep, factor):
+  """As :func:`_dropless`, with at most ``capacity`` assignments per expert on this device; also returns how many
+  valid assignments were dropped."""
+  s, d = xs.shape
+  c = capacity(s, num_experts, factor)
+  valid = e < num_experts
+  one = jax.nn.one_hot(e, num_experts, dtype=jnp.int32)  # invalid rows are all zero
+  position = jnp.sum((jnp.cumsum(one, axis=0) - 1) * one, axis=-1)  # among earlier assignments to its expert
+  keep = valid & (position < c)
+  slot = jnp.where(keep, e * c + position, num_experts * c)  # out of range: not dispatched
+  buf = jnp.zeros((num_experts * c, d), xs.dtype).at[slot].set(xs, mode="drop").reshape(num_experts, c, d)
+  if ep == 1:
+    out = _swiglu_batched(buf, gate, up, down)
+  else:
+    el = num_experts // ep
+    recv = jax.lax.all_to_all(buf.reshape(ep, el, c, d), expert_axes, 0, 0, tiled=True)  # [source, el, c, d]
+    done = _swiglu_batched(recv.swapaxes(0, 1).reshape(el, ep * c, d), gate, up, down)
+    out = jax.lax.all_to_all(done.reshape(el, ep, c, d).swapaxes(0, 1), expert_axes, 0, 0, tiled=True)
+  out = out.reshape(num_experts * c, d).at[slot].get(mode="fill", fill_value=0)
+  return out, jnp.sum(valid & ~keep)
+
+
+def moe_ffn(x, expert_ids, expert_weights, valid, gate, up, down, *, mode: str = "dropless",
+            capacity_factor: float = 1.25):
+  """``sum_j expert_weights[..., j] * expert_{expert_ids[..., j]}(x)`` per token, and the number of valid
+  assignments dropped (0 when dropless).
+
+  x: ``[batch, length, embed]``; expert_ids / expert_weights: ``[batch, length, k]``; valid: ``[batch, length]``
+  bool (False: not dispatched, output 0); gate / up: ``[E, embed, expert_mlp]``; down: ``[E, expert_mlp, embed]``.
+  Under a mesh (``jax.set_mesh``) and logical-axis rules it runs sharded as the module docstring says; otherwise
+  on the one device it is given.
+  """
+  num_experts, k = gate.shape[0], expert_ids.shape[-1]
+  dtype = x.dtype
+  gate, up, down = (w.astype(dtype) for w in (gate, up, down))
+  e = jnp.where(valid[..., None], expert_ids, num_experts).astype(jnp.int32)
+
+  def local(x, e, w, gate, up, down, expert_axes=(), ep=1, tensor_axes=(), batch_axes=()):
+    b, t, dm = x.shape
+    xs = jnp.repeat(x.reshape(b * t, dm), k, axis=0)  # one row per assignment: token a // k
+    flat_e = e.reshape(b * t * k)
+    if mode == "dropless":
+      out, dropped = _dropless(xs, flat_e, gate, up, down, num_experts, expert_axes, ep), jnp.zeros((), jnp.int32)
+    else:
+      out, dropped = _capacity(xs, flat_e, gate, up, down, num_experts, expert_axes, ep, capacity_factor)
+    y = jnp.sum(out.reshape(b, t, k, dm) * w[..., None].astype(out.dtype), axis=2)
+    if tensor_axes:
+      y = jax.lax.psum(y, tensor_axes)
+    if batch_axes:
+      dropped = jax.lax.psum(dropped, batch_axes)
+    return y.astype(dtype), dropped
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return local(x, e, expert_weights, gate, up, down)
+  x_spec = nn.logical_to_mesh_axes(("batch", "length", None))
+  route_spec = nn.logical_to_mesh_axes(("batch", "length", None))
+  in_spec = nn.logical_to_mesh_axes(("experts", None, "expert_mlp"))
+  out_spec = nn.logical_to_mesh_axes(("experts", "expert_mlp", None))
+  expert_axes, tensor_axes = _axes(in_spec[0]), _axes(in_spec[2])
+  batch_axes = tuple(a for entry in x_spec for a in _axes(entry))
+  ep = math.prod(mesh.shape[a] for a in expert_axes)
+  if num_experts % ep:
+    raise ValueError(f"{num_experts} experts do not split over {expert_axes} of size {ep}")
+
+  def sharded(x, e, w, gate, up, down):
+    return local(x, e, w, gate, up, down, expert_axes, ep, tensor_axes, batch_axes)
+
+  # Every mesh axis is manual inside; the axes not in a spec hold replicas (the same values).
+  return jax.shard_map(sharded, in_specs=(x_spec, route_spec, route_spec, in_spec, in_spec, out_spec),
+                       out_specs=(x_spec, P()), check_vma=False)(x, e, expert_weights, gate, up, down)
