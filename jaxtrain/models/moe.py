@@ -112,6 +112,19 @@ def _param(names):
   return nnx.with_partitioning(nnx.initializers.normal(0.02), names)
 
 
+def router_losses(logits, probs, ids, valid) -> tuple[dict, jax.Array]:
+  """({load_balance, router_z}, load ``[E]``) over the real tokens (``valid``) of ``[batch, length]``: logits and
+  probabilities ``[batch, length, E]``, the chosen experts ``ids`` ``[batch, length, k]``. load_e is the fraction of
+  the k-choices that went to expert e (f_e); load_balance = E sum_e f_e P_e, P_e the mean probability of e."""
+  num_experts, k = logits.shape[-1], ids.shape[-1]
+  mask = valid.astype(jnp.float32)
+  tokens = jnp.maximum(jnp.sum(mask), 1.0)
+  load = jnp.einsum("btke,bt->e", jax.nn.one_hot(ids, num_experts), mask) / (tokens * k)
+  importance = jnp.einsum("bte,bt->e", probs, mask) / tokens
+  z = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2 * mask) / tokens
+  return {"load_balance": num_experts * jnp.sum(load * importance), "router_z": z}, load
+
+
 class MoE(nnx.Module):
   """Router + E routed SwiGLU experts (+ shared experts)."""
 
@@ -145,16 +158,11 @@ class MoE(nnx.Module):
     y = constrain(y, ("batch", "length", "embed"))
     if self.shared is not None:
       y = y + self.shared(x)
-    num_experts = self.router.shape[1]
-    mask = valid.astype(jnp.float32)[..., None]
-    tokens = jnp.maximum(jnp.sum(mask), 1.0)
-    load = jnp.sum(jax.nn.one_hot(ids, num_experts).sum(2) * mask, axis=(0, 1)) / (tokens * self.k)  # f_e
-    importance = jnp.sum(probs * mask, axis=(0, 1)) / tokens  # P_e
-    aux = {"load_balance": num_experts * jnp.sum(load * importance),
-           "router_z": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2 * mask[..., 0]) / tokens}
+    aux, load = router_losses(logits, probs, ids, valid)
+    num_experts = load.shape[0]
     metrics = {**{f"moe/load/e{i:02d}": load[i] for i in range(num_experts)},
                "moe/load_max": num_experts * jnp.max(load),
-               "moe/dropped": dropped.astype(jnp.float32) / (tokens * self.k)}
+               "moe/dropped": dropped.astype(jnp.float32) / (jnp.maximum(jnp.sum(valid), 1) * ids.shape[-1])}
     return y, aux, metrics
 
 
