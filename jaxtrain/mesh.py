@@ -1,8 +1,8 @@
 """The device mesh's sizes: the ``mesh`` config group and the arithmetic that fills and checks it.
 
-Axes, in this order: ``data``, ``pipeline``, ``fsdp``, ``expert``, ``tensor``; each has an ICI size (within a slice or host)
-and a DCN size (``dcn_<axis>``: across slices or hosts). One ``-1`` per kind fills the rest. The devices are
-arranged into a ``jax.sharding.Mesh`` by jaxtrain.sharding.make_mesh.
+Axes, in this order: ``data``, ``pipeline``, ``fsdp``, ``expert``, ``tensor``; each has an ICI size (within a
+slice or host) and a DCN size (``dcn_<axis>``: across slices or hosts). One ``-1`` per kind fills the rest. The
+devices are arranged into a ``jax.sharding.Mesh`` by jaxtrain.sharding.make_mesh.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ ERRORS = [
     # (arguments, text the one error line must contain)
     ([TINY, "--config.train.stepz=5"], "train.stepz: unknown config key; did you mean 'train.steps'?"),
     ([TINY, "--config.optim.lr=fast"], "--config.optim.lr=fast"),
-    ([TINY, "--config.mesh.fsdp=3"], "mesh: ICI mesh data=1 x pipeline=1 x fsdp=3 x tensor=1 = 3 devices, "
+    ([TINY, "--config.mesh.fsdp=3"], "mesh: ICI mesh data=1 x pipeline=1 x fsdp=3 x expert=1 x tensor=1 = 3 devices, "
                                      "but there are 8"),
     ([TINY, "--config.mesh.data=3", "--config.mesh.fsdp=-1"], "mesh.fsdp: cannot fill"),
     ([TINY, "--config.train.global_batch_size=12"], "train.global_batch_size: each of the 1 microbatches has 12 "
@@ -66,8 +66,10 @@ def test_user_mistake_gives_one_line_and_exit_2(args, message, tmp_path):
 
 
 # Every shipped config, by whether a CPU can train it (a new config must be added to one list).
-CPU_CONFIGS = ["configs/tiny.py", "configs/tiny.py:dp", "configs/tiny.py:tp", "configs/cpu_50m.py"]
-POD_CONFIGS = ["configs/llama3_1b.py", "configs/llama3_8b.py", "configs/llama3_70b.py"]
+CPU_CONFIGS = ["configs/tiny.py", "configs/tiny.py:dp", "configs/tiny.py:tp", "configs/cpu_50m.py",
+               "configs/moe_tiny.py"]
+POD_CONFIGS = ["configs/llama3_1b.py", "configs/llama3_8b.py", "configs/llama3_70b.py", "configs/mixtral_8x7b.py",
+               "configs/olmoe_1b_7b.py"]
 
 
 def test_every_config_is_listed():

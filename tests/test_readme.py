@@ -173,7 +173,7 @@ def _ok_out(result):
 
 def test_tensor_parallel_variant_on_simulated_devices(user):
   err = _ok(user.run(readme.command(TP), "--config.train.steps=3"))
-  assert "on 8 cpu devices" in err and "'fsdp': 4, 'tensor': 2" in err
+  assert "on 8 cpu devices" in err and "'fsdp': 4, 'expert': 1, 'tensor': 2" in err
   assert user.committed("runs/tiny_tp") == [3]
 
 

@@ -104,7 +104,7 @@ def test_rules_override_from_config(make_config):
 def test_mesh_fill_and_hybrid_shape(make_config):
   config = make_config(data=2, fsdp=-1, tensor=2)
   mesh = sharding.make_mesh(config.mesh)
-  assert dict(mesh.shape) == {"data": 2, "pipeline": 1, "fsdp": 2, "tensor": 2}
+  assert dict(mesh.shape) == {"data": 2, "pipeline": 1, "fsdp": 2, "expert": 1, "tensor": 2}
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
   with pytest.raises(ConfigError, match="mesh.fsdp"):
     sharding.make_mesh(make_config(data=-1, fsdp=-1).mesh)
@@ -134,7 +134,7 @@ def test_hybrid_mesh_puts_dcn_axis_across_processes(make_config):
   config = make_config(data=1, fsdp=2, tensor=2)
   config.mesh.dcn_data = 2
   grid = sharding.device_grid(config.mesh, devices)
-  assert grid.shape == (2, 1, 2, 2)  # data (DCN) x pipeline x fsdp x tensor (ICI)
+  assert grid.shape == (2, 1, 2, 1, 2)  # data (DCN) x pipeline x fsdp x expert x tensor (ICI)
   for data_index in range(2):
     assert {d.process_index for d in grid[data_index].flat} == {data_index}
   config.mesh.dcn_data = 4
