@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import metrics, models, sharding
+from jaxtrain import generate, metrics, models, sharding
 from jaxtrain.config import ConfigError, base_config
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.models import moe
@@ -231,6 +231,27 @@ def test_checkpoint_resumes_exactly_and_onto_another_expert_parallel_size(tmp_pa
   assert [h["step"] for h in other] == [4, 5, 6]
   np.testing.assert_allclose([h["loss"] for h in other], [h["loss"] for h in full[3:]], rtol=1e-5)
   assert state.params["layers"]["moe"]["down"].addressable_shards[0].data.shape[1] == 2  # 8 experts over 4
+
+
+def test_cached_decoding_equals_the_training_forward():
+  """Generation with the KV cache on an expert=2 x fsdp=2 mesh: every step's logits are those of the training
+  forward of the row alone (one device, no mesh), through the dense first layer, the routed and the shared experts."""
+  model = models.Model.from_config(moe_config("unused").model)
+  mesh_cfg = base_config().mesh
+  mesh_cfg.update(fsdp=2, expert=2)
+  mesh, rules = sharding.make_mesh(mesh_cfg, jax.devices()[:4]), sharding.rules_from_config(base_config().sharding)
+  shardings = sharding.logical_to_sharding(model.logical_specs, mesh, rules)
+  params = jax.device_put(model.init(jax.random.key(3)), shardings)
+  prompts = [[5, 17, 33, 2, 90, 41, 7], [12, 99, 3], [64]]
+  gen = generate.Generator(model, mesh, rules, shardings, rows=generate.padded_rows(3, mesh, rules), prompt_len=7,
+                           max_new_tokens=6, return_logits=True)
+  out, produced, logits, _ = jax.device_get(gen(params, gen.batch(prompts)))
+  np.testing.assert_array_equal(produced[:3], [6, 6, 6])  # (a 4th row pads the batch to its 4 shards)
+  local = jax.device_get(params)
+  for r, ids in enumerate(prompts):
+    row = np.asarray([ids + out[r, :-1].tolist()], np.int32)
+    alone = np.asarray(model.apply(local, row, np.arange(row.shape[1])[None], np.ones_like(row)))[0]
+    np.testing.assert_allclose(logits[r][:6], alone[len(ids) - 1:], atol=1e-4 * np.abs(alone).max(), err_msg=r)
 
 
 # Configuration, FLOPs, parameter counts ------------------------------------------------------------------------

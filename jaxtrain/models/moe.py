@@ -21,6 +21,7 @@ by capacity.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import jax
@@ -30,6 +31,7 @@ from flax import nnx
 from jaxtrain import models
 from jaxtrain.errors import ConfigError, check_positive
 from jaxtrain.models import llama
+from jaxtrain.models.attention import KV_AXES, KVCache
 from jaxtrain.parallel import experts
 from jaxtrain.sharding import constrain
 
@@ -149,12 +151,13 @@ class MoE(nnx.Module):
     probs = scores if self.scores == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
     return logits, probs, ids, weights
 
-  def __call__(self, x, segment_ids):
-    """(output, {aux losses}, {metrics}) for this layer."""
+  def __call__(self, x, segment_ids, decoding: bool = False):
+    """(output, {aux losses}, {metrics}) for this layer. Decoding is always dropless (a capacity computed from a
+    few new tokens would drop some of them)."""
     logits, probs, ids, weights = self.route(x)
     valid = segment_ids != 0
     y, dropped = experts.moe_ffn(x, ids, weights, valid, self.gate[...], self.up[...], self.down[...],
-                                 mode=self.impl, capacity_factor=self.capacity_factor)
+                                 mode="dropless" if decoding else self.impl, capacity_factor=self.capacity_factor)
     y = constrain(y, ("batch", "length", "embed"))
     if self.shared is not None:
       y = y + self.shared(x)
@@ -173,7 +176,13 @@ class Block(nnx.Module):
     self.mlp_norm = llama.RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
     self.moe = MoE(cfg, dtype, rngs)
 
-  def __call__(self, x, positions, segment_ids):
+  def __call__(self, x, positions, segment_ids, cache=None):
+    """``(x, aux losses, metrics)``; with a ``cache`` (decoding, see llama.Attention) ``(x, (k, v))``."""
+    if cache is not None:
+      attn, kv = self.attn(self.attn_norm(x), positions, segment_ids, cache)
+      x = x + attn
+      y, _, _ = self.moe(self.mlp_norm(x), segment_ids, decoding=True)
+      return constrain(x + y, ("batch", "length", "embed")), kv
     x = x + self.attn(self.attn_norm(x), positions, segment_ids)
     y, aux, metrics = self.moe(self.mlp_norm(x), segment_ids)
     return constrain(x + y, ("batch", "length", "embed")), aux, metrics
@@ -211,9 +220,13 @@ class MoeLM(nnx.Module):
       return fn
     return jax.checkpoint(fn, policy=models.REMAT.get(self.remat), prevent_cse=False)
 
-  def embed_tokens(self, tokens, positions, segment_ids):
+  def _lookup(self, tokens):
     table = constrain(self.embed.embedding[...], ("vocab", None))
-    x = constrain(jnp.take(table, tokens, axis=0).astype(self.embed.dtype), ("batch", "length", "embed"))
+    return constrain(jnp.take(table, tokens, axis=0).astype(self.embed.dtype), ("batch", "length", "embed"))
+
+  def embed_tokens(self, tokens, positions, segment_ids):
+    """The embedding and the dense first layers (so a pipeline splits only the MoE stack)."""
+    x = self._lookup(tokens)
     if self.dense_layers is None:
       return x
     graphdef = nnx.graphdef(self.dense_layers)
@@ -237,7 +250,11 @@ class MoeLM(nnx.Module):
     logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
     return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
-  def __call__(self, tokens, positions, segment_ids):
+  def __call__(self, tokens, positions, segment_ids, cache: KVCache | None = None):
+    """An Output (logits, the router losses, the load metrics); with a ``cache`` (decoding, see jaxtrain/models)
+    ``(logits, cache)``."""
+    if cache is not None:
+      return self._decode(tokens, positions, segment_ids, cache)
     x = self.embed_tokens(tokens, positions, segment_ids)
     side = (positions, segment_ids)
     zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
@@ -252,6 +269,32 @@ class MoeLM(nnx.Module):
     (x, extras), _ = jax.lax.scan(body, (x, zero), nnx.state(self.layers))
     return models.Output(self.head(x), extras["aux_losses"], extras["metrics"])
 
+
+  @classmethod
+  def init_cache(cls, cfg, batch: int, max_len: int) -> KVCache:
+    """An empty cache for every layer (the dense first ones, then the MoE ones)."""
+    return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
+
+  def _decode(self, tokens, positions, segment_ids, cache: KVCache):
+    slots = cache.write_slots(segment_ids, positions)
+    stacked_axes = (None, *KV_AXES)
+    k, v = constrain(cache.k, stacked_axes), constrain(cache.v, stacked_axes)
+    x, start, ks, vs = self._lookup(tokens), 0, [], []
+    for stack in (self.dense_layers, self.layers):
+      if stack is None:
+        continue
+      graphdef, count = nnx.graphdef(stack), jax.tree.leaves(nnx.state(stack))[0].shape[0]
+
+      def layer(h, xs, graphdef=graphdef):
+        weights, k_layer, v_layer = xs
+        h, kv = nnx.merge(graphdef, weights)(h, positions, segment_ids, (k_layer, v_layer, slots))
+        return h, kv
+
+      x, (k_new, v_new) = jax.lax.scan(layer, x, (nnx.state(stack), k[start:start + count], v[start:start + count]))
+      ks, vs, start = ks + [k_new], vs + [v_new], start + count
+    cache = dataclasses.replace(slots, k=constrain(jnp.concatenate(ks), stacked_axes),
+                                v=constrain(jnp.concatenate(vs), stacked_axes), index=slots.index + tokens.shape[1])
+    return self.head(x), cache
 
 models.register("moe", models.Family(module=MoeLM, defaults=defaults, flops_per_token=flops_per_token,
                                      validate=validate, axis_keys=AXIS_KEYS,
