@@ -33,6 +33,7 @@ TP = "configs/tiny.py:tp"
 DRY_RUN = "--config.dry_run=true"
 GPIPE = "--config.workdir=runs/gpipe"
 CIRCULAR = "--config.workdir=runs/circular"
+MOE = "configs/moe_tiny.py --config.mesh.expert=4"
 PREPARE = "--input=my_texts"
 TRAIN_PREPARED = "--config.data.path=data/my_texts"
 PREPARE_SFT = "--output=data/chats"
@@ -54,7 +55,7 @@ NOT_RUN = {
 def test_every_readme_command_is_run_by_a_test():
   """A command added to the README without a test here (or one a test no longer finds) fails."""
   run = [QUICK_START] + [readme.command(part) for part in (TRAIN_LONGER, INSPECT, PLOT, TP, DRY_RUN, GPIPE,
-                                                           CIRCULAR, PREPARE, TRAIN_PREPARED, PREPARE_SFT,
+                                                           CIRCULAR, MOE, PREPARE, TRAIN_PREPARED, PREPARE_SFT,
                                                            TRAIN_SFT, GENERATE, HF_IMPORT,
                                                            HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT)]
   not_run = [readme.command(part) for part in NOT_RUN]
@@ -191,6 +192,12 @@ def test_pipeline_commands(user, part, stages):
   err = _ok(user.run(readme.command(part), "--config.train.steps=4"))
   assert f"pipeline: {stages}" in err
   assert user.committed(part.split("=")[1]) == [4]
+
+
+def test_mixture_of_experts_command(user):
+  err = _ok(user.run(readme.command(MOE), "--config.train.steps=3"))
+  assert "'fsdp': 2, 'expert': 4, 'tensor': 1" in err and "2,626,688 parameters" in err
+  assert user.committed("runs/moe_tiny") == [3]
 
 
 def test_prepare_data_and_train_on_it(user):
