@@ -97,10 +97,10 @@ def flops_per_token(cfg, seq_len: int, abstract_params) -> float:
 
 
 def activation_estimate(cfg, rows: int, seq_len: int, tensor: int) -> dict[str, int]:
-  """Llama's estimate with the MLP's hidden activations those of the k routed (+ shared) experts per token."""
-  dense = llama.activation_estimate(types.SimpleNamespace(**{**cfg.to_dict(), "mlp_dim": _token_mlp_dim(cfg)}),
-                                    rows, seq_len, tensor)
-  return dense
+  """Llama's estimate with the MLP's hidden activations those of the k routed (+ shared) experts per token (the
+  dense first layers counted alike; the dispatch buffers of jaxtrain/parallel/experts.py are not counted)."""
+  return llama.activation_estimate(types.SimpleNamespace(**{**cfg.to_dict(), "mlp_dim": _token_mlp_dim(cfg)}),
+                                   rows, seq_len, tensor)
 
 
 def _token_mlp_dim(cfg) -> int:
