@@ -21,6 +21,16 @@ then arithmetic over the mesh (no arrays are created, no program is compiled). A
   and again in backward, reduce-scatter of the grads (each (n-1)/n x the fsdp-sharded bytes); data: all-reduce
   of the grads (2 (n-1)/n x their size on the device); tensor: 2 all-reduces per layer forward and 2 backward
   of b*t*d activations (2 (n-1)/n each); DCN axes multiply the same volumes over the slow links.
+- Mixture-of-Experts (a model with ``experts``-sharded params, e.g. model.name=moe): the expert weights per
+  device are the float32 shards of those leaves (E / ep experts a device, ep = the mesh axes ``experts`` maps to,
+  their other dims sharded as the rules say; in compute they are gathered over fsdp one layer at a time);
+  expert: the gradients of the params not sharded over ``expert`` are all-reduced over it (2 (n-1)/n, as data:
+  for those layers it is a batch axis); all-to-all (jaxtrain/parallel/experts.py all_to_all_bytes): per MoE layer
+  and microbatch dispatch + return forward and their transposes backward, 4 all-to-alls of one buffer each, 6
+  when remat is not none (the backward reruns the forward's two); a buffer (S = local tokens x k assignments,
+  in the compute dtype) is ep*S*d for dropless (room for all S per destination: ep x the S*d really needed, plus
+  the int32 expert ids ep*S in each forward) and E*C*d for capacity (C = ceil(capacity_factor S / E)); (ep-1)/ep
+  of each leaves the device. Times the MoE layers a device runs (their share of a pipeline) and the microbatches.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from jaxtrain import config as config_lib  # noqa: E402
 from jaxtrain import mesh as mesh_lib  # noqa: E402
 from jaxtrain import models, optim, sharding  # noqa: E402
 from jaxtrain.models import lora  # noqa: E402
+from jaxtrain.parallel import experts  # noqa: E402
 from jaxtrain.train import state as state_lib  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "configs/tiny.py", "Config file.")
@@ -112,6 +123,13 @@ def estimate(config, devices: int, slices: int = 1) -> dict:
       comm[axis] = 2 * (n - 1) / n * params
     elif axis == "tensor" and per_family:
       comm[axis] = 2 * (n - 1) / n * per_family["tensor_allreduce_bytes"] * (t.microbatches or 1)
+    elif axis == "expert":  # a batch axis for the params not sharded over it: their grads are all-reduced
+      comm[axis] = 2 * (n - 1) / n * sum(_nbytes([a]) for a, s in zip(shards, specs, strict=True)
+                                         if "expert" not in _mesh_axes(s, rules))
+  moe = _moe(config, mesh, rules, shards, specs, b)
+  if moe and moe["all_to_all"]["ep"] > 1:
+    comm["expert_all_to_all"] = moe["all_to_all"]["sent_bytes_per_step"]
+  extra = {"moe": moe} if moe else {}
   return {
       "mesh": mesh, "devices": devices, "params": model.num_params(), "local_batch_rows": b,
       "bytes_per_device": {"params": params, "grads": grads, "optimizer": optimizer,
@@ -119,8 +137,34 @@ def estimate(config, devices: int, slices: int = 1) -> dict:
       # The whole train state (params, optimizer state, step counter): what the compiled step takes as
       # arguments besides the batch, to the byte.
       "params_plus_optimizer_per_device": state, "full_param_bytes": full_params,
-      "comm_bytes_per_step_per_device": comm,
+      "comm_bytes_per_step_per_device": comm, **extra,
   }
+
+
+def _mesh_axes(logical, rules) -> set[str]:
+  return {a for entry in sharding.logical_to_mesh_spec(logical, rules) if entry is not None
+          for a in ((entry,) if isinstance(entry, str) else entry)}
+
+
+def _moe(config, mesh: dict[str, int], rules, shards, specs, rows: int) -> dict | None:
+  """Expert weights per device and all-to-all traffic, for a model with ``experts``-sharded params (else None)."""
+  is_expert = ["experts" in tuple(s) for s in specs]
+  if not any(is_expert):
+    return None
+  m, t = config.model, config.train
+  ep = math.prod(mesh[a] for a in _mesh_axes(jax.sharding.PartitionSpec("experts"), rules))
+  stages = mesh["pipeline"]
+  moe_layers = (m.num_layers - m.first_dense_layers) // stages
+  itemsize = jax.numpy.dtype(m.dtype).itemsize
+  tp = math.prod(mesh[a] for a in _mesh_axes(jax.sharding.PartitionSpec("expert_mlp"), rules))
+  a2a = experts.all_to_all_bytes(m, rows * config.data.seq_len, ep, itemsize, microbatches=t.microbatches or 1,
+                                 moe_layers=moe_layers)
+  return {"num_experts": m.num_experts, "experts_per_device": m.num_experts // ep,
+          "expert_weight_bytes_per_device": _nbytes([a for a, e in zip(shards, is_expert) if e]),
+          # One MoE layer's experts as the shard_map computes with them: gathered over fsdp, in the compute dtype.
+          "expert_weight_bytes_gathered_per_layer": m.num_experts // ep * 3 * m.d_model * m.expert_mlp_dim // tp
+          * itemsize,
+          "all_to_all": a2a}
 
 
 def main(argv):
@@ -143,6 +187,21 @@ def main(argv):
           f"  {k:<12} not estimated (model family '{config.model.name}' has no activation_estimate)")
   for axis, v in info["comm_bytes_per_step_per_device"].items():
     print(f"  comm {axis:<7} {v / gib:10.3f} GiB per step per device")
+  if "moe" in info:
+    moe, a2a = info["moe"], info["moe"]["all_to_all"]
+    mib = 2**20
+    print(f"  experts      {moe['experts_per_device']} of {moe['num_experts']} per device (ep={a2a['ep']}), "
+          f"{moe['expert_weight_bytes_per_device'] / gib:.3f} GiB of expert weights (float32 shards); "
+          f"{moe['expert_weight_bytes_gathered_per_layer'] / mib:.1f} MiB per layer gathered for compute")
+    if a2a["ep"] > 1:
+      cap = f", capacity {a2a['capacity']} slots per expert" if a2a["capacity"] else ""
+      print(f"  all-to-all   {a2a['mode']}: S={a2a['assignments']:,} assignments per device{cap}; one buffer "
+            f"{a2a['buffer_bytes'] / mib:.1f} MiB (each assignment once: {a2a['ideal_bytes'] / mib:.1f} MiB), "
+            f"{a2a['per_layer']} per layer x {a2a['moe_layers']} MoE layers x {a2a['microbatches']} microbatches")
+      print(f"               {a2a['buffer_bytes_per_step'] / gib:.3f} GiB of buffers per step per device, "
+            f"{a2a['sent_bytes_per_step'] / gib:.3f} GiB of it sent off the device")
+    else:
+      print("  all-to-all   none (ep = 1: every device holds every expert)")
 
 
 if __name__ == "__main__":

@@ -154,3 +154,45 @@ def moe_ffn(x, expert_ids, expert_weights, valid, gate, up, down, *, mode: str =
   # Every mesh axis is manual inside; the axes not in a spec hold replicas (the same values).
   return jax.shard_map(sharded, in_specs=(x_spec, route_spec, route_spec, in_spec, in_spec, out_spec),
                        out_specs=(x_spec, P()), check_vma=False)(x, e, expert_weights, gate, up, down)
+
+
+def all_to_all_bytes(cfg, tokens_per_device: int, ep: int, itemsize: int, *, microbatches: int = 1,
+                     moe_layers: int | None = None) -> dict:
+  """The all-to-all traffic of one device in one train step (forward and backward), from the buffer sizes above.
+
+  ``cfg``: the ``model`` config (num_experts, experts_per_token, d_model, moe_impl, capacity_factor, num_layers,
+  first_dense_layers, remat); ``tokens_per_device``: the tokens of one microbatch on one device (local rows x
+  seq_len), so S = tokens x k assignments; ``ep``: the product of the expert axes; ``itemsize``: bytes of the
+  compute dtype; ``moe_layers``: the MoE layers one device runs (default: all; a pipeline stage runs its share),
+  each once per microbatch.
+
+  Per MoE layer and microbatch the forward runs dispatch + return, the backward their transposes (the same sizes):
+  4 all-to-alls; with ``remat`` other than none the backward reruns the forward's two first (the all-to-all outputs
+  are not saved by any remat policy): 6. Each moves one buffer: dropless ``[ep, S, D]`` (every destination gets
+  room for all S assignments: ep x ``ideal``), capacity ``[E, C, D]``, C = ceil(capacity_factor * S / E). Dropless
+  also sends the expert ids, an int32 ``[ep, S]``, in the forward (and again in the rerun), without a transpose.
+  Of every buffer the device keeps its own 1 / ep and sends the rest: ``sent`` = (ep - 1) / ep x ``buffer``.
+  With ep = 1 there is no all-to-all (every figure 0 but ``ideal_bytes``). Keys: ``assignments`` (S),
+  ``capacity`` (C, capacity mode), ``buffer_bytes`` (one all-to-all's operand), ``ideal_bytes`` (S x D x itemsize:
+  each assignment once), ``per_layer`` (all-to-alls of the activations per layer and microbatch),
+  ``id_bytes_per_step``, ``buffer_bytes_per_step`` (all operands, ids included: what the compiled program's
+  all-to-alls take), ``sent_bytes_per_step`` (what leaves the device).
+  """
+  layers = cfg.num_layers - cfg.first_dense_layers if moe_layers is None else moe_layers
+  s, d, num_experts = tokens_per_device * cfg.experts_per_token, cfg.d_model, cfg.num_experts
+  rerun = cfg.remat != "none"
+  per_layer = 6 if rerun else 4
+  c = capacity(s, num_experts, cfg.capacity_factor) if cfg.moe_impl == "capacity" else None
+  if ep == 1:
+    buffer = ids = 0
+  elif cfg.moe_impl == "dropless":
+    buffer = ep * s * d * itemsize
+    ids = ep * s * 4 * (2 if rerun else 1)
+  else:
+    buffer, ids = num_experts * c * d * itemsize, 0
+  calls = layers * microbatches
+  total = calls * (per_layer * buffer + ids)
+  return {"ep": ep, "mode": cfg.moe_impl, "assignments": s, "capacity": c, "buffer_bytes": buffer,
+          "ideal_bytes": s * d * itemsize, "per_layer": per_layer if ep > 1 else 0, "moe_layers": layers,
+          "microbatches": microbatches, "id_bytes_per_step": calls * ids, "buffer_bytes_per_step": total,
+          "sent_bytes_per_step": total * (ep - 1) // ep}
