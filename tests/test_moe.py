@@ -158,23 +158,29 @@ def test_router_losses_equal_their_formulas_on_a_hand_made_routing():
 # Expert parallelism in training ------------------------------------------------------------------------------
 
 
+def training_config(workdir, steps=6, **mesh):
+  c = moe_config(workdir, steps=steps, **mesh)
+  c.checkpoint.every_steps = 2
+  c.optim.decay_steps = 6
+  return c
+
+
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
   """The reference: the same run on one device (microbatches 2, as the pipelined runs use)."""
-  state, history = trainer.train(moe_config(tmp_path_factory.mktemp("one")), devices=jax.devices()[:1])
+  state, history = trainer.train(training_config(tmp_path_factory.mktemp("one")), devices=jax.devices()[:1])
   return state, history
 
 
-LAYOUTS = {"expert4": dict(fsdp=2, expert=4), "expert8": dict(expert=8),
-           "expert2_fsdp2_tensor2": dict(fsdp=2, expert=2, tensor=2),
+LAYOUTS = {"expert8": dict(expert=8), "expert2_fsdp2_tensor2": dict(fsdp=2, expert=2, tensor=2),
            "expert2_pipeline2": dict(fsdp=2, expert=2, pipeline=2)}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_expert_parallel_training_equals_one_device(one_device, tmp_path, layout):
-  """(expert = 2 alone is the checkpoint test's layout.)"""
+  """(expert = 2 x fsdp = 4 and expert = 4 x fsdp = 2 are the checkpoint test's layouts.)"""
   _, want = one_device
-  state, got = trainer.train(moe_config(tmp_path, **LAYOUTS[layout]))
+  state, got = trainer.train(training_config(tmp_path, **LAYOUTS[layout]))
   np.testing.assert_allclose([h["loss"] for h in got], [h["loss"] for h in want], rtol=1e-5)
   for key in ("aux_loss/load_balance", "aux_loss/router_z", "moe/load_max", "moe/load/e03"):
     np.testing.assert_allclose([h[key] for h in got], [h[key] for h in want], rtol=1e-5, err_msg=key)
@@ -215,14 +221,11 @@ def test_gradients_of_router_and_every_expert_match_one_device(tmp_path):
       np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{layout}{jax.tree_util.keystr(path)}")
 
 
-def test_checkpoint_resumes_exactly_and_onto_another_expert_parallel_size(tmp_path):
-  def config(workdir, steps, **mesh):
-    c = moe_config(workdir, steps=steps, **mesh)
-    c.checkpoint.every_steps = 2
-    c.optim.decay_steps = 6
-    return c
-
+def test_checkpoint_resumes_exactly_and_onto_another_expert_parallel_size(one_device, tmp_path):
+  """Expert = 2 equals one device; saved at step 3 it resumes bitwise, and onto expert = 4 within 1e-5."""
+  config = training_config
   _, full = trainer.train(config(tmp_path / "full", 6, fsdp=4, expert=2))
+  np.testing.assert_allclose([h["loss"] for h in full], [h["loss"] for h in one_device[1]], rtol=1e-5)
   trainer.train(config(tmp_path / "part", 3, fsdp=4, expert=2))  # saves at 2 and at the end (3)
   shutil.copytree(tmp_path / "part", tmp_path / "same")
   _, same = trainer.train(config(tmp_path / "same", 6, fsdp=4, expert=2))
