@@ -1,4 +1,4 @@
-"""Hugging Face Llama checkpoints in and out (``tools/convert_hf.py``).
+"""Hugging Face Llama and Mixtral checkpoints in and out (``tools/convert_hf.py``).
 
 :func:`import_llama` turns a Hugging Face ``LlamaForCausalLM`` folder (``config.json``, ``*.safetensors`` with or
 without ``model.safetensors.index.json``, tokenizer files) into ``OUT/checkpoints/0`` (a jaxtrain checkpoint that
@@ -10,7 +10,9 @@ export one param);
 params are float32 (a bfloat16 or float16 source converts exactly, and exports back bitwise with that ``dtype``).
 
 Layouts: HF Linear weights are ``[out, in]``; jaxtrain kernels are ``[in, ...out]`` (q/k/v ``[d, heads,
-head_dim]``, o ``[heads, head_dim, d]``, MLP ``[in, out]``), stacked over a leading layers axis. jaxtrain's RoPE
+head_dim]``, o ``[heads, head_dim, d]``, MLP ``[in, out]``), stacked over a leading layers axis. A Mixtral
+(``MixtralForCausalLM``, the hub's per-expert ``block_sparse_moe.experts.E.w1/w2/w3`` tensors) is the ``moe``
+family: router ``[d, E]``, experts stacked ``[layers, E, in, out]``. jaxtrain's RoPE
 rotates the two halves of head_dim, which is HF's ``rotate_half`` convention: q and k need no permutation.
 
 Every mistake in the input (another architecture, biases, an unknown RoPE type, missing or truncated files,
@@ -60,10 +62,15 @@ def model_config(hf: dict, where: str = "config.json") -> ml_collections.ConfigD
   """The jaxtrain ``model`` group (Llama family) of a Hugging Face Llama ``config.json`` dict; HFError for
   anything jaxtrain's Llama does not compute the same way."""
   from jaxtrain import models
-  arch = hf.get("architectures") or ["LlamaForCausalLM"]
-  if hf.get("model_type") != "llama" or arch != ["LlamaForCausalLM"]:
+  mixtral = hf.get("model_type") == "mixtral"
+  arch = hf.get("architectures") or ["MixtralForCausalLM" if mixtral else "LlamaForCausalLM"]
+  if (hf.get("model_type"), arch) not in (("llama", ["LlamaForCausalLM"]), ("mixtral", ["MixtralForCausalLM"])):
     raise HFError(where, f"is a {hf.get('model_type')!r} model ({', '.join(map(str, arch))}), not a Llama "
-                  "(model_type 'llama', LlamaForCausalLM)", "only Hugging Face Llama checkpoints can be converted")
+                  "(model_type 'llama', LlamaForCausalLM) or Mixtral (model_type 'mixtral', MixtralForCausalLM)",
+                  "only Hugging Face Llama and Mixtral checkpoints can be converted")
+  if mixtral and hf.get("sliding_window"):
+    raise HFError(where, f"sets sliding_window={hf['sliding_window']}", "jaxtrain attends over the whole "
+                  "context; only Mixtral checkpoints without a sliding window (sliding_window null) are supported")
   for key in ("attention_bias", "mlp_bias"):
     if hf.get(key):
       raise HFError(where, f"sets {key}=true", "jaxtrain's Llama has no biases; such checkpoints are not supported")
@@ -81,12 +88,17 @@ def model_config(hf: dict, where: str = "config.json") -> ml_collections.ConfigD
     raise HFError(where, f"sets partial_rotary_factor={rope['partial_rotary_factor']}",
                   "only full-head RoPE is supported")
   heads = hf["num_attention_heads"]
-  m = models.defaults("llama")
+  m = models.defaults("moe" if mixtral else "llama")
   m.update(vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
            num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
            rope_theta=float(theta), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
            tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+  if mixtral:  # transformers' load-balancing loss is experts_per_token x jaxtrain's (jaxtrain/models/moe.py)
+    k = int(hf.get("num_experts_per_tok", 2))
+    m.update(num_experts=int(hf.get("num_local_experts", 8)), experts_per_token=k,
+             expert_mlp_dim=hf["intermediate_size"], router_scores="softmax", normalize_topk=True,
+             load_balance_weight=float(hf.get("router_aux_loss_coef", 0.02)) * k, router_z_weight=0.0)
   if rope_type == "llama3":
     try:
       m.update(rope_scaling="llama3", rope_scaling_factor=float(rope["factor"]),
@@ -98,7 +110,7 @@ def model_config(hf: dict, where: str = "config.json") -> ml_collections.ConfigD
   elif rope_type != "default":
     raise HFError(where, f"uses RoPE type {rope_type!r}", "only default and llama3 RoPE are supported")
   from jaxtrain.config import base_config
-  c = base_config()
+  c = base_config(model=m.name)
   c.model = m
   try:
     models.validate(c)
@@ -119,6 +131,12 @@ def hf_config(model: Any, base: dict | None = None, dtype: str = "float32") -> d
              hidden_act="silu", rms_norm_eps=model.norm_eps, rope_theta=model.rope_theta,
              tie_word_embeddings=bool(model.tie_embeddings), attention_bias=False, mlp_bias=False,
              torch_dtype=dtype)
+  if model.name == "moe":
+    out.update(architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=model.expert_mlp_dim,
+               num_local_experts=model.num_experts, num_experts_per_tok=model.experts_per_token,
+               router_aux_loss_coef=model.load_balance_weight / model.experts_per_token, sliding_window=None)
+    out.pop("mlp_bias", None)
+    out.pop("attention_bias", None)
   out.setdefault("max_position_embeddings", model.rope_original_max_positions * (
       int(model.rope_scaling_factor) if model.get("rope_scaling") else 1))
   out.setdefault("initializer_range", 0.02)
@@ -132,11 +150,12 @@ def hf_config(model: Any, base: dict | None = None, dtype: str = "float32") -> d
 # ---------------------------------------------------------------------------------------------------------------
 # Tensor names and layouts.
 
-def tensor_map(model: Any) -> list[tuple[str, tuple[str, ...], int | None, tuple[int, ...], bool]]:
-  """``(hf_name, jaxtrain path, layer or None, hf_shape, is_linear)`` for every tensor of the model. A linear
+def tensor_map(model: Any) -> list[tuple[str, tuple[str, ...], tuple[int, ...] | None, tuple[int, ...], bool]]:
+  """``(hf_name, jaxtrain path, index or None, hf_shape, is_linear)`` for every tensor of the model: ``index`` is
+  where the tensor sits in a stacked param (``(layer,)``, or ``(layer, expert)`` for Mixtral's experts). A linear
   weight (``[out, in]`` in HF) is the transpose of jaxtrain's kernel reshaped to ``[in, out]``."""
-  d, n, k, h, f, v = (model.d_model, model.num_heads, model.num_kv_heads, model.head_dim, model.mlp_dim,
-                      model.vocab_size)
+  d, n, k, h, v = model.d_model, model.num_heads, model.num_kv_heads, model.head_dim, model.vocab_size
+  f = model.expert_mlp_dim if model.name == "moe" else model.mlp_dim
   out = [("model.embed_tokens.weight", ("embed", "embedding"), None, (v, d), False),
          ("model.norm.weight", ("final_norm", "scale"), None, (d,), False)]
   if not model.tie_embeddings:
@@ -144,15 +163,23 @@ def tensor_map(model: Any) -> list[tuple[str, tuple[str, ...], int | None, tuple
   per_layer = [("self_attn.q_proj", ("attn", "q", "kernel"), (n * h, d)),
                ("self_attn.k_proj", ("attn", "k", "kernel"), (k * h, d)),
                ("self_attn.v_proj", ("attn", "v", "kernel"), (k * h, d)),
-               ("self_attn.o_proj", ("attn", "o", "kernel"), (d, n * h)),
-               ("mlp.gate_proj", ("mlp", "gate", "kernel"), (f, d)),
-               ("mlp.up_proj", ("mlp", "up", "kernel"), (f, d)),
-               ("mlp.down_proj", ("mlp", "down", "kernel"), (d, f))]
+               ("self_attn.o_proj", ("attn", "o", "kernel"), (d, n * h))]
+  if model.name == "moe":  # Mixtral: the router, then w1 (gate), w3 (up), w2 (down) of every expert
+    per_layer.append(("block_sparse_moe.gate", ("moe", "router"), (model.num_experts, d)))
+    experts = [("w1", ("moe", "gate"), (f, d)), ("w3", ("moe", "up"), (f, d)), ("w2", ("moe", "down"), (d, f))]
+  else:
+    per_layer += [("mlp.gate_proj", ("mlp", "gate", "kernel"), (f, d)),
+                  ("mlp.up_proj", ("mlp", "up", "kernel"), (f, d)), ("mlp.down_proj", ("mlp", "down", "kernel"), (d, f))]
+    experts = []
   for i in range(model.num_layers):
     for name, path, shape in per_layer:
-      out.append((f"model.layers.{i}.{name}.weight", ("layers", *path), i, shape, True))
-    out.append((f"model.layers.{i}.input_layernorm.weight", ("layers", "attn_norm", "scale"), i, (d,), False))
-    out.append((f"model.layers.{i}.post_attention_layernorm.weight", ("layers", "mlp_norm", "scale"), i, (d,),
+      out.append((f"model.layers.{i}.{name}.weight", ("layers", *path), (i,), shape, True))
+    for e in range(model.num_experts if experts else 0):
+      for name, path, shape in experts:
+        out.append((f"model.layers.{i}.block_sparse_moe.experts.{e}.{name}.weight", ("layers", *path), (i, e), shape,
+                    True))
+    out.append((f"model.layers.{i}.input_layernorm.weight", ("layers", "attn_norm", "scale"), (i,), (d,), False))
+    out.append((f"model.layers.{i}.post_attention_layernorm.weight", ("layers", "mlp_norm", "scale"), (i,), (d,),
                 False))
   return out
 
@@ -293,7 +320,7 @@ def read_params(hf_dir: str, model: Any) -> tuple[dict, str]:
     what = f"has no {missing[0]}" if missing else f"has {extra[0]}, which a Llama of this config does not"
     more = len(missing) + len(extra) - 1
     raise HFError(hf_dir, what + (f" (and {more} more)" if more else ""),
-                  "the weights do not belong to this config.json (or are not a LlamaForCausalLM)")
+                  "the weights do not belong to this config.json (or are not a Llama / Mixtral)")
   for name, _, _, shape, _ in expected:
     if entries[name].shape != shape:
       raise HFError(entries[name].file, f"{name} is {list(entries[name].shape)}, config.json says {list(shape)}",
@@ -308,7 +335,7 @@ def read_params(hf_dir: str, model: Any) -> tuple[dict, str]:
     if layer is None:
       target[...] = to_jaxtrain(w, target.shape, is_linear)
     else:
-      target[layer] = to_jaxtrain(w, target.shape[1:], is_linear)
+      target[layer] = to_jaxtrain(w, target.shape[len(layer):], is_linear)
     del w
   return params, dtypes.pop() if len(dtypes) == 1 else "float32"
 
@@ -336,7 +363,7 @@ from jaxtrain.config import base_config
 
 
 def get_config():
-  c = base_config()
+  c = base_config(model={family!r})
   c.workdir = {workdir!r}
   c.model.update(
 {model}
@@ -368,7 +395,7 @@ def import_llama(hf_dir: str, output: str) -> dict:
   with staging as tmp:
     params, dtype = read_params(hf_dir, model)
     meta = {"hf_import": {"source": os.path.abspath(hf_dir), "dtype": dtype}}
-    config = base_config()
+    config = base_config(model=model.name)
     config.model = model
     config.workdir = f"runs/{os.path.basename(staging.output)}"
     params = _to_jax(params)
@@ -389,7 +416,7 @@ def import_llama(hf_dir: str, output: str) -> dict:
     with open(os.path.join(tmp, "config.py"), "w") as fh:
       fh.write(_CONFIG_PY.format(
           name=os.path.basename(staging.output), source=os.path.abspath(hf_dir),
-          path=os.path.join(staging.output, "config.py"), workdir=config.workdir,
+          path=os.path.join(staging.output, "config.py"), workdir=config.workdir, family=model.name,
           model="\n".join(f"      {k}={v!r}," for k, v in model.items() if k not in ("name", "lora")),
           checkpoints=os.path.join(staging.output, "checkpoints")))
   return {"params": count, "bytes": nbytes, "source_dtype": dtype}
@@ -450,11 +477,17 @@ def export_llama(checkpoint: str, output: str, step: int | None = None, max_shar
     raise HFError("--max_shard_mb", f"must be > 0, got {max_shard_mb}", "fix the value")
   step_dir = _step_dir(checkpoint, step)
   config = _run_config(step_dir)
-  if (config.get("model") or {}).get("name") != "llama":
-    raise HFError(step_dir, f"holds a '{(config.get('model') or {}).get('name')}' model", "only Llama-family "
-                  "checkpoints can be exported")
-  model = models.defaults("llama")
+  name = (config.get("model") or {}).get("name")
+  if name not in ("llama", "moe"):
+    raise HFError(step_dir, f"holds a '{name}' model", "only Llama and Mixtral-shaped MoE checkpoints can be "
+                  "exported")
+  model = models.defaults(name)
   model.update(**{k: v for k, v in config["model"].items() if k in model})
+  if name == "moe" and (model.num_shared_experts or model.first_dense_layers or model.router_scores != "softmax"
+                        or not model.normalize_topk):
+    raise HFError(step_dir, "holds a MoE model that is not Mixtral-shaped (shared experts, dense first layers, "
+                  "sigmoid scores or unnormalized top-k)", "only Mixtral-shaped MoE models have a Hugging Face "
+                  "architecture here")
   side = _side_files_dir(step_dir, config)
   meta_file = os.path.join(step_dir, "meta", "metadata")
   meta = json.loads(open(meta_file).read()) if os.path.exists(meta_file) else {}

@@ -1,5 +1,5 @@
-"""Hugging Face Llama checkpoints in and out (jaxtrain/hf.py, tools/convert_hf.py): jaxtrain's logits on an
-imported checkpoint equal transformers' (padded batch, packed row), exports load in transformers with the same
+"""Hugging Face Llama and Mixtral checkpoints in and out (jaxtrain/hf.py, tools/convert_hf.py): jaxtrain's logits on
+an imported checkpoint equal transformers' (padded batch, packed row), exports load in transformers with the same
 logits, import -> export is bitwise, and bad inputs give one line and exit 2 with nothing written."""
 
 import importlib.util
@@ -34,16 +34,23 @@ CONFIGS = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16}),  # wavelengths of all three regimes at head_dim 16
     "wide_heads": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32),  # 4 x 32 != 64
+    # Mixtral: 4 experts, top-2 (the hub's per-expert w1/w2/w3 tensors; transformers fuses them when loading).
+    "mixtral": dict(mixtral=True, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                    num_experts_per_tok=2, rope_theta=1e6, sliding_window=None),
 }
 
 
-def _hf_model(folder, seed=0, **overrides):
-  """A small random LlamaForCausalLM saved as safetensors (norm weights random too, so that they are tested)."""
+def _hf_model(folder, seed=0, mixtral=False, **overrides):
+  """A small random LlamaForCausalLM (or MixtralForCausalLM) saved as safetensors (norm weights random too, so that
+  they are tested)."""
   kw = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, rms_norm_eps=1e-5,
             max_position_embeddings=128)
   kw.update(overrides)
   torch.manual_seed(seed)
-  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
+  if mixtral:
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**kw)).eval()
+  else:
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
   with torch.no_grad():
     for p in model.parameters():
       p.add_(torch.randn_like(p) * 0.05)
@@ -122,7 +129,7 @@ def _exported_equals_source(src, exported):
     assert ours[k].tobytes() == theirs[k].tobytes(), k
 
 
-@pytest.mark.parametrize("name", ["gqa_untied", "mha_tied", "llama3_rope"])
+@pytest.mark.parametrize("name", ["gqa_untied", "mha_tied", "llama3_rope", "mixtral"])
 def test_import_export_is_bitwise_and_loads_in_transformers(name, tmp_path):
   ref = _hf_model(tmp_path / "src", **CONFIGS[name])
   hf.import_llama(str(tmp_path / "src"), str(tmp_path / "out"))
@@ -130,7 +137,8 @@ def test_import_export_is_bitwise_and_loads_in_transformers(name, tmp_path):
   _exported_equals_source(tmp_path / "src", tmp_path / "exported")
   assert (tmp_path / "exported" / "tokenizer.json").read_text() == (tmp_path / "src" / "tokenizer.json").read_text()
   config = json.loads((tmp_path / "exported" / "config.json").read_text())
-  assert config["architectures"] == ["LlamaForCausalLM"] and config["bos_token_id"] == 1
+  arch = "MixtralForCausalLM" if name == "mixtral" else "LlamaForCausalLM"
+  assert config["architectures"] == [arch] and config["bos_token_id"] == 1
   loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"),
                                                                    output_loading_info=True)
   assert not any(info.values()), info  # no missing, unexpected or mismatched keys

@@ -1,4 +1,4 @@
-"""Hugging Face Llama checkpoints in and out of jaxtrain.
+"""Hugging Face Llama and Mixtral checkpoints in and out of jaxtrain.
 
   python tools/convert_hf.py import --hf=HF_DIR --output=OUT_DIR
   python tools/convert_hf.py export --checkpoint=CKPT_DIR [--step=N] --output=HF_DIR [--max_shard_mb=5000]
@@ -23,10 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="convert_hf", description=__doc__.split("\n\n")[0])
   sub = p.add_subparsers(dest="command", required=True)
-  imp = sub.add_parser("import", help="a Hugging Face Llama folder -> a jaxtrain checkpoint and config")
+  imp = sub.add_parser("import", help="a Hugging Face Llama or Mixtral folder -> a jaxtrain checkpoint and config")
   imp.add_argument("--hf", required=True, help="Hugging Face model folder (config.json, *.safetensors)")
   imp.add_argument("--output", required=True, help="new folder for the checkpoint, config.py and hf/")
-  exp = sub.add_parser("export", help="a jaxtrain Llama checkpoint -> a Hugging Face folder")
+  exp = sub.add_parser("export", help="a jaxtrain Llama or Mixtral-shaped MoE checkpoint -> a Hugging Face folder")
   exp.add_argument("--checkpoint", required=True, help="a run's workdir, its checkpoints folder or a step folder")
   exp.add_argument("--step", type=int, default=None, help="the step to export (default: the newest)")
   exp.add_argument("--output", required=True, help="new folder for config.json and *.safetensors")
