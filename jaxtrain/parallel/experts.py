@@ -138,11 +138,10 @@ def moe_ffn(x, expert_ids, expert_weights, valid, gate, up, down, *, mode: str =
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return local(x, e, expert_weights, gate, up, down)
-  x_spec = nn.logical_to_mesh_axes(("batch", "length", None))
-  route_spec = nn.logical_to_mesh_axes(("batch", "length", None))
-  in_spec = nn.logical_to_mesh_axes(("experts", None, "expert_mlp"))
-  out_spec = nn.logical_to_mesh_axes(("experts", "expert_mlp", None))
-  expert_axes, tensor_axes = _axes(in_spec[0]), _axes(in_spec[2])
+  x_spec = nn.logical_to_mesh_axes(("batch", "length", None))  # also the routing's [batch, length, k]
+  gate_up_spec = nn.logical_to_mesh_axes(("experts", None, "expert_mlp"))  # embed gathered at the boundary
+  down_spec = nn.logical_to_mesh_axes(("experts", "expert_mlp", None))
+  expert_axes, tensor_axes = _axes(gate_up_spec[0]), _axes(gate_up_spec[2])
   batch_axes = tuple(a for entry in x_spec for a in _axes(entry))
   ep = math.prod(mesh.shape[a] for a in expert_axes)
   if num_experts % ep:
@@ -152,7 +151,7 @@ def moe_ffn(x, expert_ids, expert_weights, valid, gate, up, down, *, mode: str =
     return local(x, e, w, gate, up, down, expert_axes, ep, tensor_axes, batch_axes)
 
   # Every mesh axis is manual inside; the axes not in a spec hold replicas (the same values).
-  return jax.shard_map(sharded, in_specs=(x_spec, route_spec, route_spec, in_spec, in_spec, out_spec),
+  return jax.shard_map(sharded, in_specs=(x_spec, x_spec, x_spec, gate_up_spec, gate_up_spec, down_spec),
                        out_specs=(x_spec, P()), check_vma=False)(x, e, expert_weights, gate, up, down)
 
 
