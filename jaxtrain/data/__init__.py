@@ -36,8 +36,9 @@ SOURCES: Registry[Source] = Registry("data.source", "data source", how="jaxtrain
 def defaults() -> ml_collections.ConfigDict:
   """The ``data`` config group."""
   return ml_collections.ConfigDict(dict(
-      source="arrayrecord",  # a name in SOURCES: arrayrecord (tools/prepare_data.py's output) | synthetic
-      path="",  # prepared data folder; empty = the bundled Shakespeare corpus, prepared on first use
+      source="arrayrecord",  # a name in SOURCES: arrayrecord (tools/prepare_data.py's output) | raw | synthetic
+      path="",  # prepared data folder; empty = the bundled Shakespeare corpus, prepared on first use. raw: a
+      # file, folder or glob of .jsonl / .parquet / .txt files
       seq_len=128,
       packing=True,  # pack documents into rows (segment ids keep them apart); False = one padded doc per row
       tokenizer="",  # if set ('byte' or a tokenizer file), the data must have been prepared with it
@@ -45,6 +46,10 @@ def defaults() -> ml_collections.ConfigDict:
       prefetch=2,  # batches buffered per worker
       verify_checksums=True,  # SHA-256 of every shard against the manifest at start
       cache_dir="~/.cache/jaxtrain",  # where the bundled corpus is prepared
+      # data.source=raw only (jaxtrain/data/stream.py):
+      field="text",  # the JSONL field / Parquet column holding the text
+      eval_path="",  # eval records (file, folder or glob); empty = the last eval_fraction of data.path
+      eval_fraction=0.0,  # without eval_path: this fraction of data.path's records (its last ones) is eval only
   ))
 
 
@@ -55,6 +60,14 @@ def validate(config) -> None:
   if config.data.path and not source.reads_path:
     raise ConfigError("data.path", f"is set but data.source='{config.data.source}' ignores it",
                       "set data.source=arrayrecord or clear data.path")
+  if config.data.source == "raw":
+    from jaxtrain.data import stream
+    stream.check(config)  # files there, field in them, tokenizer fits, enough records: before anything compiles
+    return
+  for key, default in (("field", "text"), ("eval_path", ""), ("eval_fraction", 0.0)):
+    if config.data[key] != default:
+      raise ConfigError(f"data.{key}", f"is set but only data.source=raw reads it (data.source="
+                        f"'{config.data.source}')", f"set data.source=raw or leave data.{key} at {default!r}")
 
 
 def to_global(local_batch: dict, sharding: NamedSharding) -> dict:
@@ -134,6 +147,22 @@ def _synthetic_provenance(c, step: int, doc_ids) -> dict:
 
 
 SOURCES.register("arrayrecord", Source(_arrayrecord_train, _arrayrecord_eval, _arrayrecord_provenance))
+def _raw_train(c) -> Iterator[dict]:
+  from jaxtrain.data import stream
+  return stream.open_train(c)
+
+
+def _raw_eval(c) -> list[dict]:
+  from jaxtrain.data import stream
+  return stream.open_eval(c)
+
+
+def _raw_provenance(c, step: int, doc_ids) -> dict:
+  from jaxtrain.data import stream
+  return stream.provenance(c, step, doc_ids)
+
+
+SOURCES.register("raw", Source(_raw_train, _raw_eval, _raw_provenance))
 SOURCES.register("synthetic", Source(lambda c: _synthetic(c, c.train.seed), _synthetic_eval, _synthetic_provenance,
                                      reads_path=False))
 

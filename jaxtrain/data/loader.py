@@ -14,6 +14,7 @@ trained flags, cut into rows with the tokens: a target then counts only if it is
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 
@@ -119,13 +120,24 @@ def train_dataset(root: str, manifest: dict, *, seq_len: int, global_batch: int,
                   process_index: int, process_count: int, packing: bool = True, split: str = "train",
                   num_workers: int = 0, prefetch: int = 2) -> grain.IterDataset:
   """This process's share of an endless stream of training batches (numpy, jaxtrain batch format)."""
-  if global_batch % process_count:
-    raise ValueError(f"global batch {global_batch} does not split over {process_count} processes")
   source = TokenSource(root, manifest, split)
   doc_ids = grain.MapDataset.range(len(source)).seed(seed).shuffle().repeat(None)
+  return lanes_dataset(doc_ids, source, seq_len=seq_len, global_batch=global_batch, process_index=process_index,
+                       process_count=process_count, packing=packing, masked=source.masked, num_workers=num_workers,
+                       prefetch=prefetch)
+
+
+def lanes_dataset(doc_ids, source, *, seq_len: int, global_batch: int, process_index: int, process_count: int,
+                  packing: bool = True, masked: bool = False, num_workers: int = 0,
+                  prefetch: int = 2) -> grain.IterDataset:
+  """This process's batches of the packed lanes over ``doc_ids`` (the endless document order that
+  :class:`jaxtrain.data.packing.PackedLanes` reads, lane r at r, r + B, ...) and ``source`` (document id ->
+  tokens): the tail of :func:`train_dataset`, shared with the raw-data source (:mod:`jaxtrain.data.stream`)."""
+  if global_batch % process_count:
+    raise ValueError(f"global batch {global_batch} does not split over {process_count} processes")
   per_process = global_batch // process_count
   lanes = range(process_index * per_process, (process_index + 1) * per_process)
-  ds = packing_lib.PackedLanes(doc_ids, source, lanes, global_batch, seq_len + 1, packing, source.masked)
+  ds = packing_lib.PackedLanes(doc_ids, source, lanes, global_batch, seq_len + 1, packing, masked)
   if num_workers > 0:
     if per_process % num_workers:
       raise ValueError(f"{num_workers} workers do not divide the {per_process} rows of a process's batch")
@@ -174,10 +186,19 @@ def eval_batches(root: str, manifest: dict, *, seq_len: int, global_batch: int, 
   """One pass over the eval split, packed in file order, this process's rows of each global batch.
   The last batch is padded with empty rows (loss mask 0), so every document counts exactly once."""
   source = TokenSource(root, manifest, split)
-  rows = list(packing_lib.PackedLanes(grain.MapDataset.range(len(source)), source, [0], 1, seq_len + 1,
-                                      masked=source.masked))
+  return packed_eval_batches(source, len(source), seq_len=seq_len, global_batch=global_batch,
+                             process_index=process_index, process_count=process_count, masked=source.masked)
+
+
+def packed_eval_batches(source, num_docs: int, *, seq_len: int, global_batch: int, process_index: int,
+                        process_count: int, masked: bool = False,
+                        max_batches: int = 0) -> list[dict[str, np.ndarray]]:
+  """:func:`eval_batches` over any ``source`` (document id -> tokens) of ``num_docs`` documents; with
+  ``max_batches`` > 0 only the first that many batches are packed."""
+  rows = packing_lib.PackedLanes(grain.MapDataset.range(num_docs), source, [0], 1, seq_len + 1, masked=masked)
+  rows = list(itertools.islice(rows, max_batches * global_batch if max_batches else None))
   empty = {k: np.zeros(seq_len + 1, np.int32) for k in ("tokens", "segment_ids", "positions")
-           + (("trained",) if source.masked else ())}
+           + (("trained",) if masked else ())}
   empty["doc_ids"] = np.full(seq_len + 1, -1, np.int32)
   rows += [empty] * (-len(rows) % global_batch)
   per_process = global_batch // process_count
