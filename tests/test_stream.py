@@ -236,10 +236,20 @@ def test_sigkill_and_resume_gives_the_uninterrupted_batches(jsonl, tmp_path):
           "--config.data.num_workers=2"]
   r = _main(f"--config.workdir={tmp_path / 'a'}", *args)
   assert r.returncode == 0, r.stderr[-3000:]
-  p = subprocess.run([sys.executable, "-c", _KILL_AT_SAVE, "6", "--config=configs/tiny.py",
-                      f"--config.workdir={tmp_path / 'b'}", *args], cwd=ROOT, capture_output=True, text=True,
-                     timeout=300)
-  assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
+  # Its own process group, stderr to a file: the killed trainer's Grain workers may outlive it for a moment and
+  # would hold a pipe open; the group is killed once the trainer is gone.
+  with open(tmp_path / "killed.log", "w") as log:
+    p = subprocess.Popen([sys.executable, "-c", _KILL_AT_SAVE, "6", "--config=configs/tiny.py",
+                          f"--config.workdir={tmp_path / 'b'}", *args], cwd=ROOT, stdout=log, stderr=log,
+                         start_new_session=True)
+    try:
+      p.wait(timeout=300)
+    finally:
+      try:
+        os.killpg(p.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+  assert p.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
   r = _main(f"--config.workdir={tmp_path / 'b'}", *args)
   assert r.returncode == 0 and "resumed from checkpoint step 3" in r.stderr, r.stderr[-3000:]
   want, got = _records(tmp_path / "a"), _records(tmp_path / "b")
