@@ -17,6 +17,9 @@ class UserError(Exception):
     self.subject, self.problem, self.fix = subject, problem, fix
     super().__init__(f"{subject}: {problem}; {fix}")
 
+  def __reduce__(self):  # picklable with its three parts: raised in a worker process, re-raised in the parent
+    return type(self), (self.subject, self.problem, self.fix)
+
 
 class ConfigError(UserError):
   """A config key with a wrong value: ``subject`` is the key."""

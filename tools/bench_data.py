@@ -1,8 +1,12 @@
 """Data benchmark: loader throughput vs what the step consumes, and the data stall in the training loop.
 
-  python tools/bench_data.py [--configs=tiny,cpu_50m] [--rounds=8] [--out=benchmarks/results/data.json]
+  python tools/bench_data.py [--configs=tiny,cpu_50m] [--pairs=tiny=30,cpu_50m=4] [--source=arrayrecord|raw]
+      [--raw_dir=DIR] [--out=benchmarks/results/data.json]
 
-For each config (on the bundled corpus, prepared on first use; 8 simulated CPU devices):
+For each config (8 simulated CPU devices), on the bundled corpus: prepared on first use (``--source=arrayrecord``,
+the default), or as raw JSONL tokenized inside the Grain pipeline (``--source=raw``, ``data.source=raw``: ~20 MB
+of the corpus's paragraphs, repeated with a counter so documents differ, in 8 .jsonl files with a "text" field,
+written once to ``--raw_dir`` or a temporary folder; byte tokenizer; results to benchmarks/results/data_stream.json):
 1. Loader alone: tokens/s with 0 and 2 worker processes, against the tokens/s the train step consumes.
 2. Stall: pairs of rounds of K steps, one fed by the real pipeline and one by synthetic batches (which goes
    first alternates), through the same compiled step and the trainer's loop body (next batch -> global
@@ -17,7 +21,12 @@ import _bench  # tools/ is on sys.path when a script runs
 _bench.setup()
 
 import importlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -32,7 +41,43 @@ _CONFIGS = flags.DEFINE_list("configs", ["tiny", "cpu_50m"], "Config modules und
 _ROUNDS = flags.DEFINE_string("pairs", "tiny=30,cpu_50m=4", "Real / synthetic round pairs, per config.")
 _STEPS = flags.DEFINE_string("steps_per_round", "tiny=5,cpu_50m=2", "Steps per round, per config.")
 _BATCH = flags.DEFINE_integer("batch", 16, "Global batch size.")
-_OUT = flags.DEFINE_string("out", "benchmarks/results/data.json", "Where to write the JSON results.")
+_SOURCE = flags.DEFINE_enum("source", "arrayrecord", ["arrayrecord", "raw"], "arrayrecord: the prepared bundled "
+                            "corpus. raw: data.source=raw on a generated JSONL corpus.")
+_RAW_DIR = flags.DEFINE_string("raw_dir", "", "--source=raw: where the JSONL corpus is written (reused if there); "
+                               "empty = a temporary folder, removed at the end.")
+_RAW_MB = flags.DEFINE_float("raw_mb", 20.0, "--source=raw: size of the generated JSONL corpus, in MB.")
+_OUT = flags.DEFINE_string("out", "", "Where to write the JSON results (default: benchmarks/results/data.json, "
+                           "or data_stream.json with --source=raw).")
+
+_RAW_FILES = 8
+_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "jaxtrain", "data", "corpus",
+                       "tinyshakespeare.txt")
+
+
+def write_raw_corpus(folder: str, megabytes: float) -> dict:
+  """The bundled corpus's paragraphs as JSONL documents {"text": "<copy> <paragraph>"} (copy k of the corpus is
+  prefixed with k, so documents differ), about ``megabytes`` MB in all, in 8 files (contiguous shares of the
+  documents). Kept if ``folder`` already holds them."""
+  names = [os.path.join(folder, f"part-{i:02d}.jsonl") for i in range(_RAW_FILES)]
+  if not all(os.path.exists(n) for n in names):
+    with open(_CORPUS, encoding="utf-8") as f:
+      paragraphs = [p.strip("\n") for p in re.split(r"\n\s*\n", f.read()) if p.strip()]
+    lines, size, copy = [], 0, 0
+    while size < megabytes * 1e6:
+      for p in paragraphs:
+        lines.append(json.dumps({"text": f"{copy} {p}"}) + "\n")
+        size += len(lines[-1])
+      copy += 1
+    os.makedirs(folder, exist_ok=True)
+    for i, name in enumerate(names):
+      with open(name + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(lines[i * len(lines) // _RAW_FILES:(i + 1) * len(lines) // _RAW_FILES])
+      os.replace(name + ".tmp", name)
+  docs = 0
+  for n in names:
+    with open(n, "rb") as f:
+      docs += sum(1 for _ in f)
+  return {"path": folder, "files": _RAW_FILES, "documents": docs, "bytes": sum(os.path.getsize(n) for n in names)}
 
 
 def loader_tokens_per_sec(config, workers: int, batches: int = 200) -> float:
@@ -56,8 +101,10 @@ def run_round(step_fn, state, source, sharding, steps: int):
   return state, (time.perf_counter() - t) / steps
 
 
-def bench(name: str) -> dict:
+def bench(name: str, raw_dir: str = "") -> dict:
   config = importlib.import_module(f"configs.{name}").get_config()
+  if raw_dir:
+    config.data.update(source="raw", path=raw_dir, tokenizer="byte")
   config.train.global_batch_size = _BATCH.value
   config.mesh.update(data=1, fsdp=-1, tensor=1)
   k = int(dict(s.split("=") for s in _STEPS.value.split(",")).get(name, 5))
@@ -93,7 +140,18 @@ def bench(name: str) -> dict:
 
 def main(argv):
   del argv
-  results = [bench(name) for name in _CONFIGS.value]
+  raw, tmp = {}, None
+  if _SOURCE.value == "raw":
+    folder = _RAW_DIR.value or (tmp := tempfile.mkdtemp(prefix="bench_data_raw_"))
+    t = time.perf_counter()
+    raw = write_raw_corpus(folder, _RAW_MB.value)
+    print(f"raw corpus: {raw['documents']:,} documents, {raw['bytes'] / 1e6:.1f} MB in {raw['files']} .jsonl files "
+          f"at {folder} ({time.perf_counter() - t:.1f} s)")
+  try:
+    results = [bench(name, raw.get("path", "")) for name in _CONFIGS.value]
+  finally:
+    if tmp:
+      shutil.rmtree(tmp, ignore_errors=True)
   header = (f"{'config':<9}{'loader tok/s (0 w)':>20}{'(2 w)':>12}{'step needs tok/s':>18}{'x (0 w)':>9}"
             f"{'x (2 w)':>9}{'step real ms':>14}{'synthetic ms':>14}{'stall':>8}")
   print(header)
@@ -104,7 +162,9 @@ def main(argv):
           f"{r['loader_vs_step_0_workers']:>9.1f}{r['loader_vs_step_2_workers']:>9.1f}"
           f"{1e3 * r['step_s_real_median']:>14.1f}{1e3 * r['step_s_synthetic_median']:>14.1f}"
           f"{r['stall_ratio']:>8.3f}")
-  print(f"wrote {_bench.write_json(_OUT.value, {'results': results})}")
+  out = _OUT.value or ("benchmarks/results/data_stream.json" if raw else "benchmarks/results/data.json")
+  extra = {"source": "raw", "raw_corpus": raw} if raw else {}
+  print(f"wrote {_bench.write_json(out, {**extra, 'results': results})}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
   python tools/prepare_data.py --input=PATH [--input=PATH ...] --output=DIR [--tokenizer=FILE|FOLDER]
       [--format=auto|text|sft] [--field=text] [--seed=N] [--eval_fraction=F] [--text_split=paragraph|file]
       [--workers=N] [--prompt_field=prompt] [--response_field=response] [--messages_field=messages]
-      [--chat_template=FILE]
+      [--chat_template=FILE] [--near_dup_threshold=0.8] [--runner=DirectRunner|DataflowRunner|... [-- BEAM_OPTIONS]]
 
 Pretraining text (--format=text): text files (documents separated by blank lines; --text_split=file for one
 per file), JSONL (field --field), Parquet (column --field), folders (recursive) and globs.
@@ -17,8 +17,21 @@ apply_chat_template renders it and only the assistant messages' tokens (and the 
 are trained; without one: BOS (if the tokenizer config names one), prompt tokens, response tokens + EOS (if
 named), only the response and EOS trained. See jaxtrain/data/chat.py.
 
-Exact duplicate documents / records are removed and counted. The output folder appears complete or not at all.
-Bad input: one line on stderr (file and line for JSONL records), exit code 2, nothing written.
+Exact duplicate documents / records are removed and counted; with --near_dup_threshold=J also near duplicates
+(MinHash LSH over word 5-grams, Jaccard similarity J). Each document's split (eval with probability
+--eval_fraction), place in the shuffle and shard come from a seeded hash of its content: the output is the same
+bytes for any --workers and any --runner. Memory stays bounded (a 64 MiB buffer per worker and one shard of about
+--shard_mib MiB of input) whatever the input size.
+
+Without --runner the preparation runs in this process (--workers processes). With --runner it is an Apache Beam
+pipeline (pip install -e '.[beam]'): --runner=DirectRunner --workers=N runs N local worker processes; at scale
+use DataflowRunner, FlinkRunner or SparkRunner and pass the runner's options after `--`, e.g.
+
+  python tools/prepare_data.py --input=gs://b/raw/*.jsonl --output=gs://b/data --runner=DataflowRunner \
+      -- --project=P --region=us-central1 --temp_location=gs://b/tmp
+
+The output folder appears complete or not at all (the manifest is written last). Bad input: one line on stderr
+(file and line for JSONL records), exit code 2, nothing written.
 """
 
 from __future__ import annotations
@@ -28,7 +41,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
 from jaxtrain import paths  # noqa: E402
 from jaxtrain.config import UserError  # noqa: E402
@@ -50,13 +63,24 @@ _FIELD = flags.DEFINE_string("field", "text", "JSONL field / Parquet column hold
 _SEED = flags.DEFINE_integer("seed", 0, "Shuffle seed.")
 _EVAL = flags.DEFINE_float("eval_fraction", 0.01, "Fraction of documents held out for eval.")
 _SPLIT = flags.DEFINE_enum("text_split", "paragraph", prepare.TEXT_SPLITS, "How text files split into documents.")
-_SHARD_MIB = flags.DEFINE_float("shard_mib", 128.0, "Target shard size in MiB.")
-_WORKERS = flags.DEFINE_integer("workers", 0, "Processes tokenizing input files in parallel (0: in-process).")
+_SHARD_MIB = flags.DEFINE_float("shard_mib", 128.0, "About this many MiB of input text per shard.")
+_WORKERS = flags.DEFINE_integer("workers", 0, "Worker processes (0: in-process; with --runner=DirectRunner: its "
+                                "worker processes).")
+_NEAR = flags.DEFINE_float("near_dup_threshold", 0.0, "Remove near duplicates at this Jaccard similarity of word "
+                           "n-grams (MinHash LSH; e.g. 0.8); 0: exact de-duplication only.")
+_NGRAM = flags.DEFINE_integer("near_dup_ngram", 5, "Words per n-gram for near-duplicate search.")
+_PERM = flags.DEFINE_integer("near_dup_perm", 128, "MinHash permutations for near-duplicate search.")
+_RUNNER = flags.DEFINE_string("runner", "", "An Apache Beam runner (DirectRunner, DataflowRunner, FlinkRunner, "
+                              "SparkRunner, ...); options for it go after `--`. Empty: prepare in this process.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a non-empty output folder (after success).")
 
 
 def main(argv):
-  del argv
+  logging.set_verbosity(logging.WARNING)  # Apache Beam logs every stage at INFO
+  if len(argv) > 1 and not _RUNNER.value:
+    print(f"prepare_data: error: {argv[1]}: an extra argument without --runner; pass Beam pipeline options "
+          "after `--` together with --runner=NAME", file=sys.stderr)
+    sys.exit(2)
   try:
     manifest = prepare.prepare(prepare.Options(
         inputs=[paths.resolve(i) for i in _INPUT.value], output=paths.resolve(_OUTPUT.value),
@@ -65,7 +89,9 @@ def main(argv):
         seed=_SEED.value, eval_fraction=_EVAL.value, text_split=_SPLIT.value, shard_mib=_SHARD_MIB.value,
         workers=_WORKERS.value, overwrite=_OVERWRITE.value, progress=sys.stderr.isatty(), format=_FORMAT.value,
         prompt_field=_PROMPT.value, response_field=_RESPONSE.value, messages_field=_MESSAGES.value,
-        chat_template=paths.resolve(_TEMPLATE.value) if _TEMPLATE.value else ""))
+        chat_template=paths.resolve(_TEMPLATE.value) if _TEMPLATE.value else "",
+        near_dup_threshold=_NEAR.value, near_dup_ngram=_NGRAM.value, near_dup_perm=_PERM.value,
+        runner=_RUNNER.value, pipeline_options=tuple(argv[1:])))
   except UserError as e:
     print(f"prepare_data: error: {e}", file=sys.stderr)
     sys.exit(2)
@@ -74,7 +100,9 @@ def main(argv):
         f"{splits['eval']['documents']:,} eval), {manifest['tokens']:,} tokens, "
         + (f"{manifest['trained_tokens']:,} trained (SFT, {manifest['sft']['template'].replace('_', ' ')}), "
            if manifest.get("loss_mask") else "")
-        + f"{manifest['duplicates_removed']:,} duplicates removed, tokenizer {manifest['tokenizer']} "
+        + f"{manifest['duplicates_removed']:,} duplicates removed, "
+        + (f"{manifest['near_duplicates_removed']:,} near duplicates removed, " if manifest["near_dup"] else "")
+        + f"tokenizer {manifest['tokenizer']} "
         f"(vocab {manifest['vocab_size']:,}), {len(manifest['shards'])} shards -> {_OUTPUT.value}")
 
 

@@ -1,9 +1,23 @@
 """Raw text -> tokenized, de-duplicated, shuffled ArrayRecord shards plus a manifest.
 
 Inputs are text files (documents separated by blank lines, or one per file), JSONL (one document per line,
-a named field), Parquet (a named column), folders (recursively) and globs. The output directory appears
-complete or not at all: everything is written into a temporary sibling directory that is renamed into place
-at the end, so no half-written shard can ever look valid. Same inputs and seed give identical bytes.
+a named field), Parquet (a named column), folders (recursively) and globs, local or ``gs://``.
+
+One algorithm, two executors: in this process (the default; ``workers`` processes) or as an Apache Beam pipeline
+(``runner``: DirectRunner locally, DataflowRunner / FlinkRunner / SparkRunner at scale; :mod:`.prepare_beam`).
+Every decision about a document is a function of its content and the seed (:mod:`.dedup`), so the output is the
+same bytes whatever the executor, runner and worker count. Memory is bounded by a shard, not by the input:
+
+1. **scatter** (:func:`scatter`, per input file, streaming): read, tokenize, digest (SHA-256); route by a seeded
+   hash of the digest to a split (eval when its uniform draw is below ``eval_fraction``), an order key and a
+   bucket (a range of keys; about ``shard_mib`` MiB of input each); append to a temporary part of the bucket.
+2. **near duplicates** (optional, ``near_dup_threshold``): MinHash LSH band keys per document; in each group of
+   documents sharing a band key, all but the smallest key are removed.
+3. **gather** (:func:`gather`, per bucket): the bucket's parts, exact duplicates (same digest: always in the same
+   bucket, so no worker holds every hash) and near duplicates removed and counted, sorted by key (the global
+   shuffle), written as one shard.
+4. **finalize** (:func:`finalize`): shards numbered in key order, ``manifest.json`` written last into a
+   temporary sibling folder that is then renamed into place: no half-written output ever looks valid.
 
 Pretraining data (``format: "jaxtrain.tokens.v1"``): each record is one document, its n token ids as
 little-endian ``uint16`` (``uint32`` when the vocabulary needs it), n x itemsize bytes.
@@ -15,20 +29,24 @@ prediction is trained; 0: prompt, system, template), n x (itemsize + 1) bytes. T
 ``trained_tokens`` (in total, per split and per shard) and ``sft`` (``template``: ``"chat_template"`` or
 ``"plain"``, the template's SHA-256, the field names). Exact duplicates are found on the record's messages.
 
-``manifest.json`` lists per split the shards with their document and token counts, bytes and SHA-256.
+``manifest.json`` lists per split the shards with their document and token counts, bytes and SHA-256, and the
+exact and near duplicates removed.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import glob
 import hashlib
+import itertools
 import json
 import math
 import multiprocessing
 import os
 import shutil
+import struct
 import uuid
 from typing import Iterator, Sequence
 
@@ -37,7 +55,7 @@ from etils import epath
 
 import jaxtrain
 from jaxtrain.config import DataError
-from jaxtrain.data import chat, tokenizers
+from jaxtrain.data import chat, dedup, tokenizers
 
 MANIFEST = "manifest.json"
 FORMAT = "jaxtrain.tokens.v1"  # records: token ids
@@ -45,10 +63,6 @@ FORMAT_SFT = "jaxtrain.sft.v1"  # records: token ids, then one uint8 trained fla
 FORMATS = ("auto", "text", "sft")
 TEXT_SPLITS = ("paragraph", "file")
 _SUFFIXES = (".txt", ".text", ".md", ".jsonl", ".json", ".parquet")
-
-
-# One record: its token ids and, for SFT data, its per-token trained flags (None for pretraining text).
-Document = tuple[np.ndarray, "np.ndarray | None"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +83,11 @@ class Options:
   response_field: str = "response"
   messages_field: str = "messages"
   chat_template: str = ""  # a jinja file: overrides the tokenizer's chat template ("" = the tokenizer's, if any)
+  near_dup_threshold: float = 0.0  # > 0: remove near duplicates (MinHash LSH) at this Jaccard similarity
+  near_dup_ngram: int = 5  # words per shingle
+  near_dup_perm: int = 128  # MinHash permutations
+  runner: str = ""  # "": in this process; else an Apache Beam runner (DirectRunner, DataflowRunner, ...)
+  pipeline_options: Sequence[str] = ()  # passed to Beam's PipelineOptions (e.g. --project=..., --region=...)
 
   @property
   def fields(self) -> chat.Fields:
@@ -79,7 +98,9 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
   """Paths, folders (recursive, known suffixes) and globs -> sorted, de-duplicated file list."""
   files = []
   for spec in inputs:
-    if any(c in spec for c in "*?["):
+    if "://" in spec:  # gs:// and the other etils.epath file systems
+      files += _expand_remote(spec)
+    elif any(c in spec for c in "*?["):
       matches = sorted(glob.glob(spec, recursive=True))
       if not matches:
         raise DataError(spec, "the glob matches no files", "check the pattern")
@@ -97,59 +118,40 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
   return list(dict.fromkeys(files))
 
 
-def _decode(raw: bytes, path: str) -> str:
-  try:
-    return raw.decode("utf-8")
-  except UnicodeDecodeError as e:
-    raise DataError(path, f"not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 4]!r})",
-                    "convert the file to UTF-8 (e.g. iconv -t UTF-8)") from None
+def _expand_remote(spec: str) -> list[str]:
+  parts = spec.split("/")
+  first_glob = next((i for i, p in enumerate(parts) if any(c in p for c in "*?[")), None)
+  if first_glob is not None:
+    found = sorted(os.fspath(p) for p in epath.Path("/".join(parts[:first_glob])).glob("/".join(parts[first_glob:]))
+                   if p.is_file())
+    if not found:
+      raise DataError(spec, "the glob matches no files", "check the pattern")
+    return found
+  path = epath.Path(spec)
+  if path.is_dir():
+    found = sorted(os.fspath(p) for p in path.rglob("*") if p.name.endswith(_SUFFIXES) and p.is_file())
+    if not found:
+      raise DataError(spec, "the folder holds no input files", f"put {', '.join(_SUFFIXES)} files in it")
+    return found
+  if path.exists():
+    return [spec]
+  raise DataError(spec, "no such file or folder", "check the --input path")
 
 
-def read_documents(path: str, field: str, text_split: str) -> list[str]:
-  """The documents of one input file, in file order."""
-  if path.endswith(".parquet"):
-    try:
-      import pyarrow.parquet as pq
-    except ImportError:
-      raise DataError(path, "reading Parquet needs pyarrow", "pip install pyarrow") from None
-    try:
-      table = pq.read_table(path)
-    except Exception as e:
-      raise DataError(path, f"not a readable Parquet file ({str(e)[:100]})", "check the file") from None
-    if field not in table.column_names:
-      raise DataError(path, f"no column '{field}' (columns: {', '.join(table.column_names)})",
-                      "pass --field=COLUMN")
-    return [d for d in table.column(field).to_pylist() if d]
-  text = _decode(epath.Path(path).read_bytes(), path)
-  if path.endswith((".jsonl", ".json")):
-    docs = []
-    for i, line in enumerate(text.splitlines(), 1):
-      if not line.strip():
-        continue
+def _lines(path: str) -> Iterator[tuple[int, str]]:
+  """(line number, line) of a UTF-8 file, streaming. Split on b'\\n' only: U+2028 may sit inside a JSON string."""
+  with epath.Path(path).open("rb") as f:
+    for i, raw in enumerate(f, 1):
       try:
-        obj = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{i}", f"not a JSON line ({e.msg})", "fix or remove the line") from None
-      if not isinstance(obj, dict) or field not in obj:
-        raise DataError(f"{path}:{i}", f"no field '{field}'", "pass --field=NAME")
-      if obj[field]:
-        docs.append(str(obj[field]))
-    return docs
-  if text_split == "file":
-    return [text] if text.strip() else []
-  return [p.strip("\n") for p in text.replace("\r\n", "\n").split("\n\n") if p.strip()]
+        yield i, raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise DataError(f"{path}:{i}", f"not valid UTF-8 (byte {e.start} of the line: {raw[e.start:e.start + 4]!r})",
+                        "convert the file to UTF-8 (e.g. iconv -t UTF-8)") from None
 
 
 def _json_lines(path: str) -> Iterator[tuple[int, object]]:
-  """(line number, parsed object) of every non-empty line of a JSONL file."""
-  raw = epath.Path(path).read_bytes()
-  try:
-    text = raw.decode("utf-8")
-  except UnicodeDecodeError as e:
-    line = raw.count(b"\n", 0, e.start) + 1
-    raise DataError(f"{path}:{line}", f"not valid UTF-8 (byte {e.start}: "
-                    f"{raw[e.start:e.start + 4]!r})", "convert the file to UTF-8 (e.g. iconv -t UTF-8)") from None
-  for i, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 may sit inside a JSON string
+  """(line number, parsed object) of every non-empty line of a JSONL file, streaming."""
+  for i, line in _lines(path):
     if not line.strip():
       continue
     try:
@@ -158,19 +160,56 @@ def _json_lines(path: str) -> Iterator[tuple[int, object]]:
       raise DataError(f"{path}:{i}", f"not a JSON line ({e.msg})", "fix or remove the line") from None
 
 
-def read_sft_records(path: str, fields: chat.Fields) -> list[tuple[int, list[dict]]]:
-  """(line number, messages) of every record of one SFT JSONL file, in file order."""
+def read_documents(path: str, field: str, text_split: str) -> Iterator[str]:
+  """The documents of one input file, in file order, streaming (a Parquet row group, a line or a paragraph at
+  a time; the whole file only for ``text_split='file'``)."""
+  if path.endswith(".parquet"):
+    try:
+      import pyarrow.parquet as pq
+    except ImportError:
+      raise DataError(path, "reading Parquet needs pyarrow", "pip install pyarrow") from None
+    try:
+      table = pq.ParquetFile(epath.Path(path).open("rb"))
+    except Exception as e:
+      raise DataError(path, f"not a readable Parquet file ({str(e)[:100]})", "check the file") from None
+    if field not in table.schema_arrow.names:
+      raise DataError(path, f"no column '{field}' (columns: {', '.join(table.schema_arrow.names)})",
+                      "pass --field=COLUMN")
+    for batch in table.iter_batches(columns=[field], batch_size=1024):
+      yield from (d for d in batch.column(0).to_pylist() if d)
+  elif path.endswith((".jsonl", ".json")):
+    for i, obj in _json_lines(path):
+      if not isinstance(obj, dict) or field not in obj:
+        raise DataError(f"{path}:{i}", f"no field '{field}'", "pass --field=NAME")
+      if obj[field]:
+        yield str(obj[field])
+  elif text_split == "file":
+    text = "".join(line for _, line in _lines(path))
+    if text.strip():
+      yield text
+  else:  # paragraphs: separated by empty lines
+    paragraph = []
+    for _, line in itertools.chain(_lines(path), [(0, "\n")]):
+      line = line.removesuffix("\n").removesuffix("\r")
+      if line:
+        paragraph.append(line)
+      elif paragraph:
+        text, paragraph = "\n".join(paragraph), []
+        if text.strip():
+          yield text
+
+
+def read_sft_records(path: str, fields: chat.Fields) -> Iterator[tuple[int, list[dict]]]:
+  """(line number, messages) of every record of one SFT JSONL file, in file order, streaming."""
   if not path.endswith((".jsonl", ".json")):
     raise DataError(path, "SFT input must be JSONL (one prompt/response pair or chat per line)",
                     "convert it to .jsonl, or pass --format=text for pretraining text")
-  records = []
   for i, obj in _json_lines(path):
     try:
-      records.append((i, chat.parse(obj, fields)))
+      yield i, chat.parse(obj, fields)
     except chat.RecordError as e:
       raise DataError(f"{path}:{i}", str(e), f"fix or remove the line (fields: '{fields.prompt}' + "
                       f"'{fields.response}', or '{fields.messages}'; see --help)") from None
-  return records
 
 
 def detect_format(files: list[str], fields: chat.Fields) -> str:
@@ -197,66 +236,70 @@ def _encoder(tokenizer_spec: str, template_file: str) -> chat.Encoder:
                     f"{str(e)[:160]})", "fix the template or pass --chat_template=FILE") from None
 
 
-def _tokenize_file(args) -> tuple[str, list[tuple[bytes, Document]]]:
-  path, opts = args
-  try:
-    if opts.format == "sft":
-      encoder, docs = _encoder(opts.tokenizer, opts.chat_template), []
-      for line, messages in read_sft_records(path, opts.fields):
-        try:
-          docs.append((chat.digest(messages), encoder.encode(messages)))
-        except chat.RecordError as e:
-          raise DataError(f"{path}:{line}", str(e), "fix or remove the line") from None
-      return path, docs
-    tokenizer = tokenizers.load(opts.tokenizer)
-    return path, [(hashlib.sha256(d.encode("utf-8")).digest(), (tokenizer.encode(d), None))
-                  for d in read_documents(path, opts.field, opts.text_split)]
-  except DataError as e:  # returned, not raised: a worker's exception would not survive pickling
-    return path, (e.subject, e.problem, e.fix)
-
-
-def _tokenized(files: list[str], opts: Options) -> Iterator[tuple[str, list[tuple[bytes, Document]]]]:
-  jobs = [(f, opts) for f in files]
-  if opts.workers > 1 and len(files) > 1:
-    with multiprocessing.get_context("spawn").Pool(opts.workers) as pool:
-      yield from pool.imap(_tokenize_file, jobs)  # ordered: output does not depend on the worker count
+def _documents(path: str, opts: Options) -> Iterator[tuple[bytes, np.ndarray, "np.ndarray | None", str]]:
+  """(digest, token ids, trained flags (SFT) or None, text for near-duplicate search) of each document of one
+  input file, streaming."""
+  if opts.format == "sft":
+    encoder = _encoder(opts.tokenizer, opts.chat_template)
+    for line, messages in read_sft_records(path, opts.fields):
+      try:
+        tokens, trained = encoder.encode(messages)
+      except chat.RecordError as e:
+        raise DataError(f"{path}:{line}", str(e), "fix or remove the line") from None
+      yield chat.digest(messages), tokens, trained, "\n".join(str(m.get("content") or "") for m in messages)
   else:
-    yield from map(_tokenize_file, jobs)
+    tokenizer = tokenizers.load(opts.tokenizer)
+    for text in read_documents(path, opts.field, opts.text_split):
+      yield hashlib.sha256(text.encode("utf-8")).digest(), tokenizer.encode(text), None, text
 
 
-def _write_shards(directory: epath.Path, split: str, docs: list[Document], dtype, shard_mib: float) -> list:
-  from array_record.python.array_record_module import ArrayRecordWriter
-  masked = bool(docs) and docs[0][1] is not None
-  total_bytes = sum(d.size for d, _ in docs) * (np.dtype(dtype).itemsize + masked)
-  num = max(1, math.ceil(total_bytes / (shard_mib * 2**20))) if docs else 0
-  shards = []
-  for i, part in enumerate(np.array_split(np.arange(len(docs)), num) if num else []):
-    name = f"{split}-{i:05d}-of-{num:05d}.array_record"
-    writer = ArrayRecordWriter(os.fspath(directory / name), "group_size:1")
-    for j in part:
-      tokens, trained = docs[j]
-      record = tokens.astype(dtype).tobytes()
-      writer.write(record if trained is None else record + trained.astype(np.uint8).tobytes())
-    writer.close()
-    data = (directory / name).read_bytes()
-    shards.append({"file": name, "split": split, "documents": len(part),
-                   "tokens": int(sum(docs[j][0].size for j in part)), "bytes": len(data),
-                   "sha256": hashlib.sha256(data).hexdigest()})
-    if masked:
-      shards[-1]["trained_tokens"] = int(sum(docs[j][1].sum() for j in part))
-  return shards
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything a worker needs, fixed before any document is read (picklable: it travels to workers)."""
+  opts: Options  # with the format resolved
+  files: tuple[str, ...]
+  buckets: dict  # split -> number of buckets (= shards at most) of that split
+  dtype: str  # of the token ids in the records
+  work: str  # the temporary output folder, renamed into place when complete
+
+  def part(self, split: str, bucket: int, index: int, chunk: int) -> epath.Path:
+    return epath.Path(self.work) / "scatter" / f"{split}-{bucket:05d}" / f"{index:06d}-{chunk:04d}.bin"
 
 
-def prepare(opts: Options) -> dict:
-  """Runs the whole preparation and returns the manifest. Raises DataError on bad input."""
+def make_plan(opts: Options) -> Plan:
+  """Checks the options and inputs (raises UserError, writes nothing) and sizes the buckets: about
+  ``shard_mib`` MiB of input per shard, from the input files' sizes."""
   if opts.text_split not in TEXT_SPLITS:
     raise DataError("--text_split", f"'{opts.text_split}' is not one of {', '.join(TEXT_SPLITS)}", "fix it")
   if not 0 <= opts.eval_fraction < 1:
     raise DataError("--eval_fraction", f"{opts.eval_fraction} is not in [0, 1)", "use e.g. 0.01")
   if opts.format not in FORMATS:
     raise DataError("--format", f"'{opts.format}' is not one of {', '.join(FORMATS)}", "fix it")
+  if not 0 <= opts.near_dup_threshold < 1:
+    raise DataError("--near_dup_threshold", f"{opts.near_dup_threshold} is not in [0, 1)",
+                    "use e.g. 0.8 (Jaccard similarity of word 5-grams), or 0 for exact de-duplication only")
+  for flag, v in (("--near_dup_ngram", opts.near_dup_ngram), ("--near_dup_perm", opts.near_dup_perm)):
+    if v < 1:
+      raise DataError(flag, f"{v} is not positive", "use the default")
+  if opts.shard_mib <= 0:
+    raise DataError("--shard_mib", f"{opts.shard_mib} is not positive", "use e.g. 128")
   if opts.chat_template and not epath.Path(opts.chat_template).exists():
     raise DataError(opts.chat_template, "chat template file not found", "pass an existing jinja file")
+  if opts.near_dup_threshold:
+    try:
+      import datasketch  # noqa: F401
+    except ImportError:
+      raise DataError("--near_dup_threshold", "near-duplicate removal needs datasketch",
+                      "pip install -e '.[beam]' (or pip install datasketch)") from None
+  if opts.runner:
+    try:
+      from jaxtrain.data import prepare_beam
+    except ImportError as e:
+      if not (e.name or "").startswith("apache_beam"):
+        raise
+      raise DataError("--runner", "preparing on a Beam runner needs Apache Beam",
+                      "pip install -e '.[beam]', or leave --runner unset to prepare in this process") from None
+    prepare_beam.check(opts)
   output = epath.Path(opts.output)
   if output.exists() and any(output.iterdir()) and not opts.overwrite:
     raise DataError(opts.output, "the output folder exists and is not empty",
@@ -265,71 +308,241 @@ def prepare(opts: Options) -> dict:
   tokenizer = tokenizers.load(opts.tokenizer)
   if opts.format == "auto":
     opts = dataclasses.replace(opts, format=detect_format(files, opts.fields))
-  sft = opts.format == "sft"
-  if sft:
-    encoder = _encoder(opts.tokenizer, opts.chat_template)  # a bad template fails here, once
+  if opts.format == "sft":
+    _encoder(opts.tokenizer, opts.chat_template)  # a bad template fails here, once
+  size = 0
+  for f in files:
+    try:
+      size += epath.Path(f).stat().length
+    except OSError as e:
+      raise DataError(f, f"cannot be read ({e.strerror or e})", "check that the file exists and is readable") from None
+  per_shard = opts.shard_mib * 2**20
+  buckets = {"eval": max(1, math.ceil(size * opts.eval_fraction / per_shard)),
+             "train": max(1, math.ceil(size * (1 - opts.eval_fraction) / per_shard))}
+  work = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
+  return Plan(opts, tuple(files), buckets, np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32).name,
+              os.fspath(work))
 
-  seen, docs, duplicates = set(), [], 0
-  progress = _progress(len(files), opts.progress)
+
+# A scattered record: uint32 length of the rest, then order key, digest, tokens, trained tokens, the record's bytes.
+_LENGTH = struct.Struct("<I")
+_HEADER = struct.Struct("<Q32sII")
+_FLUSH_BYTES = 64 * 2**20  # a scattering worker's buffer: bounds its memory whatever the file's size
+
+
+def scatter(plan: Plan, index: int) -> Iterator[tuple]:
+  """Phase 1 for input file ``index``, streaming: every document tokenized, routed (:func:`dedup.route`) and
+  appended to a temporary part of its (split, bucket); a part is written whenever the buffers pass 64 MiB and
+  at the end. Yields ``("part", (split, bucket), path)`` per part written and, with near-duplicate removal,
+  ``("band", band key, (order key, digest, split, bucket))`` per document and LSH band. Raises DataError."""
+  opts, path = plan.opts, plan.files[index]
+  buffers, size, chunk = collections.defaultdict(list), 0, 0
+
+  def flush():
+    for (split, bucket), records in sorted(buffers.items()):
+      part = plan.part(split, bucket, index, chunk)
+      part.parent.mkdir(parents=True, exist_ok=True)
+      part.write_bytes(b"".join(records))
+      yield "part", (split, bucket), os.fspath(part)
+    buffers.clear()
+
   try:
-    for _, file_docs in _tokenized(files, opts):
-      if isinstance(file_docs, tuple):  # a worker's DataError
-        raise DataError(*file_docs)
-      for digest, doc in file_docs:
-        if digest in seen:
-          duplicates += 1
-        elif doc[0].size:
-          seen.add(digest)
-          docs.append(doc)
-      progress.update(1)
-  finally:
-    progress.close()
-  if not docs:
-    raise DataError(", ".join(opts.inputs), "the input holds no documents", "pass non-empty input files")
-  if sft and not any(m.any() for _, m in docs):
-    raise DataError(", ".join(opts.inputs), "no record has a trained token", "check the chat template")
+    for digest, tokens, trained, text in _documents(path, opts):
+      if not tokens.size:
+        continue
+      split, bucket, key = dedup.route(digest, opts.seed, opts.eval_fraction, plan.buckets)
+      record = tokens.astype(plan.dtype).tobytes()
+      if trained is not None:
+        record += trained.astype(np.uint8).tobytes()
+      header = _HEADER.pack(key, digest, tokens.size, 0 if trained is None else int(trained.sum()))
+      buffers[(split, bucket)].append(_LENGTH.pack(len(header) + len(record)) + header + record)
+      size += len(record)
+      if opts.near_dup_threshold:
+        for band in dedup.band_keys(text, opts.near_dup_threshold, opts.near_dup_perm, opts.near_dup_ngram):
+          yield "band", band, (key, digest, split, bucket)
+      if size > _FLUSH_BYTES:
+        yield from flush()
+        size, chunk = 0, chunk + 1
+    yield from flush()
+  except OSError as e:
+    raise DataError(path, f"cannot be read ({e.strerror or e})", "check that the file exists and is readable") from None
 
-  order = np.random.default_rng(opts.seed).permutation(len(docs))
-  n_eval = min(int(round(len(docs) * opts.eval_fraction)), len(docs) - 1)
-  if opts.eval_fraction > 0 and len(docs) > 1:
-    n_eval = max(n_eval, 1)
-  splits = {"eval": [docs[i] for i in order[:n_eval]], "train": [docs[i] for i in order[n_eval:]]}
-  dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
 
-  def counts(split_docs: list[Document]) -> dict:
-    out = {"documents": len(split_docs), "tokens": int(sum(d.size for d, _ in split_docs))}
+def read_parts(parts) -> list[tuple[int, bytes, int, int, bytes]]:
+  """The records of scattered parts: (order key, digest, tokens, trained tokens, record bytes)."""
+  records = []
+  for part in parts:
+    data, pos = epath.Path(part).read_bytes(), 0
+    while pos < len(data):
+      (n,) = _LENGTH.unpack_from(data, pos)
+      records.append((*_HEADER.unpack_from(data, pos + _LENGTH.size), data[pos + _LENGTH.size + _HEADER.size:
+                                                                            pos + _LENGTH.size + n]))
+      pos += _LENGTH.size + n
+  return records
+
+
+def gather(plan: Plan, split: str, bucket: int, parts, dropped) -> dict:
+  """Phase 2 for one bucket: its scattered records, exact duplicates (same digest) and ``dropped`` near
+  duplicates removed and counted, sorted by order key, written as one ArrayRecord shard (named by bucket;
+  :func:`finalize` numbers the shards). Returns the shard's entry for the manifest (documents 0: no file)."""
+  dropped = set(dropped)
+  records = sorted(read_parts(sorted(parts)), key=lambda r: (r[0], r[1]))
+  kept, duplicates, near, previous = [], 0, 0, None
+  for r in records:
+    if r[1] == previous:
+      duplicates += 1
+    elif r[1] in dropped:
+      near += 1
+    else:
+      kept.append(r)
+    previous = r[1]
+  entry = {"split": split, "bucket": bucket, "file": None, "documents": len(kept),
+           "tokens": sum(r[2] for r in kept), "duplicates": duplicates, "near_duplicates": near}
+  if plan.opts.format == "sft":
+    entry["trained_tokens"] = sum(r[3] for r in kept)
+  if kept:
+    entry = _write_shard(epath.Path(plan.work) / f"{split}-b{bucket:05d}.array_record", [r[4] for r in kept], entry)
+  return entry
+
+
+def _write_shard(path: epath.Path, records: list[bytes], entry: dict) -> dict:
+  from array_record.python.array_record_module import ArrayRecordWriter
+  writer = ArrayRecordWriter(os.fspath(path), "group_size:1")
+  for r in records:
+    writer.write(r)
+  writer.close()
+  data = path.read_bytes()
+  return {**entry, "file": path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _hold_out_one(plan: Plan, entries: list[dict]) -> list[dict]:
+  """When ``eval_fraction`` > 0 drew no document (a small input), the first training document of the shuffle
+  becomes the eval split, as long as one is left to train on."""
+  if not plan.opts.eval_fraction or any(e["split"] == "eval" and e["documents"] for e in entries):
+    return entries
+  train = sorted((e for e in entries if e["split"] == "train" and e["documents"]), key=lambda e: e["bucket"])
+  if sum(e["documents"] for e in train) < 2:
+    return entries
+  from array_record.python.array_record_module import ArrayRecordReader
+  first, work, sft = train[0], epath.Path(plan.work), plan.opts.format == "sft"
+  reader = ArrayRecordReader(os.fspath(work / first["file"]))
+  records = reader.read_all()
+  reader.close()
+  (work / first["file"]).unlink()
+  width = np.dtype(plan.dtype).itemsize + sft
+
+  def counts(rs):
+    out = {"documents": len(rs), "tokens": sum(len(r) // width for r in rs)}
     if sft:
-      out["trained_tokens"] = int(sum(m.sum() for _, m in split_docs))
+      out["trained_tokens"] = sum(sum(r[-(len(r) // width):]) for r in rs)
     return out
 
-  tmp = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
-  tmp.mkdir(parents=True)
+  rest = [] if len(records) == 1 else [_write_shard(work / first["file"], records[1:], {**first, **counts(records[1:])})]
+  held = _write_shard(work / "eval-b00000.array_record", records[:1],
+                      {"split": "eval", "bucket": 0, "duplicates": 0, "near_duplicates": 0, **counts(records[:1])})
+  if len(records) == 1:  # keep the removed-duplicate counts of the emptied bucket
+    rest = [{**first, "documents": 0, "file": None}]
+  return [e for e in entries if e is not first] + rest + [held]
+
+
+def finalize(plan: Plan, entries: list[dict]) -> dict:
+  """Numbers the shards (``train-00000-of-00003.array_record``, in key order), writes the manifest last and
+  returns it. Raises DataError when nothing is left to train on."""
+  entries = _hold_out_one(plan, entries)
+  opts, sft = plan.opts, plan.opts.format == "sft"
+  work, count = epath.Path(plan.work), ("documents", "tokens") + (("trained_tokens",) if sft else ())
+  splits, shards = {}, []
+  for split in ("eval", "train"):
+    mine = sorted((e for e in entries if e["split"] == split and e["documents"]), key=lambda e: e["bucket"])
+    splits[split] = {k: sum(e[k] for e in mine) for k in count}
+    for i, e in enumerate(mine):
+      name = f"{split}-{i:05d}-of-{len(mine):05d}.array_record"
+      (work / e["file"]).rename(work / name)
+      shards.append({"file": name, "split": split, **{k: e[k] for k in count + ("bytes", "sha256")}})
+  totals = {k: splits["eval"][k] + splits["train"][k] for k in count}
+  if not totals["documents"]:
+    raise DataError(", ".join(opts.inputs), "the input holds no documents", "pass non-empty input files")
+  if sft and not totals["trained_tokens"]:
+    raise DataError(", ".join(opts.inputs), "no record has a trained token", "check the chat template")
+  tokenizer = tokenizers.load(opts.tokenizer)
+  manifest = {
+      "format": FORMAT_SFT if sft else FORMAT, "jaxtrain_version": jaxtrain.__version__, **totals,
+      "duplicates_removed": sum(e["duplicates"] for e in entries),
+      "near_duplicates_removed": sum(e["near_duplicates"] for e in entries),
+      "near_dup": {"threshold": opts.near_dup_threshold, "ngram": opts.near_dup_ngram,
+                   "num_perm": opts.near_dup_perm} if opts.near_dup_threshold else None,
+      "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "dtype": plan.dtype, "seed": opts.seed,
+      "eval_fraction": opts.eval_fraction, "inputs": [os.path.basename(f) for f in plan.files],
+      "splits": splits, "shards": shards,
+  }
+  if sft:
+    template = _encoder(opts.tokenizer, opts.chat_template).template
+    manifest.update(loss_mask=True, sft={
+        "template": "plain" if template is None else "chat_template",
+        "chat_template_sha256": None if template is None else template.sha256,
+        "prompt_field": opts.prompt_field, "response_field": opts.response_field,
+        "messages_field": opts.messages_field})
+  else:
+    manifest.update(text_split=opts.text_split, field=opts.field)
+  if (work / "scatter").exists():
+    shutil.rmtree(work / "scatter")
+  (work / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+  return manifest
+
+
+def _scatter_file(plan: Plan, index: int) -> list[tuple]:
+  return list(scatter(plan, index))
+
+
+def _gather_bucket(args) -> dict:
+  return gather(*args)
+
+
+def run_local(plan: Plan) -> list[dict]:
+  """The pipeline in this process (``opts.workers`` > 1: a process pool over files, then over buckets)."""
+  parts, bands = collections.defaultdict(list), collections.defaultdict(list)
+  pool = multiprocessing.get_context("spawn").Pool(plan.opts.workers) if plan.opts.workers > 1 else None
+  imap = pool.imap if pool else map  # ordered either way
   try:
-    shards = [s for split, split_docs in splits.items()
-              for s in _write_shards(tmp, split, split_docs, dtype, opts.shard_mib)]
-    manifest = {
-        "format": FORMAT_SFT if sft else FORMAT, "jaxtrain_version": jaxtrain.__version__,
-        **counts(docs),
-        "duplicates_removed": duplicates, "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
-        "dtype": np.dtype(dtype).name, "seed": opts.seed, "eval_fraction": opts.eval_fraction,
-        "inputs": [os.path.basename(f) for f in files],
-        "splits": {split: counts(d) for split, d in splits.items()},
-        "shards": shards,
-    }
-    if sft:
-      template = encoder.template
-      manifest.update(loss_mask=True, sft={
-          "template": "plain" if template is None else "chat_template",
-          "chat_template_sha256": None if template is None else template.sha256,
-          "prompt_field": opts.prompt_field, "response_field": opts.response_field,
-          "messages_field": opts.messages_field})
-    else:
-      manifest.update(text_split=opts.text_split, field=opts.field)
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    _move_into_place(tmp, output, opts.overwrite)
+    with _progress(len(plan.files), plan.opts.progress, "tokenizing", "file") as bar:
+      for items in imap(functools.partial(_scatter_file, plan), range(len(plan.files))):
+        for kind, key, value in items:
+          (parts if kind == "part" else bands)[key].append(value)
+        bar.update(1)
+    dropped = collections.defaultdict(list)
+    for members in bands.values():
+      for where, digest in dedup.near_duplicates(members):
+        dropped[where].append(digest)
+    del bands
+    jobs = [(plan, split, bucket, parts[(split, bucket)], dropped[(split, bucket)]) for split, bucket in sorted(parts)]
+    with _progress(len(jobs), plan.opts.progress, "writing", "shard") as bar:
+      entries = []
+      for entry in imap(_gather_bucket, jobs):
+        entries.append(entry)
+        bar.update(1)
+    return entries
   finally:
-    if tmp.exists():
-      shutil.rmtree(tmp, ignore_errors=True)
+    if pool:
+      pool.terminate()
+
+
+def prepare(opts: Options) -> dict:
+  """Runs the whole preparation and returns the manifest. Raises UserError (DataError) on bad input, having
+  written nothing: the output appears complete (manifest last) or not at all."""
+  plan = make_plan(opts)
+  work, output = epath.Path(plan.work), epath.Path(opts.output)
+  work.mkdir(parents=True)
+  try:
+    if opts.runner:
+      from jaxtrain.data import prepare_beam
+      entries = prepare_beam.run(plan)
+    else:
+      entries = run_local(plan)
+    manifest = finalize(plan, entries)
+    _move_into_place(work, output, opts.overwrite)
+  finally:
+    if work.exists():
+      shutil.rmtree(work, ignore_errors=True)
   return manifest
 
 
@@ -351,9 +564,9 @@ def _move_into_place(new: epath.Path, target: epath.Path, overwrite: bool) -> No
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, desc: str, unit: str):
   from tqdm import tqdm
-  return tqdm(total=total, unit="file", desc="tokenizing", disable=not enabled)
+  return tqdm(total=total, unit=unit, desc=desc, disable=not enabled)
 
 
 BUNDLED = epath.Path(__file__).parent / "corpus" / "tinyshakespeare.txt"
