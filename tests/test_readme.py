@@ -34,8 +34,10 @@ DRY_RUN = "--config.dry_run=true"
 GPIPE = "--config.workdir=runs/gpipe"
 CIRCULAR = "--config.workdir=runs/circular"
 MOE = "configs/moe_tiny.py --config.mesh.expert=4"
-PREPARE = "--input=my_texts"
+PREPARE = "--input=my_texts --output=data/my_texts"
 TRAIN_PREPARED = "--config.data.path=data/my_texts"
+PREPARE_BEAM = "--runner=FnApiRunner"
+TRAIN_RAW = "--config.data.source=raw"
 PREPARE_SFT = "--output=data/chats"
 TRAIN_SFT = "--config.data.path=data/chats"
 GENERATE = "--checkpoint=runs/tiny"
@@ -49,13 +51,15 @@ NOT_RUN = {
     TEST_COMMAND: "the test command itself: .ci/run runs it, read from the README "
                   "(test_ci_runs_the_readme_test_command)",
     "--config.workdir=gs://bucket/run1": "needs a Cloud Storage bucket and the memory of an 8B model",
+    "--runner=DataflowRunner": "needs a Google Cloud project and bucket",
 }
 
 
 def test_every_readme_command_is_run_by_a_test():
   """A command added to the README without a test here (or one a test no longer finds) fails."""
   run = [QUICK_START] + [readme.command(part) for part in (TRAIN_LONGER, INSPECT, PLOT, TP, DRY_RUN, GPIPE,
-                                                           CIRCULAR, MOE, PREPARE, TRAIN_PREPARED, PREPARE_SFT,
+                                                           CIRCULAR, MOE, PREPARE, TRAIN_PREPARED, PREPARE_BEAM,
+                                                           TRAIN_RAW, PREPARE_SFT,
                                                            TRAIN_SFT, GENERATE, HF_IMPORT,
                                                            HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT)]
   not_run = [readme.command(part) for part in NOT_RUN]
@@ -124,7 +128,7 @@ def test_quick_start_trains_checkpoints_and_summarizes(user):
   assert [r["step"] for r in user.records("runs/tiny")] == [10, 12]
   # Recorded on jax 0.10.2 and 0.12.0 (equal to all digits); CPU runs are deterministic, so any change to the
   # model, data order, optimizer or schedule moves these.
-  np.testing.assert_allclose([r["loss"] for r in user.records("runs/tiny")], [4.054481506347656, 3.6971328258514404],
+  np.testing.assert_allclose([r["loss"] for r in user.records("runs/tiny")], [4.0628485679626465, 3.6878035068511963],
                              rtol=1e-5)
   resolved = json.loads((user.repo / "runs/tiny/config.json").read_text())
   workdir = user.repo / "runs" / "tiny"
@@ -212,6 +216,11 @@ def test_prepare_data_and_train_on_it(user):
   resolved = json.loads((user.repo / "runs/my_texts/config.json").read_text())
   assert resolved["data"]["path"] == str(user.repo / "data" / "my_texts")
   assert user.committed("runs/my_texts") == [3] and "done: step 3/3" in err
+  _ok_out(user.run(readme.command(PREPARE_BEAM)))  # the same preparation on Apache Beam: the same bytes
+  beam, local = user.repo / "data" / "beam_texts", user.repo / "data" / "my_texts"
+  assert {p.name: p.read_bytes() for p in beam.iterdir()} == {p.name: p.read_bytes() for p in local.iterdir()}
+  err = _ok(user.run(readme.command(TRAIN_RAW), "--config.train.steps=3"))  # the raw files, streamed
+  assert user.committed("runs/raw") == [3] and "done: step 3/3" in err
 
 
 def _write_chats(path):

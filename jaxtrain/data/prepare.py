@@ -437,12 +437,11 @@ def _hold_out_one(plan: Plan, entries: list[dict]) -> list[dict]:
       out["trained_tokens"] = sum(sum(r[-(len(r) // width):]) for r in rs)
     return out
 
-  rest = [] if len(records) == 1 else [_write_shard(work / first["file"], records[1:], {**first, **counts(records[1:])})]
+  rest = {**first, **counts(records[1:])}  # keeps the bucket's duplicate counts, even when it is left empty
+  rest = _write_shard(work / first["file"], records[1:], rest) if len(records) > 1 else {**rest, "file": None}
   held = _write_shard(work / "eval-b00000.array_record", records[:1],
                       {"split": "eval", "bucket": 0, "duplicates": 0, "near_duplicates": 0, **counts(records[:1])})
-  if len(records) == 1:  # keep the removed-duplicate counts of the emptied bucket
-    rest = [{**first, "documents": 0, "file": None}]
-  return [e for e in entries if e is not first] + rest + [held]
+  return [e for e in entries if e is not first] + [rest, held]
 
 
 def finalize(plan: Plan, entries: list[dict]) -> dict:
