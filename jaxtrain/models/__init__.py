@@ -54,7 +54,8 @@ def _shared_defaults() -> dict:
       vocab_size=256,
       dtype="float32",  # compute dtype; params are always float32
       remat="none",  # what the backward pass recomputes per layer: a name in models.REMAT (none | full | save_dots)
-      attention="xla",  # the attention backend: a name in models.attention.BACKENDS
+      attention="xla",  # the attention backend: a name in models.attention.BACKENDS (xla | blockwise | reference)
+      attention_block_size=512,  # keys per block of the blockwise backend (memory O(seq_len x this) per layer)
       lora=lora.defaults(),  # LoRA fine-tuning (rank 0 = off): jaxtrain/models/lora.py
   )
 
@@ -158,6 +159,7 @@ def validate(config) -> None:
   check_positive(config, ["model.vocab_size"])
   check_choice(config, "model.dtype", DTYPES)
   REMAT.check(config)
+  check_positive(config, ["model.attention_block_size"])
   from jaxtrain.models import attention
   attention.BACKENDS.check(config)
   family.validate(m)

@@ -1,10 +1,19 @@
 """Attention backends: one function each, chosen by ``model.attention`` from :data:`BACKENDS`.
 
-A backend is ``(q, k, v, segment_ids) -> out``: ``q`` ``[batch, length, heads, head_dim]``, ``k`` and ``v``
-``[batch, length, kv_heads, head_dim]`` (grouped-query attention: ``heads`` a multiple of ``kv_heads``),
-``segment_ids`` ``[batch, length]`` int32; attention is causal and never crosses documents (tokens with different
-segment ids). It returns ``[batch, length, heads, head_dim]`` in q's dtype. Models call :func:`attend`; a kernel
-(splash, flash, cuDNN, ring attention) is one more ``@BACKENDS.register(name)`` and every family can use it.
+A backend is ``(q, k, v, segment_ids, positions, *, block_size) -> out``: ``q`` ``[batch, length, heads,
+head_dim]``, ``k`` and ``v`` ``[batch, length, kv_heads, head_dim]`` (grouped-query attention: ``heads`` a multiple
+of ``kv_heads``), ``segment_ids`` and ``positions`` ``[batch, length]`` int32. Query i sees key j iff both are of
+the same document (segment id) and ``positions[j] <= positions[i]``: causal by position within a document, so the
+order of the tokens along ``length`` does not matter (context parallelism reorders it). No dense ``[length,
+length]`` mask is handed around: each backend builds what it needs from the ids. It returns ``[batch, length,
+heads, head_dim]`` in q's dtype. Models call :func:`attend`; a kernel is one more ``@BACKENDS.register(name)``
+and every family can use it.
+
+- ``xla``: ``jax.nn.dot_product_attention`` with the mask: XLA's attention, any backend; O(length^2) memory.
+- ``blockwise``: pure JAX, memory-efficient (:func:`blockwise`): online softmax over blocks of ``block_size``
+  keys, a custom backward that recomputes each block, never a ``[length, length]`` array; O(length x
+  block_size) memory, any backend (CPU included).
+- ``reference``: softmax written out in float32, the oracle the others are tested against.
 
 Decoding (jaxtrain/generate.py) attends new queries over a :class:`KVCache` with :func:`attend_cached` (XLA's
 ``jax.nn.dot_product_attention`` under :func:`cached_mask`, whatever ``model.attention`` is); the training path
@@ -14,6 +23,7 @@ above is untouched by it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,36 +35,141 @@ BACKENDS: Registry = Registry("model.attention", "attention backend",
                               how="jaxtrain.models.attention.BACKENDS.register")
 
 
-def causal_document_mask(segment_ids: jax.Array) -> jax.Array:
-  """``[batch, 1, length, length]`` bool: query i sees key j <= i of the same document."""
-  t = segment_ids.shape[1]
-  causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
+def document_mask(segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+  """``[batch, 1, length, length]`` bool: query i sees key j iff same segment and ``positions[j] <= positions[i]``
+  (the ``xla`` and ``reference`` backends' mask; the others never build it)."""
   same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
-  return (causal[None] & same_doc)[:, None]
+  return (same_doc & (positions[:, None, :] <= positions[:, :, None]))[:, None]
 
 
 @BACKENDS.register("xla")
-def xla(q, k, v, segment_ids):
+def xla(q, k, v, segment_ids, positions, block_size=None):
   """``jax.nn.dot_product_attention`` with an explicit mask: XLA's fused attention, any backend."""
-  return jax.nn.dot_product_attention(q, k, v, mask=causal_document_mask(segment_ids))
+  del block_size
+  return jax.nn.dot_product_attention(q, k, v, mask=document_mask(segment_ids, positions))
 
 
 @BACKENDS.register("reference")
-def reference(q, k, v, segment_ids):
+def reference(q, k, v, segment_ids, positions, block_size=None):
   """Softmax attention written out in float32: the oracle the other backends are tested against."""
+  del block_size
   b, t, n, h = q.shape
   groups = n // k.shape[2]
   qg = q.astype(jnp.float32).reshape(b, t, k.shape[2], groups, h)
   scores = jnp.einsum("bqkgh,bskh->bkgqs", qg, k.astype(jnp.float32)) / jnp.sqrt(h)
-  mask = causal_document_mask(segment_ids)[:, :, None]  # [b, 1, 1, t, t]
+  mask = document_mask(segment_ids, positions)[:, :, None]  # [b, 1, 1, t, t]
   probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
   out = jnp.einsum("bkgqs,bskh->bqkgh", probs, v.astype(jnp.float32))
   return out.reshape(b, t, n, h).astype(q.dtype)
 
 
-def attend(backend: str, q, k, v, segment_ids):
-  """Causal, document-masked attention with the registered backend ``backend``."""
-  return BACKENDS.get(backend)(q, k, v, segment_ids)
+# Blockwise (flash-style) attention in pure JAX ------------------------------------------------------------------
+
+
+def _key_blocks(k, v, segment_ids, positions, block: int):
+  """Keys, values, segment ids and positions split into ``[blocks, batch, block, ...]``; the tail padded with
+  segment id -1, which no query has (so padding is never attended to)."""
+  b, s = segment_ids.shape
+  pad = -s % block
+
+  def split(x, fill):
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+    return jnp.moveaxis(x.reshape(b, (s + pad) // block, block, *x.shape[2:]), 1, 0)
+
+  return split(k, 0), split(v, 0), split(segment_ids, -1), split(positions, 0)
+
+
+def _block_scores(qg, kb, qseg, qpos, kseg, kpos):
+  """Scaled scores of all queries against one key block, ``[batch, kv_heads, groups, length, block]`` float32,
+  -inf where masked, and the mask."""
+  scores = jnp.einsum("bqkgh,bskh->bkgqs", qg, kb, preferred_element_type=jnp.float32)
+  mask = ((qseg[:, :, None] == kseg[:, None, :]) & (kpos[:, None, :] <= qpos[:, :, None]))[:, None, None]
+  scores = jnp.where(mask, scores, -jnp.inf)
+  return scores, mask
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _blockwise(q, k, v, segment_ids, positions, block):
+  return _blockwise_fwd(q, k, v, segment_ids, positions, block)[0]
+
+
+def _blockwise_fwd(q, k, v, segment_ids, positions, block):
+  b, t, n, h = q.shape
+  kvh = k.shape[2]
+  qg = (q * (1.0 / h ** 0.5)).astype(q.dtype).reshape(b, t, kvh, n // kvh, h)
+
+  def step(carry, blk):
+    m, l, acc = carry  # running max [b,k,g,q], running sum [b,k,g,q], output accumulator [b,q,k,g,h] (float32)
+    kb, vb, kseg, kpos = blk
+    scores, mask = _block_scores(qg, kb, segment_ids, positions, kseg, kpos)
+    m_new = jnp.maximum(m, scores.max(-1))
+    p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+    correction = jnp.exp(jnp.where(jnp.isneginf(m_new), 0.0, m - m_new))  # no key seen yet: nothing to rescale
+    l = l * correction + p.sum(-1)
+    pv = jnp.einsum("bkgqs,bskh->bqkgh", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+    acc = acc * jnp.moveaxis(correction, 3, 1)[..., None] + pv
+    return (m_new, l, acc), None
+
+  stats = jnp.full((b, kvh, n // kvh, t), -jnp.inf, jnp.float32)
+  init = (stats, jnp.zeros_like(stats), jnp.zeros((b, t, kvh, n // kvh, h), jnp.float32))
+  (m, l, acc), _ = jax.lax.scan(step, init, _key_blocks(k, v, segment_ids, positions, block))
+  # Every query sees at least itself (same segment, same position), so l > 0 and m is finite.
+  out = (acc / jnp.moveaxis(l, 3, 1)[..., None]).reshape(b, t, n, h).astype(q.dtype)
+  lse = m + jnp.log(l)
+  return out, (q, k, v, segment_ids, positions, out, lse)
+
+
+def _blockwise_bwd(block, residuals, d_out):
+  q, k, v, segment_ids, positions, out, lse = residuals
+  b, t, n, h = q.shape
+  s, kvh = k.shape[1], k.shape[2]
+  g, scale = n // kvh, 1.0 / h ** 0.5
+  qg = (q * scale).astype(q.dtype).reshape(b, t, kvh, g, h)
+  do = d_out.reshape(b, t, kvh, g, h)
+  # D_i = sum_h dO_i . O_i: the softmax backward's per-query term, [b, k, g, q].
+  delta = jnp.moveaxis(jnp.einsum("bqkgh,bqkgh->bqkg", do.astype(jnp.float32),
+                                  out.reshape(b, t, kvh, g, h).astype(jnp.float32)), 1, 3)
+
+  def step(dq, blk):
+    kb, vb, kseg, kpos = blk
+    scores, mask = _block_scores(qg, kb, segment_ids, positions, kseg, kpos)
+    p = jnp.where(mask, jnp.exp(scores - lse[..., None]), 0.0)  # the forward's probabilities, recomputed
+    dv = jnp.einsum("bkgqs,bqkgh->bskh", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+    dp = jnp.einsum("bqkgh,bskh->bkgqs", do, vb, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta[..., None])
+    dq = dq + jnp.einsum("bkgqs,bskh->bqkgh", ds.astype(kb.dtype), kb, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bkgqs,bqkgh->bskh", ds.astype(qg.dtype), qg, preferred_element_type=jnp.float32)
+    return dq, (dk, dv)
+
+  dq, (dk, dv) = jax.lax.scan(step, jnp.zeros((b, t, kvh, g, h), jnp.float32),
+                              _key_blocks(k, v, segment_ids, positions, block))
+
+  def unblock(x):  # [blocks, b, block, kvh, h] -> [b, s, kvh, h]
+    return jnp.moveaxis(x, 0, 1).reshape(b, -1, kvh, h)[:, :s]
+
+  return ((dq * scale).reshape(b, t, n, h).astype(q.dtype), unblock(dk).astype(k.dtype),
+          unblock(dv).astype(v.dtype), None, None)
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+@BACKENDS.register("blockwise")
+def blockwise(q, k, v, segment_ids, positions, block_size=512):
+  """Memory-efficient attention in pure JAX: online softmax over blocks of ``block_size`` keys (FlashAttention's
+  recurrence, all queries at once), and a backward that recomputes each block's probabilities from the saved
+  log-sum-exp instead of storing them. Peak memory O(length x block_size) per layer; any length (the last block
+  is padded), any backend."""
+  return _blockwise(q, k, v, segment_ids.astype(jnp.int32), positions.astype(jnp.int32),
+                    min(block_size, k.shape[1]))
+
+
+def attend(backend: str, q, k, v, segment_ids, positions=None, block_size: int = 512):
+  """Causal, document-masked attention with the registered backend ``backend`` (``positions`` default to the
+  token's index: causal by order)."""
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), segment_ids.shape)
+  return BACKENDS.get(backend)(q, k, v, segment_ids, positions, block_size=block_size)
 
 
 # Decoding with a key/value cache --------------------------------------------------------------------------------

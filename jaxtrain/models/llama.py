@@ -150,6 +150,7 @@ class Attention(nnx.Module):
     self.v = nnx.Einsum("btd,dnh->btnh", (d, k, h), kernel_init=_param(("embed", "kv_heads", "head_dim")), **kw)
     self.o = nnx.Einsum("btnh,nhd->btd", (n, h, d), kernel_init=_param(("heads", "head_dim", "embed")), **kw)
     self.theta, self.scaling, self.backend = cfg.rope_theta, rope_scaling(cfg), cfg.attention
+    self.block_size = cfg.attention_block_size
 
   def __call__(self, x, positions, segment_ids, cache=None):
     """``cache``: None (training), or ``(k, v, slots)`` for decoding: this layer's cached keys and values ``[batch,
@@ -164,7 +165,7 @@ class Attention(nnx.Module):
       k, v = write_kv(k_cache, k, slots.index), write_kv(v_cache, v, slots.index)
       out = attend_cached(q, k, v, segment_ids, positions, slots.segment_ids, slots.positions)
       return self.o(constrain(out, ("batch", "length", "heads", "head_dim"))), (k, v)
-    out = attend(self.backend, q, k, v, segment_ids)  # causal, never across documents
+    out = attend(self.backend, q, k, v, segment_ids, positions, self.block_size)  # causal, never across documents
     return self.o(constrain(out, ("batch", "length", "heads", "head_dim")))
 
 
