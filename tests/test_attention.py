@@ -90,3 +90,29 @@ def test_block_size_must_be_positive():
   c.model.attention_block_size = 0
   with pytest.raises(ConfigError, match="model.attention_block_size"):
     models.validate(c)
+
+
+def _largest_array(backend: str, t: int) -> int:
+  """Elements of the largest array in the compiled gradient of a one-layer model at length ``t``."""
+  import math
+  import re
+  c = base_config()
+  c.model.update(num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64, attention=backend,
+                 attention_block_size=128)
+  model = models.Model.from_config(c.model)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0)))
+  tokens = jax.ShapeDtypeStruct((1, t), jnp.int32)
+
+  def loss(p, x):
+    return jax.nn.log_softmax(model.apply(p, x, x, x)).mean()
+  hlo = jax.jit(jax.grad(loss)).lower(params, tokens).compile().as_text()
+  shapes = re.findall(r"\b(?:f32|pred|s32|bf16)\[([\d,]*)\]", hlo)
+  return max(math.prod(int(d) for d in dims.split(",") if d) for dims in shapes)
+
+
+def test_blockwise_compiles_to_nothing_quadratic():
+  """No array of the compiled forward + backward holds length x length elements (an XLA pass once hoisted the
+  mask of every block out of the loop: a [blocks, ..., length, block] array); xla's path does."""
+  t = 2048
+  assert _largest_array("xla", t) >= t * t
+  assert _largest_array("blockwise", t) == t * 128 * 4  # one key block's scores: length x block x heads

@@ -79,6 +79,13 @@ def _key_blocks(k, v, segment_ids, positions, block: int):
   return split(k, 0), split(v, 0), split(segment_ids, -1), split(positions, 0)
 
 
+def _barrier(block):
+  """One block's slices behind an optimization barrier: without it XLA hoists the mask out of the loop, computing
+  it for every block at once (a [blocks, ..., length, block] array: the quadratic memory this backend avoids;
+  measured: 1 GiB per layer at 16k tokens)."""
+  return jax.lax.optimization_barrier(block)
+
+
 def _block_scores(qg, kb, qseg, qpos, kseg, kpos):
   """Scaled scores of all queries against one key block, ``[batch, kv_heads, groups, length, block]`` float32,
   -inf where masked, and the mask."""
@@ -100,7 +107,7 @@ def _blockwise_fwd(q, k, v, segment_ids, positions, block):
 
   def step(carry, blk):
     m, l, acc = carry  # running max [b,k,g,q], running sum [b,k,g,q], output accumulator [b,q,k,g,h] (float32)
-    kb, vb, kseg, kpos = blk
+    kb, vb, kseg, kpos = _barrier(blk)
     scores, mask = _block_scores(qg, kb, segment_ids, positions, kseg, kpos)
     m_new = jnp.maximum(m, scores.max(-1))
     p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
@@ -131,7 +138,7 @@ def _blockwise_bwd(block, residuals, d_out):
                                   out.reshape(b, t, kvh, g, h).astype(jnp.float32)), 1, 3)
 
   def step(dq, blk):
-    kb, vb, kseg, kpos = blk
+    kb, vb, kseg, kpos = _barrier(blk)
     scores, mask = _block_scores(qg, kb, segment_ids, positions, kseg, kpos)
     p = jnp.where(mask, jnp.exp(scores - lse[..., None]), 0.0)  # the forward's probabilities, recomputed
     dv = jnp.einsum("bkgqs,bqkgh->bskh", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
