@@ -1,6 +1,6 @@
 """The device mesh's sizes: the ``mesh`` config group and the arithmetic that fills and checks it.
 
-Axes, in this order: ``data``, ``pipeline``, ``fsdp``, ``expert``, ``tensor``; each has an ICI size (within a
+Axes, in this order: ``data``, ``pipeline``, ``fsdp``, ``expert``, ``context``, ``tensor``; each has an ICI size (within a
 slice or host) and a DCN size (``dcn_<axis>``: across slices or hosts). One ``-1`` per kind fills the rest. The
 devices are arranged into a ``jax.sharding.Mesh`` by jaxtrain.sharding.make_mesh.
 """
@@ -15,14 +15,16 @@ from jaxtrain.errors import ConfigError
 
 # ``expert`` shards the experts of Mixture-of-Experts layers (jaxtrain/parallel/experts.py); for every other layer
 # it is one more axis the batch is split over (as MaxText and torchtitan do), so a dense model is data-parallel on it.
-MESH_AXES = ("data", "pipeline", "fsdp", "expert", "tensor")
+# ``context`` shards the sequence of the activations (context parallelism, jaxtrain/parallel/context.py); next to
+# ``tensor``, the fastest links: attention all-gathers keys and values over it in every layer.
+MESH_AXES = ("data", "pipeline", "fsdp", "expert", "context", "tensor")
 
 
 def defaults() -> ml_collections.ConfigDict:
   """The ``mesh`` config group: sizes per axis, ICI (within a slice / host) and DCN (across slices or hosts)."""
   return ml_collections.ConfigDict(dict(
-      data=1, fsdp=-1, tensor=1, pipeline=1, expert=1,
-      dcn_data=1, dcn_fsdp=1, dcn_tensor=1, dcn_pipeline=1, dcn_expert=1,
+      data=1, fsdp=-1, tensor=1, pipeline=1, expert=1, context=1,
+      dcn_data=1, dcn_fsdp=1, dcn_tensor=1, dcn_pipeline=1, dcn_expert=1, dcn_context=1,
   ))
 
 
@@ -32,6 +34,8 @@ def validate(config) -> None:
   for key, size in config.mesh.items():
     if size != -1 and size < 1:
       raise ConfigError(f"mesh.{key}", f"size {size} is invalid", "use a positive size or -1 to fill")
+  from jaxtrain.parallel import context
+  context.validate(config)
 
 
 def resolve_axis_sizes(sizes: dict[str, int], total: int, what: str, unit: str) -> dict[str, int]:

@@ -46,10 +46,11 @@ def validate(config) -> None:
 
 Rules = tuple[tuple[str, Any], ...]
 
-# Every preset: the batch over data, fsdp and expert; the layer stack over pipeline stages (contiguous blocks of
+# Every preset: the batch over data, fsdp and expert; the sequence over context (a no-op when mesh.context is 1);
+# the layer stack over pipeline stages (contiguous blocks of
 # layers; a no-op when mesh.pipeline is 1), and ``stage``, the pipeline's own view of it, too; the experts of a MoE
 # layer over expert (each device holds E / mesh.expert of them; tokens travel to them by all-to-all).
-_BATCH = (("batch", ("data", "fsdp", "expert")), ("length", None), ("layers", "pipeline"), ("stage", "pipeline"),
+_BATCH = (("batch", ("data", "fsdp", "expert")), ("length", "context"), ("layers", "pipeline"), ("stage", "pipeline"),
           ("head_dim", None), ("experts", "expert"))
 PRESETS: dict[str, Rules] = {
     # Pure data parallelism: every parameter replicated, the batch split over data and fsdp.
@@ -134,7 +135,8 @@ def axis_rules(rules: Rules):
 
 def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:
   """Sharding of a (batch, length, ...) input array."""
-  return NamedSharding(mesh, logical_to_mesh_spec(P("batch", *([None] * (ndim - 1))), rules))
+  return NamedSharding(mesh, logical_to_mesh_spec(P("batch", *(("length",) if ndim > 1 else ()),
+                                                    *([None] * (ndim - 2))), rules))
 
 
 def _axes(entry) -> tuple[str, ...]:

@@ -23,7 +23,7 @@ ERRORS = [
     # (arguments, text the one error line must contain)
     ([TINY, "--config.train.stepz=5"], "train.stepz: unknown config key; did you mean 'train.steps'?"),
     ([TINY, "--config.optim.lr=fast"], "--config.optim.lr=fast"),
-    ([TINY, "--config.mesh.fsdp=3"], "mesh: ICI mesh data=1 x pipeline=1 x fsdp=3 x expert=1 x tensor=1 = 3 devices, "
+    ([TINY, "--config.mesh.fsdp=3"], "mesh: ICI mesh data=1 x pipeline=1 x fsdp=3 x expert=1 x context=1 x tensor=1 = 3 devices, "
                                      "but there are 8"),
     ([TINY, "--config.mesh.data=3", "--config.mesh.fsdp=-1"], "mesh.fsdp: cannot fill"),
     ([TINY, "--config.train.global_batch_size=12"], "train.global_batch_size: each of the 1 microbatches has 12 "

@@ -241,7 +241,7 @@ def test_cli_prints_completions_and_they_equal_the_api(trained_run):
                  "--max_new_tokens=10", "--config.mesh.data=2", "--config.mesh.fsdp=2", "--set=mesh.tensor=2",
                  "--format=jsonl", "--no_cache")
   assert sharded.returncode == 0, sharded.stderr[-3000:]
-  assert "'data': 2, 'pipeline': 1, 'fsdp': 2, 'expert': 1, 'tensor': 2" in sharded.stderr
+  assert "'data': 2, 'pipeline': 1, 'fsdp': 2, 'expert': 1, 'context': 1, 'tensor': 2" in sharded.stderr
   records = [json.loads(line) for line in sharded.stdout.splitlines()]
   assert [r["completion"] for r in records] == [tok.decode(i) for i in ids]
   assert [r["prompt"] for r in records] == ["ROMEO:", "To be"]

@@ -34,6 +34,7 @@ DRY_RUN = "--config.dry_run=true"
 GPIPE = "--config.workdir=runs/gpipe"
 CIRCULAR = "--config.workdir=runs/circular"
 MOE = "configs/moe_tiny.py --config.mesh.expert=4"
+CONTEXT = "--config.mesh.context=4"
 PREPARE = "--input=my_texts --output=data/my_texts"
 TRAIN_PREPARED = "--config.data.path=data/my_texts"
 PREPARE_BEAM = "--runner=FnApiRunner"
@@ -58,7 +59,7 @@ NOT_RUN = {
 def test_every_readme_command_is_run_by_a_test():
   """A command added to the README without a test here (or one a test no longer finds) fails."""
   run = [QUICK_START] + [readme.command(part) for part in (TRAIN_LONGER, INSPECT, PLOT, TP, DRY_RUN, GPIPE,
-                                                           CIRCULAR, MOE, PREPARE, TRAIN_PREPARED, PREPARE_BEAM,
+                                                           CIRCULAR, MOE, CONTEXT, PREPARE, TRAIN_PREPARED, PREPARE_BEAM,
                                                            TRAIN_RAW, PREPARE_SFT,
                                                            TRAIN_SFT, GENERATE, HF_IMPORT,
                                                            HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT)]
@@ -178,7 +179,7 @@ def _ok_out(result):
 
 def test_tensor_parallel_variant_on_simulated_devices(user):
   err = _ok(user.run(readme.command(TP), "--config.train.steps=3"))
-  assert "on 8 cpu devices" in err and "'fsdp': 4, 'expert': 1, 'tensor': 2" in err
+  assert "on 8 cpu devices" in err and "'fsdp': 4, 'expert': 1, 'context': 1, 'tensor': 2" in err
   assert user.committed("runs/tiny_tp") == [3]
 
 
@@ -200,8 +201,14 @@ def test_pipeline_commands(user, part, stages):
 
 def test_mixture_of_experts_command(user):
   err = _ok(user.run(readme.command(MOE), "--config.train.steps=3"))
-  assert "'fsdp': 2, 'expert': 4, 'tensor': 1" in err and "2,626,688 parameters" in err
+  assert "'fsdp': 2, 'expert': 4, 'context': 1, 'tensor': 1" in err and "2,626,688 parameters" in err
   assert user.committed("runs/moe_tiny") == [3]
+
+
+def test_context_parallel_command(user):
+  err = _ok(user.run(readme.command(CONTEXT), "--config.train.steps=3"))
+  assert "'fsdp': 2, 'expert': 1, 'context': 4, 'tensor': 1" in err
+  assert user.committed("runs/tiny_context") == [3] and "done: step 3/3" in err
 
 
 def test_prepare_data_and_train_on_it(user):

@@ -104,7 +104,7 @@ def test_rules_override_from_config(make_config):
 def test_mesh_fill_and_hybrid_shape(make_config):
   config = make_config(data=2, fsdp=-1, tensor=2)
   mesh = sharding.make_mesh(config.mesh)
-  assert dict(mesh.shape) == {"data": 2, "pipeline": 1, "fsdp": 2, "expert": 1, "tensor": 2}
+  assert dict(mesh.shape) == {"data": 2, "pipeline": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
   with pytest.raises(ConfigError, match="mesh.fsdp"):
     sharding.make_mesh(make_config(data=-1, fsdp=-1).mesh)

@@ -173,9 +173,13 @@ def blockwise(q, k, v, segment_ids, positions, block_size=512):
 
 def attend(backend: str, q, k, v, segment_ids, positions=None, block_size: int = 512):
   """Causal, document-masked attention with the registered backend ``backend`` (``positions`` default to the
-  token's index: causal by order)."""
+  token's index: causal by order). Queries keep their sharding; keys and values (and the ids a backend reads for
+  them) are constrained to an unsplit ``length``: with context parallelism (``length`` -> ``context``) XLA
+  all-gathers them over ``context``, otherwise the constraint changes nothing."""
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), segment_ids.shape)
+  k, v = (constrain(x, ("batch", None, "kv_heads", "head_dim")) for x in (k, v))
+  q = constrain(q, ("batch", "length", "heads", "head_dim"))
   return BACKENDS.get(backend)(q, k, v, segment_ids, positions, block_size=block_size)
 
 

@@ -9,6 +9,7 @@ import optax
 
 from jaxtrain import integrity
 from jaxtrain.models import Model, Output
+from jaxtrain.parallel import context as context_lib
 from jaxtrain.parallel import pipeline as pipeline_lib
 from jaxtrain.parallel.pipeline import split_microbatches
 from jaxtrain.train.state import TrainState
@@ -56,7 +57,8 @@ def aux_loss_names(model: Model, seq_len: int) -> list[str]:
 
 def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
                     microbatches: int, state_shardings: TrainState | None = None,
-                    pipeline: pipeline_lib.Schedule | None = None, aux_weights: dict[str, float] | None = None):
+                    pipeline: pipeline_lib.Schedule | None = None, aux_weights: dict[str, float] | None = None,
+                    context: int = 1):
   """``(state, batch, skip) -> (state, metrics)``. The objective is the mean over all real target tokens of the
   whole batch of the token cross-entropy, plus ``sum(aux_weights[n] * mean aux loss n)`` over the model's
   auxiliary losses; k microbatches give the same update as one batch k times larger: accumulated one after the
@@ -64,7 +66,8 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
   the loss, the gradient norm and every element of the new params and optimizer state are finite (one fused
   reduction per device, :func:`jaxtrain.integrity.all_finite`) and ``skip`` (a host-side decision: a known
   bad batch being replayed) is false; otherwise params and optimizer state stay as they were and only the step
-  counter advances. Metrics: ``loss`` (the cross-entropy), ``aux_loss/<name>``, the model's own metrics, ..."""
+  counter advances. With ``context`` > 1 shards of the sequence (context parallelism) the batch's tokens are first
+  put in the load-balanced order (jaxtrain.parallel.context.balance). Metrics: ``loss`` (the cross-entropy), ``aux_loss/<name>``, the model's own metrics, ..."""
   aux_weights = aux_weights or {}
   # Only the trained params are differentiated, updated and checked (LoRA: the adapters; the frozen base is
   # passed through untouched, bitwise); without LoRA that is all of them.
@@ -88,6 +91,7 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
                               has_aux=True)(trained)
 
   def train_step(state: TrainState, batch, skip):
+    batch = context_lib.balance(batch, context)
     aux_scale = jnp.sum(batch["loss_mask"].astype(jnp.float32)) / passes
     trained, frozen = model.split_trainable(state.params)
     if passes == 1:
@@ -130,6 +134,6 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
   return train_step
 
 
-def make_eval_step(model: Model, pipeline: pipeline_lib.Schedule | None = None):
+def make_eval_step(model: Model, pipeline: pipeline_lib.Schedule | None = None, context: int = 1):
   """``(params, batch) -> (sum of token losses, real target tokens)`` for eval loss and perplexity."""
-  return lambda params, batch: loss_fn(model, params, batch, pipeline)
+  return lambda params, batch: loss_fn(model, params, context_lib.balance(batch, context), pipeline)

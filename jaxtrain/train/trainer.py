@@ -32,6 +32,7 @@ from jaxtrain import workdir as workdir_lib
 from jaxtrain.models import lora
 from jaxtrain.config import ConfigError
 from jaxtrain.data import batch as batch_lib
+from jaxtrain.parallel import context as context_lib
 from jaxtrain.parallel import pipeline as pipeline_lib
 from jaxtrain.train import state as state_lib
 from jaxtrain.train import step as step_lib
@@ -148,7 +149,7 @@ def compile_step(run: Run, train_step=None):
   """The jitted, donated, sharded train step compiled for this run's shapes (one compile)."""
   train_step = train_step or step_lib.make_train_step(
       run.model, run.tx, run.lr_schedule, run.microbatches, run.state_shardings, run.pipeline_schedule,
-      run.aux_weights)
+      run.aux_weights, context_lib.shards(run.mesh))
   replicated = NamedSharding(run.mesh, P())
   jitted = jax.jit(train_step, in_shardings=(run.state_shardings, run.batch_sharding, replicated),
                    out_shardings=(run.state_shardings, replicated), donate_argnums=0)
@@ -296,7 +297,7 @@ def make_evaluator(run: Run):
   waited for, so the params may be donated next); ``fetch()`` waits and returns ``{eval_loss, eval_perplexity,
   eval_tokens}``, the loss being the mean over all real target tokens of the split."""
   batches = [data_lib.to_global(b, run.batch_sharding) for b in data_lib.open_eval(run.config)]
-  eval_step = jax.jit(step_lib.make_eval_step(run.model, run.pipeline_schedule),
+  eval_step = jax.jit(step_lib.make_eval_step(run.model, run.pipeline_schedule, context_lib.shards(run.mesh)),
                       in_shardings=(run.state_shardings.params, run.batch_sharding))
 
   def evaluate(params):
