@@ -46,6 +46,9 @@ def base_config(model: str = "llama") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.workdir = "runs/default"  # run directory: resolved config, metrics, checkpoints
   c.dry_run = False  # build the mesh, compile the step, print per-device memory and FLOPs, then exit
+  # With dry_run: compile for this TPU topology instead of the local devices, on any host (needs libtpu:
+  # pip install -e '.[tpu]'), e.g. v5e:2x2, v5p:4x4x4, v6e:8x8; the memory is the TPU compiler's.
+  c.dry_run_topology = ""
   c.train = ml_collections.ConfigDict(dict(
       steps=1000,
       seed=0,
@@ -104,6 +107,9 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
                       "set e.g. --config.train.sample_prompts=\"('ROMEO:', 'JULIET:')\"")
   if not cfg.workdir:
     raise ConfigError("workdir", "is empty", "set --config.workdir=DIR")
+  if cfg.dry_run_topology:
+    from jaxtrain import topology
+    topology.validate(cfg)
 
 
 def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -87,7 +87,7 @@ def test_dp_preset_replicates_params_and_splits_batch(make_config):
   run = trainer.build(config)
   state = trainer.init_state(run)
   assert all(a.sharding.is_fully_replicated for a in jax.tree.leaves(state.params))
-  assert run.batch_sharding.spec == P(("data", "fsdp", "expert"), None)
+  assert run.batch_sharding.spec == P(("data", "fsdp", "expert"), "context")
   replicated = dict(trainer.report(run)["replicated"])
   assert "['embed']['embedding']" in replicated and "['final_norm']['scale']" not in replicated
 
@@ -134,7 +134,7 @@ def test_hybrid_mesh_puts_dcn_axis_across_processes(make_config):
   config = make_config(data=1, fsdp=2, tensor=2)
   config.mesh.dcn_data = 2
   grid = sharding.device_grid(config.mesh, devices)
-  assert grid.shape == (2, 1, 2, 1, 2)  # data (DCN) x pipeline x fsdp x expert x tensor (ICI)
+  assert grid.shape == (2, 1, 2, 1, 1, 2)  # data (DCN) x pipeline x fsdp x expert x context x tensor (ICI)
   for data_index in range(2):
     assert {d.process_index for d in grid[data_index].flat} == {data_index}
   config.mesh.dcn_data = 4

@@ -162,6 +162,7 @@ def validate(config) -> None:
   check_positive(config, ["model.attention_block_size"])
   from jaxtrain.models import attention
   attention.BACKENDS.check(config)
+  attention.check_available(config)
   family.validate(m)
   lora.validate(m)
   if lora.active(m):

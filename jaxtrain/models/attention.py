@@ -22,12 +22,14 @@ above is untouched by it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.errors import ConfigError
 from jaxtrain.registry import Registry
 from jaxtrain.sharding import constrain
 
@@ -169,6 +171,85 @@ def blockwise(q, k, v, segment_ids, positions, block_size=512):
   is padded), any backend."""
   return _blockwise(q, k, v, segment_ids.astype(jnp.int32), positions.astype(jnp.int32),
                     min(block_size, k.shape[1]))
+
+
+# Splash attention: the TPU Pallas kernel ---------------------------------------------------------------------------
+
+_TARGET = {"platform": None}  # the platform programs are compiled for, when not this process's (a topology dry run)
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str):
+  """Within: backends compile for ``platform`` (e.g. ``"tpu"`` when lowering for a TPU topology on a CPU host)."""
+  previous, _TARGET["platform"] = _TARGET["platform"], platform
+  try:
+    yield
+  finally:
+    _TARGET["platform"] = previous
+
+
+def target_platform() -> str:
+  return _TARGET["platform"] or jax.default_backend()
+
+
+SPLASH_MIN_BLOCK = 128  # the kernel's tiles: the sequence must be a multiple of this
+
+
+@BACKENDS.register("splash")
+def splash(q, k, v, segment_ids, positions, block_size=512):
+  """The TPU splash-attention Pallas kernel (``jax.experimental.pallas.ops.tpu.splash_attention``) with segment ids:
+  a causal mask by token index and'ed with "same segment", which is this module's mask for the loader's rows
+  (positions count up within a document); skips fully masked blocks. Grouped-query heads: the kernel's MQA form per
+  KV head (vmapped), and per row. Run in ``jax.shard_map`` over the mesh with the rules' layouts (rows over the
+  batch axes, heads over tensor); not with context parallelism (its static causal mask is by index). Off TPU it
+  runs in Pallas' interpret mode (slow; the tests' correctness check)."""
+  del positions
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+  interpret = target_platform() != "tpu"
+
+  def local(q, k, v, seg):
+    b, t, n, h = q.shape
+    kvh = k.shape[2]
+    block = min(block_size, t)
+    kernel = sk.make_splash_mqa_single_device(
+        mask=sm.MultiHeadMask([sm.CausalMask((t, t))] * (n // kvh)),
+        block_sizes=sk.BlockSizes(block_q=block, block_kv=block, block_q_dkv=block, block_kv_dkv=block,
+                                  block_q_dq=block, block_kv_dq=block),
+        interpret=interpret)
+    qs = jnp.moveaxis((q * (1.0 / h ** 0.5)).astype(q.dtype), 1, 2).reshape(b, kvh, n // kvh, t, h)
+    ks, vs = (jnp.moveaxis(x, 1, 2) for x in (k, v))  # [b, kv_heads, t, h]
+    per_kv_head = jax.vmap(lambda qq, kk, vv, ids: kernel(qq, kk, vv, segment_ids=ids), in_axes=(0, 0, 0, None))
+    out = jax.vmap(per_kv_head)(qs, ks, vs, sk.SegmentIds(q=seg, kv=seg))  # [b, kv_heads, groups, t, h]
+    return jnp.moveaxis(out.reshape(b, n, t, h), 1, 2).astype(q.dtype)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return local(q, k, v, segment_ids)
+  from flax import linen as nn
+  q_spec = nn.logical_to_mesh_axes(("batch", "length", "heads", "head_dim"))
+  kv_spec = nn.logical_to_mesh_axes(("batch", "length", "kv_heads", "head_dim"))
+  seg_spec = nn.logical_to_mesh_axes(("batch", "length"))
+  return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
+                       check_vma=False)(q, k, v, segment_ids)
+
+
+def check_available(config) -> None:
+  """A backend that cannot run here (splash off TPU, unless compiling for a TPU topology) or with this layout: one
+  ConfigError line at validation."""
+  name, on = config.model.attention, config.get("dry_run_topology") and "tpu" or jax.default_backend()
+  if name != "splash":
+    return
+  if on != "tpu":
+    raise ConfigError("model.attention", f"'splash' is the TPU kernel and this machine's backend is {on}",
+                      "use blockwise (memory-efficient, any backend) or xla here, or compile for a TPU with "
+                      "--config.dry_run=true --config.dry_run_topology=v5e:2x2")
+  if config.mesh.context * config.mesh.dcn_context != 1:
+    raise ConfigError("model.attention", "'splash' masks causally by token index, which context parallelism "
+                      "reorders", "use blockwise or xla with mesh.context > 1")
+  if config.data.seq_len % SPLASH_MIN_BLOCK:
+    raise ConfigError("model.attention", f"'splash' needs data.seq_len to be a multiple of {SPLASH_MIN_BLOCK} "
+                      f"(it is {config.data.seq_len})", f"set data.seq_len to a multiple of {SPLASH_MIN_BLOCK}")
 
 
 def attend(backend: str, q, k, v, segment_ids, positions=None, block_size: int = 512):

@@ -5,10 +5,12 @@ The loop reads top to bottom: next batch -> step -> every ``log_every`` steps fe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
+import re
 import time
 from typing import Any, Iterator
 
@@ -29,6 +31,7 @@ from jaxtrain import models
 from jaxtrain import optim
 from jaxtrain import sharding
 from jaxtrain import workdir as workdir_lib
+from jaxtrain.models import attention as attention_lib
 from jaxtrain.models import lora
 from jaxtrain.config import ConfigError
 from jaxtrain.data import batch as batch_lib
@@ -207,26 +210,51 @@ def restore_or_init(run: Run, checkpointer: checkpoint_lib.Checkpointer, data) -
 
 def dry_run(config: ml_collections.ConfigDict, devices=None) -> dict[str, Any]:
   """Validates, lays out and compiles the step without allocating or training; reports per-device memory
-  (from the compiled program) and FLOPs, and whether it fits where the device capacity is known."""
+  (from the compiled program) and FLOPs, and whether it fits where the device capacity is known. With
+  ``dry_run_topology`` the step is compiled for that TPU topology's chips (jaxtrain.topology), on any host."""
+  target = config.get("dry_run_topology", "")
+  if target:
+    from jaxtrain import topology
+    topology.validate(config)  # before any TPU call: a bad name or a missing libtpu is one line
+    devices = topology.devices(target)
   run = build(config, devices)
   config = run.config
   info = report(run)
   t = time.perf_counter()
-  step_fn = compile_step(run)
+  tokens = config.train.global_batch_size * config.data.seq_len
+  info["flops_per_token"] = metrics_lib.flops_per_token(run.model, config.data.seq_len)
+  info["flops_per_step_per_device"] = info["flops_per_token"] * tokens / run.mesh.size
+  try:
+    with attention_lib.compiling_for("tpu") if target else contextlib.nullcontext():
+      step_fn = compile_step(run)
+  except jax.errors.JaxRuntimeError as e:
+    # The TPU compiler refuses a program larger than the chip's HBM: that is the dry run's answer, not a crash.
+    found = re.search(r"Ran out of memory.*?required for (.+?) \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)",
+                      str(e))
+    if "RESOURCE_EXHAUSTED" not in str(e) or not found:
+      raise
+    info.update(compile_s=time.perf_counter() - t, fits=False, needs=found.group(1),
+                needs_bytes=int(float(found.group(2)) * 2**30),
+                device_capacity_bytes=int(float(found.group(3)) * 2**30), **({"topology": target} if target else {}))
+    logging.info("dry run: DOES NOT FIT: the %s alone need %s GiB per device, the chip has %s GiB (the compiler's "
+                 "verdict) | %.3g FLOPs/token", found.group(1), found.group(2), found.group(3), info["flops_per_token"])
+    print(json.dumps({k: v for k, v in info.items() if k != "replicated"}))
+    return info
   info["compile_s"] = time.perf_counter() - t
   mem = step_fn.memory_analysis()
   per_device = {k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "temp", "alias")}
   info["memory_per_device"] = per_device
   info["peak_bytes_per_device"] = per_device["argument"] + per_device["output"] + per_device["temp"] - \
       per_device["alias"]
-  tokens = config.train.global_batch_size * config.data.seq_len
-  info["flops_per_token"] = metrics_lib.flops_per_token(run.model, config.data.seq_len)
-  info["flops_per_step_per_device"] = info["flops_per_token"] * tokens / run.mesh.size
   try:
     capacity = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
   except Exception:  # noqa: BLE001 - backends without memory stats
     capacity = None
+  if target:
+    capacity = topology.hbm_bytes(target)
+    info["topology"], info["device_kind"] = target, run.mesh.devices.flat[0].device_kind
   info["device_capacity_bytes"] = capacity
+  info["fits"] = None if not capacity else info["peak_bytes_per_device"] <= capacity
   mib = 2**20
   verdict = ("fit unknown (this backend does not report device memory)" if not capacity else
              f"{'fits' if info['peak_bytes_per_device'] <= capacity else 'DOES NOT FIT'} in "

@@ -1,0 +1,73 @@
+"""Ahead-of-time compilation for a TPU topology on this CPU host (libtpu from PyPI, installed by the test into a
+cache folder and put on the subprocesses' PYTHONPATH only, so the rest of the suite never loads it): the real train
+step compiles for v5e:2x2, the splash kernel as Mosaic calls, the CLI's dry run reports the TPU compiler's memory
+against the chip's HBM; splash is refused on CPU without a topology."""
+
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def libtpu():
+  """A folder holding the libtpu release this jax pins (jax's 'tpu' extra), installed on first use."""
+  pins = [r for r in importlib.metadata.requires("jax") or [] if r.startswith("libtpu") and "tpu" in r]
+  if not pins:
+    pytest.skip("this jax names no libtpu release in its 'tpu' extra")
+  spec = pins[0].split(";")[0].replace(" ", "")
+  folder = os.path.join(os.path.expanduser("~/.cache/jaxtrain"), re.sub(r"[^\w.]", "_", spec))
+  if not os.path.isdir(os.path.join(folder, "libtpu")):
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", folder, spec],
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode:
+      pytest.skip(f"libtpu ({spec}) could not be installed here, so no TPU compile: {r.stderr.strip()[-300:]}")
+  return folder
+
+
+def _env(libtpu):
+  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+  env["PYTHONPATH"] = os.pathsep.join([libtpu, ROOT])
+  return env
+
+
+def test_train_step_and_splash_kernel_compile_for_a_tpu_topology(libtpu):
+  r = subprocess.run([sys.executable, "tests/tpu_compile_worker.py", "v5e:2x2", "2048", "xla", "splash"], cwd=ROOT,
+                     env=_env(libtpu), capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  assert {b["device_kind"] for b in out.values()} == {"TPU v5 lite"} and out["xla"]["devices"] == 4
+  assert out["xla"]["mosaic_calls"] == 0 and out["splash"]["mosaic_calls"] == 3  # forward, dq, dk/dv
+  assert out["splash"]["temp_bytes"] * 10 < out["xla"]["temp_bytes"]  # no 2048 x 2048 scores in HBM
+
+
+def test_cli_dry_run_for_a_topology_reports_tpu_memory(libtpu, tmp_path):
+  r = subprocess.run([sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py", "--config.dry_run=true",
+                      "--config.dry_run_topology=v5e:2x2", "--config.model.attention=splash",
+                      "--config.data.seq_len=512", "--config.mesh.fsdp=4", f"--config.workdir={tmp_path / 'run'}"],
+                     cwd=ROOT, env=_env(libtpu), capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  info = json.loads(r.stdout.strip().splitlines()[-1])
+  assert info["topology"] == "v5e:2x2" and info["device_kind"] == "TPU v5 lite"
+  assert info["device_capacity_bytes"] == 16 * 2**30 and 0 < info["peak_bytes_per_device"] < 2**30
+  assert "fits in 16,384 MiB per device" in r.stderr and not (tmp_path / "run").exists()
+
+
+def test_splash_and_topology_mistakes_are_one_line(tmp_path):
+  cases = [(["--config.model.attention=splash"], "model.attention: 'splash' is the TPU kernel and this machine's "
+                                                 "backend is cpu"),
+           (["--config.dry_run_topology=v5e:2x2"], "dry_run_topology: is set but dry_run is false"),
+           (["--config.dry_run=true", "--config.dry_run_topology=tpu9"], "dry_run_topology: 'tpu9' is not a TPU "
+                                                                          "topology name")]
+  for args, message in cases:
+    r = subprocess.run([sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py",
+                        f"--config.workdir={tmp_path / 'run'}", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("jaxtrain: error:")]
+    assert r.returncode == 2 and len(errors) == 1 and message in errors[0], r.stderr[-2000:]
