@@ -136,3 +136,20 @@ def test_blockwise_compiles_to_nothing_quadratic():
   t = 2048
   assert _largest_array("xla", t) >= t * t
   assert _largest_array("blockwise", t) == t * 128 * 4  # one key block's scores: length x block x heads
+
+
+def test_auto_chooses_by_platform_length_and_layout(monkeypatch):
+  """auto (the default): splash on TPU where its rules allow, else xla up to AUTO_XLA_MAX_LEN tokens and blockwise
+  above; the traced choice is the backend's own computation, bit for bit."""
+  assert base_config().model.attention == "auto"
+  limit = attention.AUTO_XLA_MAX_LEN
+  assert attention.choose("tpu", 8192) == "splash"
+  assert attention.choose("tpu", 8192, context=2) == attention.choose("gpu", 8192) == "blockwise"
+  assert attention.choose("tpu", 8192, in_shard_map=True) == "blockwise"  # inside the pipeline's stages
+  assert attention.choose("tpu", 1000) == attention.choose("cpu", limit) == "xla"  # 1000: not a multiple of 128
+  assert attention.choose("cpu", limit + 1) == "blockwise"
+  q, k, v, seg, pos = _packed()
+  assert np.array_equal(attention.attend("auto", q, k, v, seg, pos, 16), attention.attend("xla", q, k, v, seg, pos))
+  monkeypatch.setattr(attention, "AUTO_XLA_MAX_LEN", 44)  # the rows are 45 tokens long: now "long"
+  assert np.array_equal(attention.attend("auto", q, k, v, seg, pos, 16),
+                        attention.attend("blockwise", q, k, v, seg, pos, 16))

@@ -463,7 +463,7 @@ def test_estimate_matches_compiled_memory(config_file, overrides):
   from jaxtrain.train import trainer
   estimate = _estimate_module()
   config = estimate.load_config(config_file, overrides)
-  predicted = estimate.estimate(config, 8)
+  predicted = estimate.estimate(config, 8, platform="cpu")
   per_device = predicted["bytes_per_device"]
   run = trainer.build(config)
   report = trainer.report(run)  # from the shardings the run lays out, not the estimate's arithmetic

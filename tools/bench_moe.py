@@ -125,7 +125,7 @@ def bench_setting(expert: int, mode: str) -> dict:
   compiled = trainer.compile_step(run)
   compile_s = time.perf_counter() - t
   hlo = hlo_all_to_all_bytes(compiled.as_text())
-  est = estimate_lib.estimate(config, jax.device_count())
+  est = estimate_lib.estimate(config, jax.device_count(), platform=jax.default_backend())
   a2a = est["moe"]["all_to_all"]
   state = trainer.init_state(run)
   batch = data_lib.to_global(next(SyntheticSource(config.data.seq_len, config.model.vocab_size,

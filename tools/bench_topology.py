@@ -1,5 +1,6 @@
 """Which configs fit which TPU chips: the train step compiled for named TPU topologies on this host (needs libtpu:
-pip install -e '.[tpu]'), per attention backend; per-device memory from the TPU compiler, or its refusal.
+pip install -e '.[tpu]'), per attention backend; per-device peak memory from the TPU compiler, or its refusal, next
+to tools/estimate.py's figure for the same config and chip count.
 
   python tools/bench_topology.py [--config=configs/llama3_8b.py] [--topologies=v5p:4x4x4,v6e:8x8]
       [--backends=xla,splash] [--per_chip_batch=1,8] [--out=benchmarks/results/topology.json]
@@ -14,6 +15,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from absl import app, flags, logging  # noqa: E402
 
+import json  # noqa: E402
+import subprocess  # noqa: E402
+
 import _bench  # noqa: E402  (tools/ is on sys.path when a script runs)
 from jaxtrain import config as config_lib  # noqa: E402
 from jaxtrain.train import trainer  # noqa: E402
@@ -25,6 +29,15 @@ _BATCH = flags.DEFINE_list("per_chip_batch", ["1", "8"], "Sequences per chip (gl
 _OUT = flags.DEFINE_string("out", "benchmarks/results/topology.json", "Where to write the JSON results.")
 
 
+def _estimate(backend: str, batch: int, chips: int) -> dict:
+  """tools/estimate.py's per-device bytes for the same config (its own process: it defines the same flags)."""
+  r = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "estimate.py"),
+                      f"--config={_CONFIG.value}", f"--devices={chips}", "--json", f"--set=model.attention={backend}",
+                      f"--set=train.global_batch_size={batch}"], capture_output=True, text=True, check=True,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  return json.loads(r.stdout)["bytes_per_device"]
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
@@ -33,7 +46,8 @@ def main(argv):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   results = []
-  print(f"{'topology':>10} {'chips':>5} {'batch/chip':>10} {'attention':>9} {'peak GiB':>9} {'HBM GiB':>8}  verdict")
+  print(f"{'topology':>10} {'chips':>5} {'batch/chip':>10} {'attention':>9} {'peak GiB':>9} {'estimate':>8} "
+        f"{'HBM GiB':>8}  verdict")
   for topo in _TOPOS.value:
     chips = 1
     for n in topo.split(":")[1].split("x"):
@@ -47,13 +61,16 @@ def main(argv):
         config_lib.validate_values(c)
         info = trainer.dry_run(c)
         peak = info.get("peak_bytes_per_device") or info.get("needs_bytes")
+        predicted = _estimate(backend, per_chip * chips, chips)
         results.append({"topology": topo, "chips": chips, "per_chip_batch": per_chip, "attention": backend,
                         "seq_len": c.data.seq_len, **{k: info.get(k) for k in (
                             "fits", "peak_bytes_per_device", "needs", "needs_bytes", "device_capacity_bytes",
-                            "memory_per_device", "compile_s", "flops_per_token")}})
+                            "memory_per_device", "compile_s", "flops_per_token")},
+                        "estimate_bytes_per_device": predicted})
         verdict = "fits" if info["fits"] else f"DOES NOT FIT ({info.get('needs', 'peak')})"
         print(f"{topo:>10} {chips:>5} {per_chip:>10} {backend:>9} {peak / 2**30:>9.1f} "
-              f"{info['device_capacity_bytes'] / 2**30:>8.1f}  {verdict}", flush=True)
+              f"{predicted['total'] / 2**30:>8.1f} {info['device_capacity_bytes'] / 2**30:>8.1f}  {verdict}",
+              flush=True)
   print(f"wrote {_bench.write_json(_OUT.value, {'config': _CONFIG.value, 'results': results})}")
 
 

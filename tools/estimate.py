@@ -1,6 +1,7 @@
 """Estimate per-device memory and per-step communication for a config and mesh, without any devices.
 
   python tools/estimate.py --config=configs/llama3_8b.py --devices=256 [--set=mesh.tensor=4 ...] [--json]
+      [--platform=tpu|gpu|cpu]  (what model.attention=auto resolves to; default tpu)
 
 Shapes and shardings come from the model and the sharding rules exactly as training lays them out; sizes are
 then arithmetic over the mesh (no arrays are created, no program is compiled). Assumptions, printed too:
@@ -10,17 +11,26 @@ then arithmetic over the mesh (no arrays are created, no program is compiled). A
   params) plus its int32 step counters; the train state adds one int32 step counter; with LoRA
   (model.lora.rank > 0) the optimizer state covers the adapters only, and the gradients are the adapters' plus
   the full gradient of every targeted kernel (the forward runs on merged weights: jaxtrain/models/lora.py);
-- activations and tensor-parallel traffic are the model family's estimate (Family.activation_estimate; a
-  family without one: not estimated). Llama's: activations per device, kept for the backward pass, per layer
-  (b = local batch rows per microbatch, t = seq_len, d = d_model, f = mlp_dim, h = heads x head_dim,
-  kv = kv_heads x head_dim, in the compute dtype):
-  remat=full: the layer input b*t*d; save_dots: + the matmul outputs b*t*(h + 2 kv + d + 3 f);
-  none: + attention probabilities heads*b*t*t and the elementwise intermediates ~ b*t*(4 d + 2 f); plus the
-  float32 logits b*t*vocab (sharded over tensor). Activations shrink with tensor parallelism for h, kv, f, vocab.
+- activations, the largest transient and the tensor- and context-parallel traffic are the model family's estimate
+  (Family.activation_estimate; a family without one: not estimated). Llama's: activations per device, kept for
+  the backward pass, per layer (b = local batch rows per microbatch, t = seq_len / mesh context (local tokens), T
+  = seq_len, d = d_model, f = mlp_dim, h = heads x head_dim, kv = kv_heads x head_dim, in the compute dtype):
+  remat=full: the layer input b*t*d; save_dots: + the matmul outputs the backward reads b*t*(h + 2 kv + d + 2 f);
+  none: + the elementwise intermediates ~ b*t*(4 d + 3 f) and what the attention backend saves (xla: the
+  probabilities heads*b*t*T). The transient on top is the larger of two phases': the head's (the float32 logits
+  b*t*vocab and the full float32 gradients of the output projection and embedding, vocab*d each, before their
+  reduce-scatter) and one layer's backward (the attention backend's transient, jaxtrain/models/attention.py
+  MEMORY: xla heads*b*t*T*(4 + 2 x itemsize), blockwise 16*heads*b*t*block, splash ~0; plus two layers' weights
+  gathered in the compute dtype).
+  Activations shrink with tensor parallelism for h, kv, f, vocab, and with context parallelism for t.
+  total = params + grads + optimizer + activations + transient: the peak the TPU compiler reports, within 15%
+  (tests/test_tpu_compile.py; llama3_8b at 8k on v5p: README).
 - communication per step (bytes sent per device, ring algorithms): fsdp: all-gather of the params in forward
   and again in backward, reduce-scatter of the grads (each (n-1)/n x the fsdp-sharded bytes); data: all-reduce
   of the grads (2 (n-1)/n x their size on the device); tensor: 2 all-reduces per layer forward and 2 backward
-  of b*t*d activations (2 (n-1)/n each); DCN axes multiply the same volumes over the slow links.
+  of b*t*d activations (2 (n-1)/n each); context: per layer an all-gather of the keys and values b*T*2 kv, again
+  in the backward's recompute (remat) and a reduce-scatter of their gradients ((n-1)/n each); DCN axes multiply
+  the same volumes over the slow links.
 - Mixture-of-Experts (a model with ``experts``-sharded params, e.g. model.name=moe): the expert weights per
   device are the float32 shards of those leaves (E / ep experts a device, ep = the mesh axes ``experts`` maps to,
   their other dims sharded as the rules say; in compute they are gathered over fsdp one layer at a time);
@@ -49,7 +59,7 @@ from absl import app, flags  # noqa: E402
 from jaxtrain import config as config_lib  # noqa: E402
 from jaxtrain import mesh as mesh_lib  # noqa: E402
 from jaxtrain import models, optim, sharding  # noqa: E402
-from jaxtrain.models import lora  # noqa: E402
+from jaxtrain.models import attention, lora  # noqa: E402
 from jaxtrain.parallel import experts  # noqa: E402
 from jaxtrain.train import state as state_lib  # noqa: E402
 
@@ -58,6 +68,8 @@ _DEVICES = flags.DEFINE_integer("devices", 8, "Total devices of the target job."
 _SLICES = flags.DEFINE_integer("slices", 1, "Slices (or processes) the DCN axes span.")
 _SET = flags.DEFINE_multi_string("set", [], "key=value overrides, e.g. mesh.tensor=4.")
 _JSON = flags.DEFINE_bool("json", False, "Print JSON.")
+_PLATFORM = flags.DEFINE_enum("platform", "tpu", ["tpu", "gpu", "cpu"], "Where it runs: what model.attention=auto "
+                              "resolves to.")
 
 
 def load_config(path: str, overrides: list[str]):
@@ -81,7 +93,7 @@ def _nbytes(tree) -> int:
   return sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
-def estimate(config, devices: int, slices: int = 1) -> dict:
+def estimate(config, devices: int, slices: int = 1, platform: str = "tpu") -> dict:
   ici, dcn = mesh_lib.mesh_shape(config.mesh, devices, slices)
   mesh = {a: ici[a] * dcn[a] for a in mesh_lib.MESH_AXES}
   rules = sharding.rules_from_config(config.sharding)
@@ -109,8 +121,12 @@ def estimate(config, devices: int, slices: int = 1) -> dict:
   b = t.global_batch_size // (t.microbatches or 1) // sharding.batch_shards(mesh, rules)[1]
   # Activations and tensor-parallel traffic depend on the architecture: the family's own estimate, if it has one.
   family = model.family.activation_estimate
-  per_family = family(m, b, config.data.seq_len, mesh["tensor"]) if family else None
+  if m.attention == "auto":  # what auto runs on the target platform
+    m = m.copy_and_resolve_references()
+    m.attention = attention.resolve("auto", platform, config.data.seq_len, mesh["context"])
+  per_family = family(m, b, config.data.seq_len, mesh["tensor"], mesh["context"]) if family else None
   activations = per_family["activation_bytes"] if per_family else None
+  transient = per_family["transient_bytes"] if per_family else None
   full_params = 4 * model.num_params()
   comm = {}
   for axis in mesh_lib.MESH_AXES:
@@ -123,6 +139,8 @@ def estimate(config, devices: int, slices: int = 1) -> dict:
       comm[axis] = 2 * (n - 1) / n * params
     elif axis == "tensor" and per_family:
       comm[axis] = 2 * (n - 1) / n * per_family["tensor_allreduce_bytes"] * (t.microbatches or 1)
+    elif axis == "context" and per_family:  # keys and values all-gathered (and their gradients reduce-scattered)
+      comm[axis] = (n - 1) / n * per_family["context_allgather_bytes"] * (t.microbatches or 1)
     elif axis == "expert":  # a batch axis for the params not sharded over it: their grads are all-reduced
       comm[axis] = 2 * (n - 1) / n * sum(_nbytes([a]) for a, s in zip(shards, specs, strict=True)
                                          if "expert" not in _mesh_axes(s, rules))
@@ -133,7 +151,8 @@ def estimate(config, devices: int, slices: int = 1) -> dict:
   return {
       "mesh": mesh, "devices": devices, "params": model.num_params(), "local_batch_rows": b,
       "bytes_per_device": {"params": params, "grads": grads, "optimizer": optimizer,
-                           "activations": activations, "total": state + grads + (activations or 0)},
+                           "activations": activations, "transient": transient,
+                           "total": state + grads + (activations or 0) + (transient or 0)},
       # The whole train state (params, optimizer state, step counter): what the compiled step takes as
       # arguments besides the batch, to the byte.
       "params_plus_optimizer_per_device": state, "full_param_bytes": full_params,
@@ -171,7 +190,7 @@ def main(argv):
   del argv
   config = load_config(_CONFIG.value, _SET.value)
   try:
-    info = estimate(config, _DEVICES.value, _SLICES.value)
+    info = estimate(config, _DEVICES.value, _SLICES.value, _PLATFORM.value)
   except config_lib.UserError as e:
     print(f"estimate: error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -54,7 +54,7 @@ def _shared_defaults() -> dict:
       vocab_size=256,
       dtype="float32",  # compute dtype; params are always float32
       remat="none",  # what the backward pass recomputes per layer: a name in models.REMAT (none | full | save_dots)
-      attention="xla",  # the attention backend: a name in models.attention.BACKENDS (xla | blockwise | reference)
+      attention="auto",  # the attention backend, a name in models.attention.BACKENDS: auto | xla | blockwise | splash
       attention_block_size=512,  # keys per block of the blockwise backend (memory O(seq_len x this) per layer)
       lora=lora.defaults(),  # LoRA fine-tuning (rank 0 = off): jaxtrain/models/lora.py
   )
@@ -102,15 +102,16 @@ class Family:
   validate: ``(cfg) -> None``: checks of the family's keys (``cfg`` is the model group); raise ConfigError naming
     ``model.<key>``.
   axis_keys: logical axis -> the model key that sets its size, for errors such as "not divisible by the mesh".
-  activation_estimate: ``(cfg, rows, seq_len, tensor) -> {activation_bytes, tensor_allreduce_bytes}`` per device
-    for ``rows`` local rows of one microbatch (tools/estimate.py); None: the estimator says it cannot.
+  activation_estimate: ``(cfg, rows, seq_len, tensor, context) -> {activation_bytes, transient_bytes,
+    tensor_allreduce_bytes, context_allgather_bytes}`` per device for ``rows`` local rows of one microbatch
+    (tools/estimate.py); None: the estimator says it cannot.
   """
   module: type[nnx.Module]
   defaults: Callable[[], dict] = dict
   flops_per_token: Callable[[Any, int, Any], float] = matmul_flops_per_token
   validate: Callable[[Any], None] = _no_checks
   axis_keys: dict[str, str] = dataclasses.field(default_factory=dict)
-  activation_estimate: Callable[[Any, int, int, int], dict[str, int]] | None = None
+  activation_estimate: Callable[[Any, int, int, int, int], dict[str, int]] | None = None
 
 
 FAMILIES: Registry[Family] = Registry("model.name", "model", builtin=("jaxtrain.models.llama", "jaxtrain.models.moe"),

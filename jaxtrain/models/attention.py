@@ -13,6 +13,8 @@ and every family can use it.
 - ``blockwise``: pure JAX, memory-efficient (:func:`blockwise`): online softmax over blocks of ``block_size``
   keys, a custom backward that recomputes each block, never a ``[length, length]`` array; O(length x
   block_size) memory, any backend (CPU included).
+- ``splash``: the TPU Pallas splash-attention kernel (:func:`splash`).
+- ``auto`` (the default): splash on TPU, else xla for short sequences and blockwise for long ones (:func:`choose`).
 - ``reference``: softmax written out in float32, the oracle the others are tested against.
 
 Decoding (jaxtrain/generate.py) attends new queries over a :class:`KVCache` with :func:`attend_cached` (XLA's
@@ -234,6 +236,34 @@ def splash(q, k, v, segment_ids, positions, block_size=512):
                        check_vma=False)(q, k, v, segment_ids)
 
 
+AUTO_XLA_MAX_LEN = 2048  # auto off TPU: XLA's attention up to this many tokens (one fused matmul), blockwise above
+
+
+def choose(platform: str, seq_len: int, context: int = 1, in_shard_map: bool = False) -> str:
+  """What ``auto`` runs: ``splash`` on TPU where its rules allow (no context parallelism, ``seq_len`` a multiple of
+  its tiles, not already inside a ``shard_map`` such as the pipeline's), else ``xla`` up to
+  :data:`AUTO_XLA_MAX_LEN` tokens and ``blockwise`` above (its memory is linear in the length; xla's quadratic:
+  3 GiB of temporaries per device for configs/tiny.py at 4k, README)."""
+  if platform == "tpu" and context == 1 and seq_len % SPLASH_MIN_BLOCK == 0 and not in_shard_map:
+    return "splash"
+  return "xla" if seq_len <= AUTO_XLA_MAX_LEN else "blockwise"
+
+
+def resolve(backend: str, platform: str, seq_len: int, context: int = 1) -> str:
+  """``backend``, or what ``auto`` chooses for this platform, length and context axis."""
+  return choose(platform, seq_len, context) if backend == "auto" else backend
+
+
+@BACKENDS.register("auto")
+def auto(q, k, v, segment_ids, positions, block_size=512):
+  """The best backend available where the program is compiled (:func:`choose`; logged at the start of a run)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  context = 1 if mesh.empty else dict(mesh.shape).get("context", 1)
+  in_shard_map = not mesh.empty and any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
+  name = choose(target_platform(), k.shape[1], context, in_shard_map)
+  return BACKENDS.get(name)(q, k, v, segment_ids, positions, block_size=block_size)
+
+
 def check_available(config) -> None:
   """A backend that cannot run here (splash off TPU, unless compiling for a TPU topology) or with this layout: one
   ConfigError line at validation."""
@@ -250,6 +280,50 @@ def check_available(config) -> None:
   if config.data.seq_len % SPLASH_MIN_BLOCK:
     raise ConfigError("model.attention", f"'splash' needs data.seq_len to be a multiple of {SPLASH_MIN_BLOCK} "
                       f"(it is {config.data.seq_len})", f"set data.seq_len to a multiple of {SPLASH_MIN_BLOCK}")
+
+
+# Memory per backend, for the estimator (tools/estimate.py) --------------------------------------------------------
+# Per device for one layer: ``rows`` rows, ``heads`` local query heads, ``q_len`` local queries (the sequence over
+# the context axis), ``kv_len`` keys, ``itemsize`` the compute dtype's bytes. A backend without an entry is
+# estimated as xla. Checked against the TPU compiler's peak memory (tests/test_tpu_compile.py).
+
+
+def _xla_memory(rows, heads, q_len, kv_len, block_size, itemsize):
+  scores = rows * heads * q_len * kv_len
+  # Saved without remat: the probabilities (compute dtype). In the backward: the float32 scores, the probabilities
+  # and the probabilities' gradient in the compute dtype (what XLA's TPU program holds for one layer).
+  return {"saved": scores * itemsize, "transient": scores * (4 + 2 * itemsize)}
+
+
+def _blockwise_memory(rows, heads, q_len, kv_len, block_size, itemsize):
+  # One key block at a time: float32 scores, probabilities, their gradient and the scores' gradient, all queries
+  # x ``block_size`` keys; plus the float32 dq accumulator and the saved output's float32 copy (per query).
+  block = rows * heads * q_len * min(block_size, kv_len)
+  return {"saved": rows * heads * q_len * 4, "transient": 4 * 4 * block}
+
+
+def _splash_memory(rows, heads, q_len, kv_len, block_size, itemsize):
+  # Tiles live in the kernel's VMEM; HBM holds the per-query log-sum-exp (float32).
+  return {"saved": rows * heads * q_len * 4, "transient": 0}
+
+
+def _reference_memory(rows, heads, q_len, kv_len, block_size, itemsize):
+  scores = rows * heads * q_len * kv_len
+  return {"saved": scores * 4, "transient": scores * 4 * 3}
+
+
+MEMORY = {"xla": _xla_memory, "blockwise": _blockwise_memory, "splash": _splash_memory,
+          "reference": _reference_memory}
+
+
+def saved_bytes(backend, rows, heads, q_len, kv_len, itemsize) -> int:  # ``auto``: resolve() it first
+  """What the backend keeps for the backward pass without remat, per device for one layer."""
+  return MEMORY.get(backend, _xla_memory)(rows, heads, q_len, kv_len, 0, itemsize)["saved"]
+
+
+def transient_bytes(backend, rows, heads, q_len, kv_len, block_size, itemsize) -> int:
+  """The backend's largest transient in one layer's backward pass, per device."""
+  return MEMORY.get(backend, _xla_memory)(rows, heads, q_len, kv_len, block_size, itemsize)["transient"]
 
 
 def attend(backend: str, q, k, v, segment_ids, positions=None, block_size: int = 512):

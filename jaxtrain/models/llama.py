@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxtrain import models
 from jaxtrain.errors import ConfigError, check_positive
+from jaxtrain.models import attention
 from jaxtrain.models.attention import KV_AXES, KVCache, attend, attend_cached, write_kv
 from jaxtrain.sharding import constrain
 
@@ -68,20 +69,36 @@ def flops_per_token(cfg, seq_len: int, abstract_params) -> float:
                                       tied_embeddings=cfg.tie_embeddings)
 
 
-def activation_estimate(cfg, rows: int, seq_len: int, tensor: int) -> dict[str, int]:
+def activation_estimate(cfg, rows: int, seq_len: int, tensor: int, context: int = 1) -> dict[str, int]:
   """Per device, for ``rows`` local rows of one microbatch (tools/estimate.py states the assumptions): the
-  activations kept for the backward pass, and the bytes of the tensor-parallel all-reduces (2 per layer forward, 2
-  backward, of the b x t x d residual stream)."""
-  b, seq, d, f = rows, seq_len, cfg.d_model, cfg.mlp_dim
-  h, kv = cfg.num_heads * cfg.head_dim // tensor, cfg.num_kv_heads * cfg.head_dim // tensor
+  activations kept for the backward pass, the largest transient on top of them, and the bytes of the tensor-parallel
+  all-reduces (2 per layer forward, 2 backward, of the b x t x d residual stream) and of the context-parallel
+  all-gathers of keys and values. With context parallelism a device holds ``seq_len / context`` tokens of each row
+  and attends them to all ``seq_len`` keys."""
+  b, full, d, f = rows, seq_len, cfg.d_model, cfg.mlp_dim
+  seq = full // context
+  backend = cfg.attention  # a concrete backend (tools/estimate.py resolves auto for its target platform)
+  heads, kv_heads = cfg.num_heads // tensor, cfg.num_kv_heads // tensor
+  h, kv = heads * cfg.head_dim, kv_heads * cfg.head_dim
   act_bytes = 2 if cfg.dtype == "bfloat16" else 4
-  per_layer = b * seq * d
-  if cfg.remat in ("save_dots", "none"):
-    per_layer += b * seq * (h + 2 * kv + d + 3 * f // tensor)
-  if cfg.remat == "none":
-    per_layer += (cfg.num_heads // tensor) * b * seq * seq + b * seq * (4 * d + 2 * f // tensor)
-  return {"activation_bytes": cfg.num_layers * per_layer * act_bytes + b * seq * cfg.vocab_size // tensor * 4,
-          "tensor_allreduce_bytes": 4 * cfg.num_layers * b * seq * d * act_bytes}
+  per_layer = b * seq * d  # the layer's input
+  if cfg.remat in ("save_dots", "none"):  # q, k, v, attention output projection, gate, up (not down: unused)
+    per_layer += b * seq * (h + 2 * kv + d + 2 * f // tensor)
+  if cfg.remat == "none":  # and every elementwise intermediate, and what the attention backend keeps
+    per_layer += b * seq * (4 * d + 3 * f // tensor) + attention.saved_bytes(backend, b, heads, seq, full,
+                                                                          act_bytes) // act_bytes
+  # On top of them, the larger of two phases' transients. The head's, first in the backward pass: the float32
+  # logits (their gradient takes their place) and the full float32 gradients of the output projection and the
+  # embedding table before they are reduce-scattered. Then one layer at a time: its attention backend's transient
+  # and its weights gathered in the compute dtype (and the next layer's, prefetched).
+  head = b * seq * cfg.vocab_size // tensor * 4 + 2 * cfg.vocab_size * d // tensor * 4  # two even when tied
+  layer_weights = (d * (2 * h + 2 * kv) + 3 * d * f // tensor + 2 * d) * act_bytes
+  layer = attention.transient_bytes(backend, b, heads, seq, full, cfg.attention_block_size, act_bytes)
+  transient = max(head, layer + 2 * layer_weights)
+  kv_gathers = 3 if cfg.remat != "none" else 2  # forward, the backward's recompute, the gradients' reduce-scatter
+  return {"activation_bytes": cfg.num_layers * per_layer * act_bytes, "transient_bytes": transient,
+          "tensor_allreduce_bytes": 4 * cfg.num_layers * b * seq * d * act_bytes,
+          "context_allgather_bytes": kv_gathers * cfg.num_layers * b * full * 2 * kv * act_bytes}
 
 
 AXIS_KEYS = {"embed": "d_model", "heads": "num_heads", "kv_heads": "num_kv_heads", "head_dim": "head_dim",

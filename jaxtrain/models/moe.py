@@ -96,11 +96,11 @@ def flops_per_token(cfg, seq_len: int, abstract_params) -> float:
   return dense - 6 * _expert_params(abstract_params) * (1 - cfg.experts_per_token / cfg.num_experts)
 
 
-def activation_estimate(cfg, rows: int, seq_len: int, tensor: int) -> dict[str, int]:
+def activation_estimate(cfg, rows: int, seq_len: int, tensor: int, context: int = 1) -> dict[str, int]:
   """Llama's estimate with the MLP's hidden activations those of the k routed (+ shared) experts per token (the
   dense first layers counted alike; the dispatch buffers of jaxtrain/parallel/experts.py are not counted)."""
   return llama.activation_estimate(types.SimpleNamespace(**{**cfg.to_dict(), "mlp_dim": _token_mlp_dim(cfg)}),
-                                   rows, seq_len, tensor)
+                                   rows, seq_len, tensor, context)
 
 
 def _token_mlp_dim(cfg) -> int:
