@@ -297,7 +297,7 @@ def _xla_memory(rows, heads, q_len, kv_len, block_size, itemsize):
 
 def _blockwise_memory(rows, heads, q_len, kv_len, block_size, itemsize):
   # One key block at a time: float32 scores, probabilities, their gradient and the scores' gradient, all queries
-  # x ``block_size`` keys; plus the float32 dq accumulator and the saved output's float32 copy (per query).
+  # x ``block_size`` keys (the per-query float32 dq accumulator is small beside them and not counted).
   block = rows * heads * q_len * min(block_size, kv_len)
   return {"saved": rows * heads * q_len * 4, "transient": 4 * 4 * block}
 
