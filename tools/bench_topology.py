@@ -8,15 +8,16 @@ to tools/estimate.py's figure for the same config and chip count.
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import math
 import os
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from absl import app, flags, logging  # noqa: E402
-
-import json  # noqa: E402
-import subprocess  # noqa: E402
 
 import _bench  # noqa: E402  (tools/ is on sys.path when a script runs)
 from jaxtrain import config as config_lib  # noqa: E402
@@ -41,7 +42,6 @@ def _estimate(backend: str, batch: int, chips: int) -> dict:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  import importlib.util
   spec = importlib.util.spec_from_file_location("cfg", _CONFIG.value)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -49,9 +49,7 @@ def main(argv):
   print(f"{'topology':>10} {'chips':>5} {'batch/chip':>10} {'attention':>9} {'peak GiB':>9} {'estimate':>8} "
         f"{'HBM GiB':>8}  verdict")
   for topo in _TOPOS.value:
-    chips = 1
-    for n in topo.split(":")[1].split("x"):
-      chips *= int(n)
+    chips = math.prod(int(n) for n in topo.split(":")[1].split("x"))
     for per_chip in map(int, _BATCH.value):
       for backend in _BACKENDS.value:
         c = module.get_config()
