@@ -26,6 +26,7 @@ import time
 from typing import Any, Protocol, runtime_checkable
 
 import jax
+import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
@@ -33,11 +34,7 @@ from jax.experimental import multihost_utils
 
 from jaxtrain import integrity
 from jaxtrain import paths
-from jaxtrain.config import UserError
-import ml_collections
-from jaxtrain.errors import check_choice, check_positive
-
-
+from jaxtrain.errors import UserError, check_choice, check_positive
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -485,3 +482,45 @@ def restore_from(path: str, abstract_state: Any, params_only: bool,
     raise CheckpointError(os.fspath(step_dir), f"cannot restore ({describe(e)})",
                           "check that the checkpoint matches this model config") from None
   return restored, int(step_dir.name) if step_dir.name.isdigit() else -1
+
+
+# A run's checkpoints, found from what a user passes (tools/convert_hf.py export, jaxtrain.generate) ------------
+
+
+def step_dir(path: str, step: int | None = None) -> str:
+  """The step folder that ``path`` names: a run's workdir, its checkpoints folder, or a step folder itself; the
+  newest committed step unless ``step``. Raises CheckpointError (one line) when there is none."""
+  path = os.path.abspath(path)
+  if os.path.isdir(os.path.join(path, "state")):
+    if step is not None and os.path.basename(path) != str(step):
+      raise CheckpointError(path, f"is step {os.path.basename(path)}, not --step={step}", "drop --step or pass its folder")
+    return path
+  folder = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+  steps = sorted(int(p) for p in os.listdir(folder) if p.isdigit()) if os.path.isdir(folder) else []
+  if not steps:
+    raise CheckpointError(path, "holds no committed checkpoint", "pass a run's workdir, its checkpoints folder or a step "
+                  "folder")
+  if step is not None and step not in steps:
+    raise CheckpointError(folder, f"has no step {step} (it has {', '.join(map(str, steps))})", "pick one of them")
+  return os.path.join(folder, str(step if step is not None else steps[-1]))
+
+
+def saved_config(step_dir: str) -> dict:
+  """The resolved config a checkpoint was written with: its ``config`` item, else its workdir's config.json."""
+  for f in (os.path.join(step_dir, "config", "metadata"),
+            os.path.join(os.path.dirname(os.path.dirname(step_dir)), "config.json")):
+    if os.path.exists(f):
+      return json.loads(open(f).read())
+  raise CheckpointError(step_dir, "has no config item and its workdir no config.json", "pass a checkpoint written by "
+                "jaxtrain")
+
+
+def side_files_dir(step_dir: str, config: dict) -> str | None:
+  """The ``hf`` folder of the import this checkpoint comes from: next to its checkpoints folder, or next to the
+  checkpoint its run started from (``checkpoint.restore_from``)."""
+  candidates = [os.path.dirname(os.path.dirname(step_dir))]
+  restore_from = (config.get("checkpoint") or {}).get("restore_from")
+  if restore_from:
+    candidates += [os.path.dirname(restore_from.rstrip("/")), os.path.dirname(os.path.dirname(
+        restore_from.rstrip("/")))]
+  return next((os.path.join(c, "hf") for c in candidates if os.path.isdir(os.path.join(c, "hf"))), None)

@@ -11,32 +11,31 @@ wrong and how to fix it; ``main`` turns that into exit code 2.
 from __future__ import annotations
 
 import difflib
-import importlib
 
 import ml_collections
 from absl import logging
 
-from jaxtrain import paths
+from jaxtrain import checkpoint, data, distributed, mesh, metrics, models, monitor, optim, paths, sharding, topology
 from jaxtrain.errors import ConfigError, DataError, UserError, check_positive  # noqa: F401 - callers import them here
+from jaxtrain.parallel import context, pipeline
 
 # Config group -> the module that owns its defaults (``defaults()``) and its checks (``validate(config)``), next to
 # the code that reads those keys. The core (this module) keeps only what every run shares: workdir, train, eval.
 COMPONENTS = (
-    ("distributed", "jaxtrain.distributed"),
-    ("model", "jaxtrain.models"),
-    ("mesh", "jaxtrain.mesh"),
-    ("sharding", "jaxtrain.sharding"),
-    ("data", "jaxtrain.data"),
-    ("optim", "jaxtrain.optim"),
-    ("pipeline", "jaxtrain.parallel.pipeline"),
-    ("metrics", "jaxtrain.metrics"),
-    ("monitor", "jaxtrain.monitor"),
-    ("checkpoint", "jaxtrain.checkpoint"),
+    ("distributed", distributed),
+    ("model", models),
+    ("mesh", mesh),
+    ("sharding", sharding),
+    ("data", data),
+    ("optim", optim),
+    ("pipeline", pipeline),
+    ("metrics", metrics),
+    ("monitor", monitor),
+    ("checkpoint", checkpoint),
 )
-
-
-def _component(module: str):
-  return importlib.import_module(module)
+# Checks across groups by modules that own no group: context parallelism (mesh.context against data.seq_len and
+# the model family).
+CROSS_CHECKS = (context,)
 
 
 def base_config(model: str = "llama") -> ml_collections.ConfigDict:
@@ -58,7 +57,7 @@ def base_config(model: str = "llama") -> ml_collections.ConfigDict:
       microbatches=0,
       log_every=10,
       # Greedy continuations of sample_prompts (sample_tokens new tokens each) logged every N steps and at the end
-      # (0: off): to the log and <workdir>/samples.jsonl (jaxtrain.generate.Sampler, compiled once).
+      # (0: off): to the log and <workdir>/samples.jsonl (jaxtrain.sampling.Sampler, compiled once).
       sample_every=0,
       sample_prompts=("ROMEO:",),
       sample_tokens=32,
@@ -68,10 +67,7 @@ def base_config(model: str = "llama") -> ml_collections.ConfigDict:
       max_batches=0,  # 0 = the whole eval split
   ))
   for group, module in COMPONENTS:
-    if group == "model":
-      c.model = _component(module).defaults(model)
-    else:
-      c[group] = _component(module).defaults()
+    c[group] = module.defaults(model) if group == "model" else module.defaults()
   return c
 
 
@@ -94,8 +90,8 @@ def unknown_key_error(key: str, cfg: ml_collections.ConfigDict) -> ConfigError:
 def validate_values(cfg: ml_collections.ConfigDict) -> None:
   """Checks that need no devices: each component's ``validate`` (its keys' ranges, choices and relations), then
   the core's."""
-  for module in dict.fromkeys(module for _, module in COMPONENTS):
-    _component(module).validate(cfg)
+  for module in [module for _, module in COMPONENTS] + list(CROSS_CHECKS):
+    module.validate(cfg)
   check_positive(cfg, ["train.steps", "train.global_batch_size", "train.log_every"])
   check_positive(cfg, ["train.microbatches", "eval.every_steps", "eval.max_batches"], allow_zero=True)
   check_positive(cfg, ["train.sample_every"], allow_zero=True)
@@ -108,7 +104,6 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
   if not cfg.workdir:
     raise ConfigError("workdir", "is empty", "set --config.workdir=DIR")
   if cfg.dry_run_topology:
-    from jaxtrain import topology
     topology.validate(cfg)
 
 

@@ -23,7 +23,8 @@ folder, with ``bos_token_id`` prepended and ``eos_token_id`` ending a row, from 
 the file's; newlines written as ``\\n``; ``--format=jsonl`` writes JSON objects). A mistake (no checkpoint, an empty
 prompt, a bad flag value) prints one line ``generate: error: ...`` and exits 2.
 
-Training samples (``train.sample_every``, jaxtrain/train/loop.py) use :class:`Sampler`, compiled once.
+The generation engine and the tokenizer lookup are jaxtrain.sampling (which training samples use too); this
+module finds the checkpoint, restores its params onto a mesh and is the command line.
 """
 
 from __future__ import annotations
@@ -36,252 +37,28 @@ import time
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import app, flags, logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import config as config_lib
+from jaxtrain import mesh as mesh_lib
 from jaxtrain import models
+from jaxtrain import paths
 from jaxtrain import sharding
 from jaxtrain.errors import ConfigError, UserError
+from jaxtrain.sampling import (GenerateError, Generator, Sampling, encode_prompts, padded_rows,  # noqa: F401
+                               tokenizer_for)
+from jaxtrain.train.state import TrainState
 
 # Keys of the saved run config that the command line may override (the layout and the compute, not the model).
 OVERRIDABLE = ("mesh.", "sharding.", "model.dtype", "model.attention")
 
 
-class GenerateError(UserError):
-  """A mistake in what was asked of generation (printed as one line, exit code 2)."""
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# Sampling.
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-  """How the next token is chosen: greedy (``temperature`` 0), else a draw at ``temperature`` from the ``top_k``
-  most likely tokens (0: all) within the smallest set whose probability reaches ``top_p`` (1: all)."""
-  temperature: float = 0.0
-  top_k: int = 0
-  top_p: float = 1.0
-
-  def check(self) -> "Sampling":
-    if not self.temperature >= 0:
-      raise GenerateError("--temperature", f"must be >= 0, got {self.temperature}", "use 0 for greedy decoding")
-    if self.top_k < 0:
-      raise GenerateError("--top_k", f"must be >= 0, got {self.top_k}", "use 0 for no top-k cut")
-    if not 0 < self.top_p <= 1:
-      raise GenerateError("--top_p", f"must be in (0, 1], got {self.top_p}", "use 1 for no nucleus cut")
-    return self
-
-
-def next_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
-  """``[batch]`` int32 token ids from float32 logits ``[batch, vocab]``; row r draws with ``fold_in(key, r)``."""
-  if sampling.temperature == 0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  logits = logits.astype(jnp.float32) / sampling.temperature
-  if 0 < sampling.top_k < logits.shape[-1]:
-    kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-  if sampling.top_p < 1:
-    ordered = jnp.sort(logits, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(ordered, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ranked above each one
-    kept = jnp.where(before < sampling.top_p, ordered, jnp.inf)  # the first token is always kept
-    logits = jnp.where(logits < jnp.min(kept, axis=-1, keepdims=True), -jnp.inf, logits)
-  keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(logits.shape[0]))
-  return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The compiled generator.
-
-@dataclasses.dataclass
-class Batch:
-  """Prompts as one left-padded batch: ``tokens``, ``positions``, ``segment_ids`` ``[rows, prompt_len]`` (pads:
-  segment 0, position 0), each row's prompt length ``lengths`` (the position of its first new token) and
-  ``rows`` (1 for a prompt, 0 for a row that only pads the batch to a multiple of the batch shards)."""
-  tokens: np.ndarray
-  positions: np.ndarray
-  segment_ids: np.ndarray
-  lengths: np.ndarray
-  rows: np.ndarray
-  count: int  # real prompts (the first ``count`` rows)
-
-
-def left_pad(prompts: Sequence[Sequence[int]], rows: int, prompt_len: int) -> Batch:
-  """``prompts`` (token id lists, each 1 to ``prompt_len`` long) as a left-padded batch of ``rows`` rows."""
-  if len(prompts) > rows:
-    raise ValueError(f"{len(prompts)} prompts for a batch of {rows} rows")
-  tokens, positions, segments = (np.zeros((rows, prompt_len), np.int32) for _ in range(3))
-  lengths, real = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
-  for r, ids in enumerate(prompts):
-    n = len(ids)
-    if not 0 < n <= prompt_len:
-      raise ValueError(f"prompt {r} has {n} tokens, not 1 to {prompt_len}")
-    tokens[r, prompt_len - n:] = np.asarray(ids, np.int32)
-    positions[r, prompt_len - n:] = np.arange(n, dtype=np.int32)
-    segments[r, prompt_len - n:] = 1
-    lengths[r], real[r] = n, 1
-  return Batch(tokens, positions, segments, lengths, real, len(prompts))
-
-
-class Generator:
-  """Generation compiled for fixed shapes: ``rows`` prompt rows (a multiple of the mesh's batch shards), prompts of
-  up to ``prompt_len`` tokens, ``max_new_tokens`` new ones, one :class:`Sampling`. ``param_shardings``: where the
-  params live (e.g. the train state's). Compiled once, at construction; :meth:`__call__` dispatches without
-  waiting. ``use_cache=False`` recomputes the whole forward for every new token; ``return_logits`` also returns
-  every step's logits ``[rows, max_new_tokens, vocab]`` (tests)."""
-
-  def __init__(self, model: models.Model, mesh, rules, param_shardings, *, rows: int, prompt_len: int,
-               max_new_tokens: int, sampling: Sampling = Sampling(), eos_ids: Sequence[int] = (),
-               use_cache: bool = True, return_logits: bool = False):
-    _, shards = sharding.batch_shards(dict(mesh.shape), rules)
-    if rows % shards:
-      raise ValueError(f"rows={rows} is not a multiple of the {shards} batch shards")
-    if use_cache and not model.can_decode():
-      raise GenerateError(f"model.name={model.cfg.name}", "the model family has no KV-cache decoding (init_cache)",
-                          "add it (see jaxtrain/models), or pass --no_cache")
-    self.model, self.mesh, self.rules = model, mesh, rules
-    self.rows, self.prompt_len, self.max_new_tokens = rows, prompt_len, max_new_tokens
-    self.sampling, self.eos_ids = sampling, tuple(int(e) for e in eos_ids)
-    self.use_cache, self.return_logits = use_cache, return_logits
-    self.batch_sharding = sharding.batch_sharding(mesh, rules)
-    row_sharding = sharding.batch_sharding(mesh, rules, ndim=1)
-    replicated = NamedSharding(mesh, P())
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model.abstract_params,
-                            param_shardings)
-    prompt = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=self.batch_sharding)
-    per_row = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row_sharding)
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
-    t = time.perf_counter()
-    with jax.set_mesh(mesh), sharding.axis_rules(rules):
-      prefill = jax.jit(self._prefill)
-      self._prefill_fn = prefill.lower(abstract, prompt, prompt, prompt).compile()
-      # The decode loop takes the prefill's outputs where the prefill leaves them.
-      logits, state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                   jax.eval_shape(self._prefill, abstract, prompt, prompt, prompt),
-                                   self._prefill_fn.output_shardings)
-      decode = jax.jit(self._decode, donate_argnums=(1,))
-      self._decode_fn = decode.lower(abstract, state, logits, per_row, per_row, key).compile()
-    self.compile_s = time.perf_counter() - t
-
-  # The two compiled halves ---------------------------------------------------------------------------------------
-
-  def _forward_last(self, params, state):
-    """No-cache mode: the full forward over the token buffer; the logits at slot ``index - 1``."""
-    logits = self.model.apply(params, state["tokens"], state["positions"], state["segment_ids"])
-    return jax.lax.dynamic_index_in_dim(logits, state["index"] - 1, axis=1, keepdims=False)
-
-  def _prefill(self, params, tokens, positions, segment_ids):
-    """The prompts' last logits ``[rows, vocab]`` and the decoding state (the KV cache, or the token buffer)."""
-    max_len = self.prompt_len + self.max_new_tokens
-    if self.use_cache:
-      cache = self.model.init_cache(self.rows, max_len)
-      logits, cache = self.model.decode(params, tokens, positions, segment_ids, cache)
-      return logits[:, -1], cache
-    pad = ((0, 0), (0, self.max_new_tokens))
-    state = {"tokens": jnp.pad(tokens, pad), "positions": jnp.pad(positions, pad),
-             "segment_ids": jnp.pad(segment_ids, pad), "index": jnp.int32(self.prompt_len)}
-    state = {k: v if k == "index" else sharding.constrain(v, ("batch", None)) for k, v in state.items()}
-    return self._forward_last(params, state), state
-
-  def _step(self, params, state, token, position, segment):
-    """One new token per row: its logits ``[rows, vocab]`` and the next state."""
-    if self.use_cache:
-      logits, state = self.model.decode(params, token[:, None], position[:, None], segment[:, None], state)
-      return logits[:, 0], state
-    at = (jnp.zeros((), jnp.int32), state["index"])
-    state = {"tokens": jax.lax.dynamic_update_slice(state["tokens"], token[:, None], at),
-             "positions": jax.lax.dynamic_update_slice(state["positions"], position[:, None], at),
-             "segment_ids": jax.lax.dynamic_update_slice(state["segment_ids"], segment[:, None], at),
-             "index": state["index"] + 1}
-    return self._forward_last(params, state), state
-
-  def _decode(self, params, state, first_logits, lengths, rows, key):
-    """The whole decode loop: token 0 from the prefill's logits, then one step per token while any row is not
-    done. Returns the new tokens ``[rows, max_new_tokens]`` (0 after a row's end), how many each row produced
-    (an EOS included), with ``return_logits`` every step's logits, and the final state."""
-    n, eos = self.max_new_tokens, jnp.asarray(self.eos_ids or (-1,), jnp.int32)
-    params = self.model.effective_params(params)  # LoRA: merged once, not in every step (a no-op after this)
-
-    def pick(logits, i):
-      return next_tokens(logits, jax.random.fold_in(key, i), self.sampling)
-
-    first = pick(first_logits, 0)
-    live = rows > 0
-    out = jnp.zeros((self.rows, n), jnp.int32).at[:, 0].set(jnp.where(live, first, 0))
-    done = ~live | jnp.isin(first, eos)
-    produced = live.astype(jnp.int32)
-    all_logits = None
-    if self.return_logits:
-      all_logits = jnp.zeros((self.rows, n, first_logits.shape[-1]), jnp.float32).at[:, 0].set(first_logits)
-
-    def cond(carry):
-      i, _, _, done, _, _ = carry
-      return (i < n) & ~jnp.all(done)
-
-    def body(carry):
-      i, state, out, done, produced, all_logits = carry
-      logits, state = self._step(params, state, out[:, i - 1], lengths + i - 1, rows)
-      token = jnp.where(done, 0, pick(logits, i))
-      out = jax.lax.dynamic_update_index_in_dim(out, token, i, axis=1)
-      produced = produced + (~done).astype(jnp.int32)
-      done = done | jnp.isin(token, eos)
-      if all_logits is not None:
-        all_logits = jax.lax.dynamic_update_index_in_dim(all_logits, logits, i, axis=1)
-      return i + 1, state, out, done, produced, all_logits
-
-    carry = (jnp.int32(1), state, out, done, produced, all_logits)
-    _, state, out, _, produced, all_logits = jax.lax.while_loop(cond, body, carry)
-    # The state is returned (and dropped by the caller) so that its donated buffer is updated in place.
-    return (out, produced, all_logits, state) if self.return_logits else (out, produced, state)
-
-  # Use ---------------------------------------------------------------------------------------------------------
-
-  def batch(self, prompts: Sequence[Sequence[int]]) -> Batch:
-    return left_pad(prompts, self.rows, self.prompt_len)
-
-  def __call__(self, params, batch: Batch, seed: int = 0):
-    """Dispatches prefill and decode (not waited for); returns the device arrays of ``_decode``."""
-    return self.decode(params, self.prefill(params, batch), batch, seed)
-
-  def prefill(self, params, batch: Batch):
-    """The compiled prefill (dispatched): the prompts' last logits and the decoding state."""
-    put = [jax.device_put(getattr(batch, k), self.batch_sharding) for k in ("tokens", "positions", "segment_ids")]
-    return self._prefill_fn(params, *put)
-
-  def decode(self, params, prefilled, batch: Batch, seed: int = 0):
-    """The compiled decode loop (dispatched) from ``prefill``'s output (its state is donated)."""
-    rows_sharding = sharding.batch_sharding(self.mesh, self.rules, ndim=1)
-    lengths, rows = (jax.device_put(x, rows_sharding) for x in (batch.lengths, batch.rows))
-    key = jax.device_put(jax.random.key(seed), NamedSharding(self.mesh, P()))
-    logits, state = prefilled
-    return self._decode_fn(params, state, logits, lengths, rows, key)
-
-  def completions(self, result, batch: Batch) -> list[list[int]]:
-    """The new token ids of each real prompt, up to (not including) its EOS."""
-    out, produced = (np.asarray(jax.device_get(x)) for x in result[:2])
-    ids = []
-    for r in range(batch.count):
-      row = out[r, :produced[r]].tolist()
-      if row and row[-1] in self.eos_ids:
-        row = row[:-1]
-      ids.append(row)
-    return ids
-
-  def generate(self, params, prompts: Sequence[Sequence[int]], seed: int = 0) -> list[list[int]]:
-    batch = self.batch(prompts)
-    return self.completions(self(params, batch, seed), batch)
-
-
-def padded_rows(count: int, mesh, rules) -> int:
-  """``count`` rounded up to a multiple of the mesh's batch shards."""
-  _, shards = sharding.batch_shards(dict(mesh.shape), rules)
-  return -(-count // shards) * shards
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# A checkpoint, its config and its tokenizer.
+# A checkpoint and its config.
 
 @dataclasses.dataclass
 class Loaded:
@@ -317,12 +94,11 @@ def _coerce(old, new, key: str):
 def run_config(saved: dict, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
   """The groups generation needs (model, mesh, sharding, data, checkpoint) of a run's saved config dict, on top of
   today's defaults, with ``overrides`` (``KEY=VALUE`` for the keys in :data:`OVERRIDABLE`) applied."""
-  from jaxtrain.config import base_config
   name = (saved.get("model") or {}).get("name", "llama")
   if name not in models.names():
     raise GenerateError("model.name", f"the checkpoint's model '{name}' is not a registered family",
                         f"use one of {', '.join(models.names())} (or import the module that registers it)")
-  config = base_config(name)
+  config = config_lib.base_config(name)
 
   def merge(cfg, values: dict, prefix: str):
     for k, v in values.items():
@@ -345,8 +121,7 @@ def run_config(saved: dict, overrides: Sequence[str] = ()) -> ml_collections.Con
       raise GenerateError(key, "cannot be overridden for generation", f"override only {', '.join(OVERRIDABLE)}")
     group, _, name = key.partition(".")
     if name not in config[group]:
-      from jaxtrain.config import unknown_key_error
-      raise unknown_key_error(key, config)
+      raise config_lib.unknown_key_error(key, config)
     config[group][name] = _coerce(config[group][name], value, key)
   return config
 
@@ -354,21 +129,18 @@ def run_config(saved: dict, overrides: Sequence[str] = ()) -> ml_collections.Con
 def load(checkpoint: str, step: int | None = None, overrides: Sequence[str] = (), devices=None) -> Loaded:
   """Restores the params of ``checkpoint`` (a workdir, its checkpoints folder or a step folder) onto the mesh of
   its run's config (with ``overrides``), through the sharding rules."""
-  from jaxtrain import checkpoint as checkpoint_lib
-  from jaxtrain import hf, paths
-  from jaxtrain.train.state import TrainState
   checkpoint = paths.resolve(checkpoint)
   if not os.path.exists(checkpoint):
     raise GenerateError(checkpoint, "does not exist", "pass --checkpoint=a run's workdir, its checkpoints folder "
                         "or a step folder")
-  step_dir = hf._step_dir(checkpoint, step)
-  saved = hf._run_config(step_dir)
+  step_dir = checkpoint_lib.step_dir(checkpoint, step)
+  saved = checkpoint_lib.saved_config(step_dir)
   config = run_config(saved, overrides)
   models.validate(config)
   rules = sharding.rules_from_config(config.sharding)
   model = models.Model.from_config(config.model)
   try:
-    mesh = sharding.make_mesh(config.mesh, devices)
+    mesh = mesh_lib.make_mesh(config.mesh, devices)
     sharding.check_shardable(model.abstract_params, model.logical_specs, mesh, rules,
                              lambda axis: models.axis_key(config.model.name, axis))
   except ConfigError as e:  # the run's mesh on these devices
@@ -383,121 +155,10 @@ def load(checkpoint: str, step: int | None = None, overrides: Sequence[str] = ()
   return Loaded(config, saved, step_dir, model, mesh, rules, param_shardings, restored["params"])
 
 
-@dataclasses.dataclass
-class Tokenizer:
-  """Text <-> ids for generation: the tokenizer, the id prepended to every prompt (None: none) and the ids that
-  end a row."""
-  tokenizer: Any
-  bos_id: int | None = None
-  eos_ids: tuple[int, ...] = ()
-  where: str = ""
-
-  def encode(self, text: str) -> list[int]:
-    ids = [int(i) for i in self.tokenizer.encode(text)]
-    return ([self.bos_id] if self.bos_id is not None else []) + ids
-
-  def decode(self, ids) -> str:
-    return self.tokenizer.decode(ids)
-
-
-def _ids(value) -> tuple[int, ...]:
-  if value is None:
-    return ()
-  return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
-
-
-def tokenizer_for(config: ml_collections.ConfigDict, saved: dict | None = None, step_dir: str | None = None,
-                  override: str = "") -> Tokenizer:
-  """The tokenizer of a run (see the module docstring for the order they are looked for)."""
-  from jaxtrain import hf
-  from jaxtrain.data import tokenizers
-  saved = saved if saved is not None else config.to_dict()
-  side = hf._side_files_dir(step_dir or os.path.join(config.workdir, "checkpoints", "0"), saved)
-  hf_config = {}
-  if side:
-    for name in ("config.json", "generation_config.json"):  # generation_config.json wins
-      try:
-        hf_config.update({k: v for k, v in json.loads(open(os.path.join(side, name)).read()).items()
-                          if k in ("bos_token_id", "eos_token_id") and v is not None})
-      except (OSError, ValueError):
-        pass
-  if override:
-    return Tokenizer(tokenizers.load(override), None, _ids(hf_config.get("eos_token_id")), override)
-  for name in ("tokenizer.json", "tokenizer.model"):
-    if side and os.path.exists(os.path.join(side, name)):
-      path = os.path.join(side, name)
-      bos = hf_config.get("bos_token_id")
-      return Tokenizer(tokenizers.load(path), None if bos is None else int(bos), _ids(hf_config.get("eos_token_id")),
-                       path)
-  data = config.data
-  if data.tokenizer:
-    return Tokenizer(tokenizers.load(data.tokenizer), where=f"data.tokenizer={data.tokenizer}")
-  if data.source == "arrayrecord" and data.path:
-    manifest = os.path.join(data.path, "manifest.json")
-    try:
-      name = json.loads(open(manifest).read())["tokenizer"]
-    except (OSError, ValueError, KeyError):
-      raise GenerateError(data.path, "has no readable manifest.json naming the data's tokenizer",
-                          "pass --tokenizer=FILE (the tokenizer the data was prepared with)") from None
-    if name != "byte":
-      raise GenerateError(manifest, f"names tokenizer {name}, which is not saved with the data",
-                          "pass --tokenizer=FILE (that tokenizer file)")
-  elif data.source not in ("arrayrecord", "synthetic"):
-    raise GenerateError(f"data.source={data.source}", "generation does not know this source's tokenizer",
-                        "pass --tokenizer=FILE")
-  return Tokenizer(tokenizers.ByteTokenizer(), where="byte-level")
-
-
-def encode_prompts(tok: Tokenizer, prompts: Sequence[str], vocab_size: int) -> list[list[int]]:
-  if not prompts:
-    raise GenerateError("--prompt", "no prompt given", "pass --prompt=TEXT or --prompts_file=FILE")
-  out = []
-  for i, text in enumerate(prompts):
-    ids = tok.encode(text) if text else []
-    if not ids or (tok.bos_id is not None and len(ids) == 1):
-      raise GenerateError(f"prompt {i + 1}", "is empty", "give every prompt some text")
-    if max(ids) >= vocab_size:
-      raise GenerateError(f"prompt {i + 1}", f"has token id {max(ids)}, outside the model's vocab_size "
-                          f"{vocab_size}", f"use the tokenizer the model was trained with (this is {tok.where})")
-    out.append(ids)
-  return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Samples during training.
-
-class Sampler:
-  """Greedy continuations of ``train.sample_prompts`` (``train.sample_tokens`` new tokens each) from a train
-  state's params, for the loop (``train.sample_every``). Compiled once, at construction."""
-
-  def __init__(self, run):
-    c = run.config
-    self.tokenizer = tokenizer_for(c)
-    self.prompts = list(c.train.sample_prompts)
-    ids = encode_prompts(self.tokenizer, self.prompts, c.model.vocab_size)
-    self.generator = Generator(run.model, run.mesh, run.rules, run.state_shardings.params,
-                               rows=padded_rows(len(ids), run.mesh, run.rules), prompt_len=max(map(len, ids)),
-                               max_new_tokens=c.train.sample_tokens, eos_ids=self.tokenizer.eos_ids)
-    self.batch = self.generator.batch(ids)
-
-  def __call__(self, params):
-    """Dispatches the generation (the params may be donated next); ``fetch()`` waits and returns
-    ``[{"prompt", "completion"}]``."""
-    with jax.set_mesh(self.generator.mesh):
-      result = self.generator(params, self.batch)
-
-    def fetch() -> list[dict[str, str]]:
-      ids = self.generator.completions(result, self.batch)
-      return [{"prompt": p, "completion": self.tokenizer.decode(i)} for p, i in zip(self.prompts, ids)]
-
-    return fetch
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The command line.
 
 def _define_flags():
-  from absl import flags
   flags.DEFINE_string("checkpoint", None, "A run's workdir, its checkpoints folder or one step folder.")
   flags.DEFINE_integer("step", None, "The step to load (default: the newest).")
   flags.DEFINE_multi_string("prompt", [], "A prompt (repeatable).")
@@ -542,7 +203,6 @@ def _parse(argv: list[str]) -> list[str]:
 def _prompts(FLAGS) -> list[str]:
   prompts = list(FLAGS.prompt)
   if FLAGS.prompts_file:
-    from jaxtrain import paths
     path = paths.resolve(FLAGS.prompts_file)
     try:
       text = open(path, encoding="utf-8").read()
@@ -554,7 +214,6 @@ def _prompts(FLAGS) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
-  from absl import flags, logging
   FLAGS = flags.FLAGS
   del argv
   try:
@@ -591,5 +250,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  from absl import app
   app.run(main, flags_parser=_parse)

@@ -32,9 +32,16 @@ from typing import Any
 
 import jax
 import ml_collections
+import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
+from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import models
+from jaxtrain.config import base_config
 from jaxtrain.errors import UserError
+from jaxtrain.models import lora
+from jaxtrain.train.state import TrainState
 
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "tokenizer.model", "added_tokens.json")
@@ -47,7 +54,6 @@ class HFError(UserError):
 
 
 def _bf16():
-  import ml_dtypes
   return np.dtype(ml_dtypes.bfloat16)
 
 
@@ -61,7 +67,6 @@ def _code(dtype: np.dtype) -> str:
 def model_config(hf: dict, where: str = "config.json") -> ml_collections.ConfigDict:
   """The jaxtrain ``model`` group (Llama family) of a Hugging Face Llama ``config.json`` dict; HFError for
   anything jaxtrain's Llama does not compute the same way."""
-  from jaxtrain import models
   mixtral = hf.get("model_type") == "mixtral"
   arch = hf.get("architectures") or ["MixtralForCausalLM" if mixtral else "LlamaForCausalLM"]
   if (hf.get("model_type"), arch) not in (("llama", ["LlamaForCausalLM"]), ("mixtral", ["MixtralForCausalLM"])):
@@ -109,7 +114,6 @@ def model_config(hf: dict, where: str = "config.json") -> ml_collections.ConfigD
       raise HFError(where, f"has llama3 RoPE scaling without {e.args[0]}", "pass a complete config.json") from None
   elif rope_type != "default":
     raise HFError(where, f"uses RoPE type {rope_type!r}", "only default and llama3 RoPE are supported")
-  from jaxtrain.config import base_config
   c = base_config(model=m.name)
   c.model = m
   try:
@@ -214,14 +218,12 @@ class _Entry:
     self.file, self.name, self.shape = file, name, shape
 
   def read(self) -> np.ndarray:
-    from safetensors import safe_open
     # framework="flax": safetensors' numpy backend cannot hold bfloat16; on the CPU the jax array is a view.
     with safe_open(self.file, framework="flax") as f:
       return np.asarray(f.get_tensor(self.name))
 
 
 def _header(path: str) -> dict[str, _Entry]:
-  from safetensors import SafetensorError, safe_open
   try:
     with safe_open(path, framework="flax") as f:  # validates the header against the file size
       return {name: _Entry(path, name, tuple(f.get_slice(name).get_shape())) for name in f.keys()}
@@ -309,7 +311,6 @@ class _Staging:
 def read_params(hf_dir: str, model: Any) -> tuple[dict, str]:
   """The jaxtrain params (nested dict of float32 numpy arrays) of an HF folder whose config gave ``model``, and
   the source weights' dtype name. Reads one tensor at a time into preallocated stacked arrays."""
-  from jaxtrain import models
   entries = _find_weights(hf_dir)
   expected = tensor_map(model)
   known = {name for name, *_ in expected}
@@ -379,8 +380,6 @@ def get_config():
 def import_llama(hf_dir: str, output: str) -> dict:
   """Converts the HF Llama folder ``hf_dir`` into ``output`` (see the module docstring); returns a summary
   (params, bytes, source dtype)."""
-  from jaxtrain import checkpoint as checkpoint_lib
-  from jaxtrain.config import base_config
   config_file = os.path.join(hf_dir, "config.json")
   if not os.path.isdir(hf_dir):
     raise HFError(hf_dir, "is not a folder", "pass --hf=a Hugging Face model folder")
@@ -425,58 +424,18 @@ def import_llama(hf_dir: str, output: str) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # Export.
 
-def _step_dir(path: str, step: int | None) -> str:
-  path = os.path.abspath(path)
-  if os.path.isdir(os.path.join(path, "state")):
-    if step is not None and os.path.basename(path) != str(step):
-      raise HFError(path, f"is step {os.path.basename(path)}, not --step={step}", "drop --step or pass its folder")
-    return path
-  folder = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
-  steps = sorted(int(p) for p in os.listdir(folder) if p.isdigit()) if os.path.isdir(folder) else []
-  if not steps:
-    raise HFError(path, "holds no committed checkpoint", "pass a run's workdir, its checkpoints folder or a step "
-                  "folder")
-  if step is not None and step not in steps:
-    raise HFError(folder, f"has no step {step} (it has {', '.join(map(str, steps))})", "pick one of them")
-  return os.path.join(folder, str(step if step is not None else steps[-1]))
-
-
-def _run_config(step_dir: str) -> dict:
-  for f in (os.path.join(step_dir, "config", "metadata"),
-            os.path.join(os.path.dirname(os.path.dirname(step_dir)), "config.json")):
-    if os.path.exists(f):
-      return json.loads(open(f).read())
-  raise HFError(step_dir, "has no config item and its workdir no config.json", "pass a checkpoint written by "
-                "jaxtrain")
-
-
-def _side_files_dir(step_dir: str, config: dict) -> str | None:
-  """The ``hf`` folder of the import this checkpoint comes from: next to its checkpoints folder, or next to the
-  checkpoint its run started from (``checkpoint.restore_from``)."""
-  candidates = [os.path.dirname(os.path.dirname(step_dir))]
-  restore_from = (config.get("checkpoint") or {}).get("restore_from")
-  if restore_from:
-    candidates += [os.path.dirname(restore_from.rstrip("/")), os.path.dirname(os.path.dirname(
-        restore_from.rstrip("/")))]
-  return next((os.path.join(c, "hf") for c in candidates if os.path.isdir(os.path.join(c, "hf"))), None)
-
-
 def export_llama(checkpoint: str, output: str, step: int | None = None, max_shard_mb: float = 5000,
                  dtype: str = "auto") -> dict:
   """Writes the Llama checkpoint ``checkpoint`` (a workdir, its checkpoints folder or a step folder; the newest
   step unless ``step``) as an HF folder ``output``: config.json, model.safetensors (shards of at most
   ``max_shard_mb`` MB plus model.safetensors.index.json when larger) and the imported source's tokenizer and
   generation files. ``dtype``: float32, bfloat16, float16 or auto (the imported source's dtype, else float32)."""
-  from jaxtrain import checkpoint as checkpoint_lib
-  from jaxtrain import models
-  from jaxtrain.models import lora
-  from jaxtrain.train.state import TrainState
   if dtype not in _EXPORT_DTYPES + ("auto",):
     raise HFError("--dtype", f"'{dtype}' is not one of auto, {', '.join(_EXPORT_DTYPES)}", "pick one of them")
   if max_shard_mb <= 0:
     raise HFError("--max_shard_mb", f"must be > 0, got {max_shard_mb}", "fix the value")
-  step_dir = _step_dir(checkpoint, step)
-  config = _run_config(step_dir)
+  step_dir = checkpoint_lib.step_dir(checkpoint, step)
+  config = checkpoint_lib.saved_config(step_dir)
   name = (config.get("model") or {}).get("name")
   if name not in ("llama", "moe"):
     raise HFError(step_dir, f"holds a '{name}' model", "only Llama and Mixtral-shaped MoE checkpoints can be "
@@ -488,7 +447,7 @@ def export_llama(checkpoint: str, output: str, step: int | None = None, max_shar
     raise HFError(step_dir, "holds a MoE model that is not Mixtral-shaped (shared experts, dense first layers, "
                   "sigmoid scores or unnormalized top-k)", "only Mixtral-shaped MoE models have a Hugging Face "
                   "architecture here")
-  side = _side_files_dir(step_dir, config)
+  side = checkpoint_lib.side_files_dir(step_dir, config)
   meta_file = os.path.join(step_dir, "meta", "metadata")
   meta = json.loads(open(meta_file).read()) if os.path.exists(meta_file) else {}
   if dtype == "auto":

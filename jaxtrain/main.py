@@ -10,7 +10,13 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 from ml_collections.config_flags import config_flags as config_flags_impl  # its file parser, to subclass
 
+import jax
+
 from jaxtrain import config as config_lib
+from jaxtrain import distributed
+from jaxtrain import models
+from jaxtrain.checkpoint import CheckpointError, SaveFailed, describe
+from jaxtrain.train import trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).",
                                           lock_config=True)
@@ -29,7 +35,6 @@ class _FamilyAwareConfigFile(config_flags_impl.ConfigFileFlagParser):
     config = super().parse(path)  # constructed with lock_config=False: we lock after the swap
     name = _model_name_override(_ARGV)
     if name is not None and hasattr(config, "model") and name != config.model.get("name"):
-      from jaxtrain import models
       config.model = models.defaults(name)  # ConfigError naming model.name if F is not registered
     config.lock()
     return config
@@ -99,11 +104,6 @@ def _unknown_key(argv: list[str]) -> config_lib.ConfigError | None:
 
 def main(argv: list[str]) -> None:
   del argv
-  import jax  # after flag parsing, so a bad command line never pays for (or is hidden by) jax start-up
-
-  from jaxtrain import distributed
-  from jaxtrain.train import trainer
-
   config = _CONFIG.value
   try:
     distributed.initialize(config.distributed)  # before anything starts JAX's backends
@@ -119,7 +119,6 @@ def main(argv: list[str]) -> None:
       return
     trainer.train(config)
   except config_lib.UserError as e:
-    from jaxtrain.checkpoint import CheckpointError
     _fail(str(e), at_once=isinstance(e, CheckpointError))
   except trainer.TrainingStopped as e:
     print(f"jaxtrain: stopped: {e}", file=sys.stderr)
@@ -128,7 +127,6 @@ def main(argv: list[str]) -> None:
     log_file = getattr(e, "log_file", None)
     if log_file is None:  # it happened before the run had a log file: the traceback goes to the console
       raise
-    from jaxtrain.checkpoint import SaveFailed, describe
     what = str(e) if isinstance(e, SaveFailed) else f"unexpected {describe(e)}; this is a bug"
     _fail(f"{what}; the traceback is in {log_file}", code=1, at_once=isinstance(e, SaveFailed))
 

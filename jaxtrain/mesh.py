@@ -2,14 +2,19 @@
 
 Axes, in this order: ``data``, ``pipeline``, ``fsdp``, ``expert``, ``context``, ``tensor``; each has an ICI size (within a
 slice or host) and a DCN size (``dcn_<axis>``: across slices or hosts). One ``-1`` per kind fills the rest. The
-devices are arranged into a ``jax.sharding.Mesh`` by jaxtrain.sharding.make_mesh.
+devices are arranged into a ``jax.sharding.Mesh`` by :func:`make_mesh`, the one place a mesh is built.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
+import jax
 import ml_collections
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh
 
 from jaxtrain.errors import ConfigError
 
@@ -34,8 +39,6 @@ def validate(config) -> None:
   for key, size in config.mesh.items():
     if size != -1 and size < 1:
       raise ConfigError(f"mesh.{key}", f"size {size} is invalid", "use a positive size or -1 to fill")
-  from jaxtrain.parallel import context
-  context.validate(config)
 
 
 def resolve_axis_sizes(sizes: dict[str, int], total: int, what: str, unit: str) -> dict[str, int]:
@@ -78,3 +81,28 @@ def check_divisible(key: str, size: int, mesh_axes: tuple[str, ...], mesh_sizes:
     axes = " x ".join(f"mesh.{a}={mesh_sizes[a]}" for a in mesh_axes)
     raise ConfigError(key, f"{size} is not divisible by {axes} ({what} is sharded over "
                       f"{', '.join(mesh_axes)})", f"make {key} a multiple of {shards} or shrink those axes")
+
+
+def num_slices(devices: Sequence[jax.Device]) -> int:
+  """Slices (TPU multi-slice) or, elsewhere, processes: the granules that DCN axes span."""
+  if hasattr(devices[0], "slice_index"):
+    return len({d.slice_index for d in devices})
+  return len({d.process_index for d in devices})
+
+
+def device_grid(mesh_cfg, devices: Sequence[jax.Device]) -> np.ndarray:
+  """Devices arranged in MESH_AXES order: topology-aware within a slice (ICI sizes), and with the DCN sizes
+  spanning slices (TPU multi-slice) or processes (GPU / CPU hosts) when any ``dcn_*`` size is > 1."""
+  hybrid = any(mesh_cfg[f"dcn_{a}"] != 1 for a in MESH_AXES)
+  ici, dcn = mesh_shape(mesh_cfg, len(devices), num_slices(devices) if hybrid else 1)
+  ici_shape, dcn_shape = tuple(ici[a] for a in MESH_AXES), tuple(dcn[a] for a in MESH_AXES)
+  if hybrid:
+    return mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices,
+                                                process_is_granule=not hasattr(devices[0], "slice_index"))
+  return mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
+
+
+def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """The device mesh with axes MESH_AXES, ICI x DCN sizes from the config, Auto axis types."""
+  grid = device_grid(mesh_cfg, list(devices if devices is not None else jax.devices()))
+  return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Generic, Iterable, TypeVar
 
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, value
 
 T = TypeVar("T")
 _DECORATOR = object()
@@ -61,7 +61,6 @@ class Registry(Generic[T]):
 
   def check(self, cfg) -> None:
     """Raises ConfigError if the config's value of this key is not registered."""
-    from jaxtrain.errors import value
     self.get(value(cfg, self.key))
 
   def items(self) -> list[tuple[str, T]]:

@@ -1,4 +1,4 @@
-"""Mesh from the config, logical-axis rules, and everything that turns logical names into shardings.
+"""Logical-axis rules, and everything that turns logical names into shardings on a mesh (jaxtrain.mesh).
 
 Models name logical axes only (``batch``, ``length``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``,
 ``mlp``, ``vocab``, ``layers``; ``stage`` is the pipeline's; ``experts`` and ``expert_mlp`` are a Mixture-of-Experts
@@ -12,20 +12,17 @@ still free in that array wins, so ``batch -> (data, fsdp)`` and ``embed -> fsdp`
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
+import ml_collections
 import numpy as np
 from flax import linen as nn
-from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain import mesh as mesh_lib
 from jaxtrain.errors import ConfigError
 from jaxtrain.mesh import MESH_AXES
-import ml_collections
-
-
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -41,7 +38,8 @@ def defaults() -> ml_collections.ConfigDict:
 
 
 def validate(config) -> None:
-  """Mesh sizes are checked against the devices when the mesh is made (make_mesh); here, the rule table."""
+  """Mesh sizes are checked against the devices when the mesh is made (jaxtrain.mesh.make_mesh); here, the rule
+  table."""
   rules_from_config(config.sharding)
 
 Rules = tuple[tuple[str, Any], ...]
@@ -87,31 +85,6 @@ def rules_from_config(sharding_cfg) -> Rules:
     raise ConfigError("sharding.preset", f"'{sharding_cfg.preset}' is not a preset",
                       f"use one of {', '.join(PRESETS)}")
   return parse_rules(sharding_cfg.rules) + PRESETS[sharding_cfg.preset]
-
-
-def num_slices(devices: Sequence[jax.Device]) -> int:
-  """Slices (TPU multi-slice) or, elsewhere, processes: the granules that DCN axes span."""
-  if hasattr(devices[0], "slice_index"):
-    return len({d.slice_index for d in devices})
-  return len({d.process_index for d in devices})
-
-
-def device_grid(mesh_cfg, devices: Sequence[jax.Device]) -> np.ndarray:
-  """Devices arranged in MESH_AXES order: topology-aware within a slice (ICI sizes), and with the DCN sizes
-  spanning slices (TPU multi-slice) or processes (GPU / CPU hosts) when any ``dcn_*`` size is > 1."""
-  hybrid = any(mesh_cfg[f"dcn_{a}"] != 1 for a in MESH_AXES)
-  ici, dcn = mesh_lib.mesh_shape(mesh_cfg, len(devices), num_slices(devices) if hybrid else 1)
-  ici_shape, dcn_shape = tuple(ici[a] for a in MESH_AXES), tuple(dcn[a] for a in MESH_AXES)
-  if hybrid:
-    return mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices,
-                                                process_is_granule=not hasattr(devices[0], "slice_index"))
-  return mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
-
-
-def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """The device mesh with axes MESH_AXES, ICI x DCN sizes from the config, Auto axis types."""
-  grid = device_grid(mesh_cfg, list(devices if devices is not None else jax.devices()))
-  return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
 def logical_to_mesh_spec(logical: P, rules: Rules) -> P:

@@ -35,7 +35,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from jaxtrain import paths
-from jaxtrain.config import UserError
+from jaxtrain.errors import UserError
 
 LOCK_FILE = "run.lock"
 LOG_FILE = "train.log"
@@ -172,11 +172,17 @@ class WorkdirLock:
             f"since {held.get('since', '?')})")
 
   def acquire(self) -> "WorkdirLock":
-    """Takes the lock or raises WorkdirBusy. Creates the workdir if needed (nothing else)."""
+    """Takes the lock or raises WorkdirBusy; a workdir that cannot be created or written is a UserError (one
+    line). Creates the workdir if needed (nothing else)."""
     self._started = time.time()
-    self.dir.mkdir(parents=True, exist_ok=True)
     for _ in range(3):  # a contender may create or take over between our look and our write
-      if self._create():
+      try:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        created = self._create()
+      except OSError as e:
+        raise UserError(os.fspath(self.dir), f"the workdir cannot be created or written ({e.strerror or e})",
+                        "pass a --config.workdir this user can write to") from None
+      if created:
         break
       held = self._read()
       if held is None:
@@ -260,12 +266,13 @@ def hold(workdir: str, renew_s: float = 10.0) -> Iterator[None]:
   if jax.process_index() == 0:
     try:
       lock = WorkdirLock(workdir, renew_s).acquire()
-    except WorkdirBusy as e:
+    except UserError as e:  # busy, or not writable: every process stops with one line
       refused = e
   if jax.process_count() > 1:
     taken = bool(multihost_utils.broadcast_one_to_all(np.int32(refused is None and jax.process_index() == 0)))
     if not taken and refused is None:
-      refused = WorkdirBusy(workdir, "process 0 found another run using this workdir (its log names it)",
+      refused = WorkdirBusy(workdir, "process 0 cannot take this workdir: another run uses it, or it is not "
+                            "writable (process 0's error says which)",
                             "wait for that run to finish or use another --config.workdir")
   if refused is not None:
     raise refused

@@ -3,7 +3,11 @@
 import os
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from tests.multiprocess import PATIENT_COLLECTIVES
+
+# PATIENT_COLLECTIVES: no SIGABRT when a simulated device's thread runs late under load (tests/multiprocess.py).
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 "
+                           + PATIENT_COLLECTIVES).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 # Tests compile the same small programs many times (and in subprocesses): share a persistent cache.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxtrain-test-cache"))

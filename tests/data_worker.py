@@ -11,6 +11,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxtrain import data as data_lib
+from jaxtrain import mesh as mesh_lib
 from jaxtrain import sharding
 from jaxtrain.config import base_config
 from jaxtrain.data import loader
@@ -32,7 +33,7 @@ it = iter(loader.train_dataset(args.data, manifest, **kw))
 
 # The first global batch, assembled across processes with the batch sharding of an 8-device fsdp mesh.
 mesh_cfg = base_config().mesh
-mesh = sharding.make_mesh(mesh_cfg)
+mesh = mesh_lib.make_mesh(mesh_cfg)
 batch_sharding = sharding.batch_sharding(mesh, sharding.PRESETS["fsdp_tp"])
 first = data_lib.to_global(next(it), batch_sharding)
 gathered = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in first.items()}

@@ -10,12 +10,19 @@ import time
 
 import portpicker
 
+# XLA's CPU collectives abort the process (SIGABRT, "Termination timeout for `all reduce ...` of N seconds exceeded.
+# Exiting to ensure a consistent program state") when a collective's device threads do not all arrive within a
+# fixed timeout. Simulated devices share 2 cores here, with other test processes beside them: a thread can fall that
+# far behind with nothing wrong (the intermittent SIGABRT seen under load). Every test process (tests/conftest.py)
+# and every worker started here waits as long as the tests' own bounds instead.
+PATIENT_COLLECTIVES = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _env(local_devices: int) -> dict[str, str]:
   return {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-          "XLA_FLAGS": f"--xla_force_host_platform_device_count={local_devices}"}
+          "XLA_FLAGS": f"--xla_force_host_platform_device_count={local_devices} {PATIENT_COLLECTIVES}"}
 
 
 def run(script: str, args: list[str], num_processes: int = 2, local_devices: int = 4,

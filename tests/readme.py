@@ -1,5 +1,6 @@
-"""The commands README.md shows a user typing: every line of its fenced ```bash blocks (backslash continuations
-joined, trailing ``# comments`` dropped). Tests run them as written, so the README cannot drift from the code.
+"""The commands README.md and the pages under docs/ show a user typing: every line of their fenced ```bash blocks
+(backslash continuations joined, trailing ``# comments`` dropped). Tests run them as written, so the docs cannot
+drift from the code.
 
 Standard library only: ``.ci/run`` calls ``python3 tests/readme.py test-command`` before anything is installed
 and runs what it prints, so CI runs exactly the README's test command.
@@ -11,11 +12,19 @@ import pathlib
 import re
 import sys
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+def pages() -> list[pathlib.Path]:
+  """README.md, then every page under docs/."""
+  return [README] + sorted((ROOT / "docs").glob("*.md"))
 
 
 def commands(text: str | None = None) -> list[str]:
-  text = README.read_text() if text is None else text
+  """The commands of ``text``; by default, of every page."""
+  if text is None:
+    return [c for page in pages() for c in commands(page.read_text())]
   found = []
   for block in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M):
     for line in re.sub(r"\\\n\s*", "", block).splitlines():
@@ -26,10 +35,10 @@ def commands(text: str | None = None) -> list[str]:
 
 
 def command(containing: str) -> str:
-  """The one README command that contains ``containing``."""
+  """The one command of the README and docs/ pages that contains ``containing``."""
   matches = [c for c in commands() if containing in c]
   if len(matches) != 1:
-    raise LookupError(f"README.md has {len(matches)} commands containing {containing!r}: {matches}")
+    raise LookupError(f"README.md and docs/ have {len(matches)} commands containing {containing!r}: {matches}")
   return matches[0]
 
 

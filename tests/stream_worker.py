@@ -10,6 +10,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxtrain import data as data_lib
+from jaxtrain import mesh as mesh_lib
 from jaxtrain import sharding
 from jaxtrain.config import base_config
 from tests.multiprocess import init_distributed
@@ -29,7 +30,7 @@ it = data_lib.open_train(config)
 batches = [next(it) for _ in range(args.batches)]
 data_lib.close(it)
 
-mesh = sharding.make_mesh(base_config().mesh)
+mesh = mesh_lib.make_mesh(base_config().mesh)
 batch_sharding = sharding.batch_sharding(mesh, sharding.PRESETS["fsdp_tp"])
 first = data_lib.to_global(batches[0], batch_sharding)
 gathered = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True)).tolist() for k, v in first.items()}

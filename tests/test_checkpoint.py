@@ -333,6 +333,16 @@ def test_unwritable_checkpoint_dir_is_a_clear_error(tmp_path):
   assert "Traceback" not in err
 
 
+def test_unwritable_workdir_is_a_clear_error(tmp_path):
+  """A workdir that cannot be created (under /proc) is one line naming it, exit 2: no traceback."""
+  p = _start(tmp_path, "--config.workdir=/proc/jaxtrain")
+  _, err = p.communicate(timeout=120)
+  errors = [line for line in err.splitlines() if line.startswith("jaxtrain: error:")]
+  assert p.returncode == 2 and errors == [errors[0]], err[-2000:]
+  assert errors[0].startswith("jaxtrain: error: /proc/jaxtrain: the workdir cannot be created or written (")
+  assert "--config.workdir" in errors[0] and "Traceback" not in err
+
+
 # Runs jaxtrain.main with a file-size limit: a write past it fails with EFBIG (SIGXFSZ ignored) instead of
 # killing the process. Set in a launcher that execs, not in preexec_fn (unsafe in a threaded parent).
 _LIMITED_MAIN = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "

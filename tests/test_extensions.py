@@ -115,7 +115,7 @@ def test_command_line_picks_the_family_and_its_keys(tmp_path):
   config_file.write_text("from tests import gpt2_family  # noqa: F401\nfrom configs import tiny\n\n\n"
                          "def get_config():\n  return tiny.get_config()\n")
   env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+         "XLA_FLAGS": os.environ["XLA_FLAGS"]}
   base = [sys.executable, "-m", "jaxtrain.main", f"--config={config_file}", "--config.model.name=gpt2"]
   ok = subprocess.run(base + ["--config.model.n_positions=128", "--config.model.num_layers=2", "--config.dry_run=True",
                               f"--config.workdir={tmp_path / 'run'}"], env=env, capture_output=True, text=True,

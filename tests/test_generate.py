@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from jaxtrain import generate
+from jaxtrain import sampling as sampling_lib
 from jaxtrain import models
+from jaxtrain import mesh as mesh_lib
 from jaxtrain import sharding
 from jaxtrain.config import base_config
 from jaxtrain.data.tokenizers import ByteTokenizer
@@ -33,7 +35,7 @@ def _model(vocab=256):
 def _layout(devices=1, **mesh):
   c = base_config()
   c.mesh.update(**{"data": 1, "fsdp": 1, "tensor": 1, **mesh})
-  mesh = sharding.make_mesh(c.mesh, jax.devices()[:devices])
+  mesh = mesh_lib.make_mesh(c.mesh, jax.devices()[:devices])
   return mesh, sharding.rules_from_config(c.sharding)
 
 
@@ -50,7 +52,7 @@ def tiny():
 def _generator(tiny, prompts=PROMPTS, **kw):
   model, mesh, rules, shardings, _ = tiny
   kw.setdefault("max_new_tokens", 12)
-  return generate.Generator(model, mesh, rules, shardings, rows=generate.padded_rows(len(prompts), mesh, rules),
+  return sampling_lib.Generator(model, mesh, rules, shardings, rows=sampling_lib.padded_rows(len(prompts), mesh, rules),
                             prompt_len=max(map(len, prompts)), **kw)
 
 
@@ -95,11 +97,11 @@ def test_cache_mask_is_by_segment_and_position():
 def test_sampling_is_reproducible_and_top_k_1_is_greedy(tiny):
   params = tiny[-1]
   greedy = _generator(tiny).generate(params, PROMPTS)
-  hot = _generator(tiny, sampling=generate.Sampling(temperature=1.5))
+  hot = _generator(tiny, sampling=sampling_lib.Sampling(temperature=1.5))
   a, b, c = (hot.generate(params, PROMPTS, seed=s) for s in (7, 7, 8))
   assert a == b and a != c and a != greedy
-  assert _generator(tiny, sampling=generate.Sampling(temperature=1.5, top_k=1)).generate(params, PROMPTS) == greedy
-  assert _generator(tiny, sampling=generate.Sampling(temperature=1.5, top_p=1e-6)).generate(params, PROMPTS) == greedy
+  assert _generator(tiny, sampling=sampling_lib.Sampling(temperature=1.5, top_k=1)).generate(params, PROMPTS) == greedy
+  assert _generator(tiny, sampling=sampling_lib.Sampling(temperature=1.5, top_p=1e-6)).generate(params, PROMPTS) == greedy
   # A row's draws do not depend on the other rows of the batch.
   assert hot.generate(params, PROMPTS[:1], seed=7) == a[:1]
 
@@ -109,7 +111,7 @@ def test_top_k_and_top_p_keep_exactly_their_tokens():
   key = jax.random.key(0)
 
   def drawn(**kw):
-    return set(np.asarray(generate.next_tokens(logits, key, generate.Sampling(temperature=1.0, **kw))).tolist())
+    return set(np.asarray(sampling_lib.next_tokens(logits, key, sampling_lib.Sampling(temperature=1.0, **kw))).tolist())
 
   assert drawn() == {0, 1, 2, 3}
   assert drawn(top_k=2) == {1, 3}
@@ -118,7 +120,7 @@ def test_top_k_and_top_p_keep_exactly_their_tokens():
   assert drawn(top_p=0.8) == {1, 3}
   assert drawn(top_p=0.81) == {1, 2, 3}
   assert drawn(top_p=0.5) == {1}
-  assert set(np.asarray(generate.next_tokens(logits, key, generate.Sampling())).tolist()) == {1}
+  assert set(np.asarray(sampling_lib.next_tokens(logits, key, sampling_lib.Sampling())).tolist()) == {1}
 
 
 def test_eos_ends_a_row(tiny):
@@ -136,7 +138,7 @@ def test_eos_ends_a_row(tiny):
 
 def test_sharded_mesh_generates_what_one_device_does(tiny):
   model, _, _, _, params = tiny
-  expected = {s: _generator(tiny, sampling=generate.Sampling(s)).generate(params, PROMPTS, seed=1)
+  expected = {s: _generator(tiny, sampling=sampling_lib.Sampling(s)).generate(params, PROMPTS, seed=1)
               for s in (0.0, 1.0)}
   mesh, rules = _layout(8, data=2, fsdp=2, tensor=2)
   shardings = sharding.logical_to_sharding(model.logical_specs, mesh, rules)
@@ -144,8 +146,8 @@ def test_sharded_mesh_generates_what_one_device_does(tiny):
   spec = sharded["layers"]["attn"]["k"]["kernel"].sharding.spec
   assert spec == jax.sharding.PartitionSpec("pipeline", "fsdp", "tensor", None)  # sharded over all 8 devices
   for temperature, want in expected.items():
-    gen = generate.Generator(model, mesh, rules, shardings, rows=generate.padded_rows(3, mesh, rules), prompt_len=7,
-                             max_new_tokens=12, sampling=generate.Sampling(temperature))
+    gen = sampling_lib.Generator(model, mesh, rules, shardings, rows=sampling_lib.padded_rows(3, mesh, rules), prompt_len=7,
+                             max_new_tokens=12, sampling=sampling_lib.Sampling(temperature))
     assert gen.rows == 4  # padded to the data x fsdp = 4 batch shards
     assert gen.generate(sharded, PROMPTS, seed=1) == want
 
@@ -166,8 +168,8 @@ def test_greedy_equals_transformers_generate(tmp_path):
   eos = ref.config.eos_token_id
   prompts = [[p % 128 for p in ids] for ids in PROMPTS]
   new = 16
-  gen = generate.Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings,
-                           rows=generate.padded_rows(len(prompts), loaded.mesh, loaded.rules), prompt_len=7,
+  gen = sampling_lib.Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings,
+                           rows=sampling_lib.padded_rows(len(prompts), loaded.mesh, loaded.rules), prompt_len=7,
                            max_new_tokens=new, eos_ids=(eos,))
   ours = gen.generate(loaded.params, prompts)
   batch = gen.batch(prompts)
@@ -188,13 +190,13 @@ def test_greedy_equals_transformers_generate(tmp_path):
   word_level.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
   word_level.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins the words with spaces
   word_level.save(str(tmp_path / "out" / "hf" / "tokenizer.json"))
-  tok = generate.tokenizer_for(loaded.config, loaded.saved, loaded.step_dir)
+  tok = sampling_lib.tokenizer_for(loaded.config, loaded.saved, loaded.step_dir)
   assert tok.where.endswith("hf/tokenizer.json") and tok.bos_id == 1 and tok.eos_ids == (eos,)
   assert tok.encode("w12 w99 w3") == [1, 12, 99, 3]
   assert tok.decode([12, 99]) == "w12 w99"
   result = _cli(f"--checkpoint={tmp_path / 'out'}", "--prompt=w12 w99 w3", f"--max_new_tokens={new}")
   assert result.returncode == 0, result.stderr[-3000:]
-  gen = generate.Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings, rows=8, prompt_len=4,
+  gen = sampling_lib.Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings, rows=8, prompt_len=4,
                            max_new_tokens=new, eos_ids=(eos,))
   assert result.stdout == tok.decode(gen.generate(loaded.params, [[1, 12, 99, 3]])[0]) + "\n"
 
@@ -229,9 +231,9 @@ def test_cli_prints_completions_and_they_equal_the_api(trained_run):
   assert len(lines) == 2
   loaded = generate.load(str(trained_run))
   assert loaded.step_dir == str(trained_run / "checkpoints" / "3")
-  tok = generate.tokenizer_for(loaded.config, loaded.saved, loaded.step_dir)
+  tok = sampling_lib.tokenizer_for(loaded.config, loaded.saved, loaded.step_dir)
   assert isinstance(tok.tokenizer, ByteTokenizer) and tok.eos_ids == ()
-  gen = generate.Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings, rows=8, prompt_len=6,
+  gen = sampling_lib.Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings, rows=8, prompt_len=6,
                            max_new_tokens=10)
   ids = gen.generate(loaded.params, [tok.encode("ROMEO:"), tok.encode("To be")])
   assert [len(i) for i in ids] == [10, 10]
@@ -279,13 +281,13 @@ def test_cli_mistakes_give_one_line_and_exit_2(args, message, trained_run, tmp_p
 def test_training_logs_greedy_samples(tmp_path, monkeypatch):
   from jaxtrain.train import trainer
   compiled = []
-  init = generate.Generator.__init__
+  init = sampling_lib.Generator.__init__
 
   def counting(self, *args, **kw):
     compiled.append(1)
     init(self, *args, **kw)
 
-  monkeypatch.setattr(generate.Generator, "__init__", counting)
+  monkeypatch.setattr(sampling_lib.Generator, "__init__", counting)
   c = small_config(tmp_path, fsdp=8)
   c.train.update(steps=5, sample_every=2, sample_prompts=("ROMEO:", "ab"), sample_tokens=6)
   state, _ = trainer.train(c)
@@ -295,7 +297,7 @@ def test_training_logs_greedy_samples(tmp_path, monkeypatch):
   assert len(compiled) == 1  # one Generator for the whole run
   # The last samples are the greedy continuations of the final params.
   run = trainer.build(c)
-  gen = generate.Generator(run.model, run.mesh, run.rules, run.state_shardings.params, rows=8, prompt_len=6,
+  gen = sampling_lib.Generator(run.model, run.mesh, run.rules, run.state_shardings.params, rows=8, prompt_len=6,
                            max_new_tokens=6)
   ids = gen.generate(state.params, [list(b"ROMEO:"), list(b"ab")])
   byte = ByteTokenizer()

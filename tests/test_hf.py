@@ -236,7 +236,7 @@ def test_export_refuses_existing_output_and_missing_step(tmp_path):
   hf.import_llama(str(tmp_path / "src"), str(tmp_path / "out"))
   with pytest.raises(hf.HFError, match="already exists"):
     hf.import_llama(str(tmp_path / "src"), str(tmp_path / "out"))
-  with pytest.raises(hf.HFError, match="has no step 7"):
+  with pytest.raises(checkpoint_lib.CheckpointError, match="has no step 7"):
     hf.export_llama(str(tmp_path / "out"), str(tmp_path / "exported"), step=7)
   assert not (tmp_path / "exported").exists()
 

@@ -12,7 +12,9 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import generate, metrics, models, sharding
+from jaxtrain import metrics, models, sharding
+from jaxtrain import sampling as sampling_lib
+from jaxtrain import mesh as mesh_lib
 from jaxtrain.config import ConfigError, base_config
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.models import moe
@@ -102,7 +104,7 @@ def test_expert_parallel_dispatch_equals_the_loop(mode):
   problem = _routing_problem(seed=1)
   mesh_cfg = base_config().mesh
   mesh_cfg.update(fsdp=2, expert=4)
-  mesh = sharding.make_mesh(mesh_cfg)
+  mesh = mesh_lib.make_mesh(mesh_cfg)
   factor = 0.75 if mode == "capacity" else 1.0
   slots = experts.capacity(12 * 2, 8, factor)  # one row (12 tokens x 2 choices) per device
   want, want_dropped = _reference(*problem, capacity=slots if mode == "capacity" else None, groups=8)
@@ -242,11 +244,11 @@ def test_cached_decoding_equals_the_training_forward():
   model = models.Model.from_config(moe_config("unused").model)
   mesh_cfg = base_config().mesh
   mesh_cfg.update(fsdp=2, expert=2)
-  mesh, rules = sharding.make_mesh(mesh_cfg, jax.devices()[:4]), sharding.rules_from_config(base_config().sharding)
+  mesh, rules = mesh_lib.make_mesh(mesh_cfg, jax.devices()[:4]), sharding.rules_from_config(base_config().sharding)
   shardings = sharding.logical_to_sharding(model.logical_specs, mesh, rules)
   params = jax.device_put(model.init(jax.random.key(3)), shardings)
   prompts = [[5, 17, 33, 2, 90, 41, 7], [12, 99, 3], [64]]
-  gen = generate.Generator(model, mesh, rules, shardings, rows=generate.padded_rows(3, mesh, rules), prompt_len=7,
+  gen = sampling_lib.Generator(model, mesh, rules, shardings, rows=sampling_lib.padded_rows(3, mesh, rules), prompt_len=7,
                            max_new_tokens=6, return_logits=True)
   out, produced, logits, _ = jax.device_get(gen(params, gen.batch(prompts)))
   np.testing.assert_array_equal(produced[:3], [6, 6, 6])  # (a 4th row pads the batch to its 4 shards)

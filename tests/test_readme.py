@@ -1,6 +1,6 @@
-"""The README's commands, run as a new user types them.
+"""The commands of README.md and docs/*.md, run as a new user types them.
 
-Each command is parsed from README.md (tests/readme.py), never copied here, and run with ``bash -c`` in a fresh
+Each command is parsed from the pages (tests/readme.py), never copied here, and run with ``bash -c`` in a fresh
 copy of the repository as the current folder, with a fresh ``HOME``, none of the test suite's ``XLA_FLAGS`` /
 ``JAX_*`` settings and the configs' default (relative) workdirs. The only change is ``--config.train.steps=N``
 appended to training commands, to keep them short. ``pip install`` runs too, in a new virtualenv that sees the
@@ -24,7 +24,7 @@ from tests import readme
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# The README commands this module runs (a unique part of each), in the order a reader meets them.
+# The commands this module runs (a unique part of each): the README's, then the docs pages'.
 QUICK_START, TEST_COMMAND = readme.quick_start()
 TRAIN_LONGER = "--config.train.steps=300"
 INSPECT = "tools/inspect_checkpoint.py"
@@ -57,7 +57,7 @@ NOT_RUN = {
 
 
 def test_every_readme_command_is_run_by_a_test():
-  """A command added to the README without a test here (or one a test no longer finds) fails."""
+  """A command added to the README or a docs page without a test here (or one a test no longer finds) fails."""
   run = [QUICK_START] + [readme.command(part) for part in (TRAIN_LONGER, INSPECT, PLOT, TP, DRY_RUN, GPIPE,
                                                            CIRCULAR, MOE, CONTEXT, PREPARE, TRAIN_PREPARED, PREPARE_BEAM,
                                                            TRAIN_RAW, PREPARE_SFT,

@@ -249,8 +249,8 @@ def test_chat_template_renders_and_tokenizes_as_transformers(tmp_path, family):
   tokenizer = tokenizers_lib.load(os.fspath(folder))
   assert tokenizer.chat_template == template and tokenizer.special_tokens["eos_token"] == CONFIGS[family][
       "eos_token"]["content" if family == "chatml" else slice(None)]
-  encoder = prepare._encoder(os.fspath(folder), "")
-  gen_encoder = prepare._encoder(os.fspath(tmp_path / "tok_gen"), "")
+  encoder = prepare.encoder(os.fspath(folder), "")
+  gen_encoder = prepare.encoder(os.fspath(tmp_path / "tok_gen"), "")
   assert gen_encoder.template.tracks_generation and not encoder.template.tracks_generation
   for messages in CHATS:
     text, _ = encoder.template.render(messages)

@@ -6,7 +6,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import sharding
+from jaxtrain import mesh as mesh_lib
 from jaxtrain.config import ConfigError
 from jaxtrain.train import trainer
 
@@ -103,11 +103,11 @@ def test_rules_override_from_config(make_config):
 
 def test_mesh_fill_and_hybrid_shape(make_config):
   config = make_config(data=2, fsdp=-1, tensor=2)
-  mesh = sharding.make_mesh(config.mesh)
+  mesh = mesh_lib.make_mesh(config.mesh)
   assert dict(mesh.shape) == {"data": 2, "pipeline": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
   with pytest.raises(ConfigError, match="mesh.fsdp"):
-    sharding.make_mesh(make_config(data=-1, fsdp=-1).mesh)
+    mesh_lib.make_mesh(make_config(data=-1, fsdp=-1).mesh)
 
 
 def test_bad_rule_text(make_config):
@@ -133,10 +133,10 @@ def test_hybrid_mesh_puts_dcn_axis_across_processes(make_config):
   devices = [FakeDevice(i, i // 4) for i in range(8)]  # 2 processes x 4 local devices
   config = make_config(data=1, fsdp=2, tensor=2)
   config.mesh.dcn_data = 2
-  grid = sharding.device_grid(config.mesh, devices)
+  grid = mesh_lib.device_grid(config.mesh, devices)
   assert grid.shape == (2, 1, 2, 1, 1, 2)  # data (DCN) x pipeline x fsdp x expert x context x tensor (ICI)
   for data_index in range(2):
     assert {d.process_index for d in grid[data_index].flat} == {data_index}
   config.mesh.dcn_data = 4
   with pytest.raises(ConfigError, match="DCN mesh .* = 4 slices \\(or processes\\), but there are 2"):
-    sharding.device_grid(config.mesh, devices)
+    mesh_lib.device_grid(config.mesh, devices)

@@ -76,7 +76,7 @@ def test_splash_and_topology_mistakes_are_one_line(tmp_path):
 def test_estimate_is_within_15_percent_of_the_tpu_compilers_peak(libtpu):
   """tools/estimate.py's per-device total (state, gradients, saved activations and the largest transient, per
   attention backend) against the TPU compiler's peak for the same step: an 8-layer Llama (d_model 1024, vocab 32k)
-  on v5e:2x2 at two sequence lengths and three backends. Measured: within 4.1% (llama3_8b at 8k on v5p: README)."""
+  on v5e:2x2 at two sequence lengths and three backends. Measured: within 4.1% (llama3_8b at 8k on v5p: docs/benchmarks.md)."""
   model = ("model.num_layers=8,model.d_model=1024,model.num_heads=16,model.num_kv_heads=8,model.head_dim=64,"
            "model.mlp_dim=4096,model.vocab_size=32768,train.global_batch_size=4")
   cases = ["2048:splash", "4096:xla", "4096:splash", "4096:blockwise"]

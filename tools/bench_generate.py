@@ -26,8 +26,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from jaxtrain import generate  # noqa: E402
+from jaxtrain import sampling as sampling_lib  # noqa: E402
 from jaxtrain import models  # noqa: E402
+from jaxtrain import mesh as mesh_lib  # noqa: E402
 from jaxtrain import sharding  # noqa: E402
 
 _CONFIGS = flags.DEFINE_list("configs", ["tiny", "cpu_50m"], "Config modules under configs/.")
@@ -40,7 +41,7 @@ _NO_CACHE_MAX = flags.DEFINE_float("no_cache_max_gflop", 3000, "Skip the no-cach
 _OUT = flags.DEFINE_string("out", "benchmarks/results/generate.json", "Where to write the JSON results.")
 
 
-def measure(gen: generate.Generator, params, batch) -> dict:
+def measure(gen: sampling_lib.Generator, params, batch) -> dict:
   prefill_s, decode_s = [], []
   for _ in range(_REPS.value + 1):  # the first is a warm-up
     t = time.perf_counter()
@@ -63,7 +64,7 @@ def bench_config(name: str) -> list[dict]:
   config = importlib.import_module(f"configs.{name}").get_config()
   data, fsdp, tensor = map(int, _MESH.value)
   config.mesh.update(data=data, fsdp=fsdp, tensor=tensor)
-  mesh = sharding.make_mesh(config.mesh, jax.devices()[:data * fsdp * tensor])
+  mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:data * fsdp * tensor])
   rules = sharding.rules_from_config(config.sharding)
   model = models.Model.from_config(config.model)
   shardings = sharding.logical_to_sharding(model.logical_specs, mesh, rules)
@@ -80,7 +81,7 @@ def bench_config(name: str) -> list[dict]:
       if mode == "no_cache" and 2 * model.num_params() * _BATCH.value * positions / 1e9 > _NO_CACHE_MAX.value:
         row[mode] = None
         continue
-      gen = generate.Generator(model, mesh, rules, shardings, rows=generate.padded_rows(len(prompts), mesh, rules),
+      gen = sampling_lib.Generator(model, mesh, rules, shardings, rows=sampling_lib.padded_rows(len(prompts), mesh, rules),
                                prompt_len=prompt_len, max_new_tokens=new, use_cache=mode == "cache")
       row[mode] = measure(gen, params, gen.batch(prompts))
       print(f"  {name} {prompt_len}:{new} {mode}: {row[mode]['decode_tokens_per_s']:.1f} tok/s", flush=True)

@@ -24,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jaxtrain import sharding  # noqa: E402
+from jaxtrain import mesh as mesh_lib  # noqa: E402
 from jaxtrain.config import base_config  # noqa: E402
 from jaxtrain.mesh import MESH_AXES  # noqa: E402
 
@@ -68,7 +68,7 @@ def main(argv):
   for item in _MESH.value.split(","):
     key, value = item.split("=")
     cfg[key] = int(value)
-  mesh = sharding.make_mesh(cfg)
+  mesh = mesh_lib.make_mesh(cfg)
   results = [bench(mesh, axis, op, int(kib) * 1024) for axis in MESH_AXES if mesh.shape[axis] > 1
              for op in OPS for kib in _SIZES.value]
   print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), mesh {dict(mesh.shape)}")

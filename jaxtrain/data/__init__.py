@@ -12,8 +12,12 @@ from typing import Any, Callable, Iterator
 
 import jax
 import ml_collections
+import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxtrain.data import loader, prepare, stream
+from jaxtrain.data.batch import KEYS
+from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.errors import ConfigError, check_positive
 from jaxtrain.registry import Registry
 
@@ -61,7 +65,6 @@ def validate(config) -> None:
     raise ConfigError("data.path", f"is set but data.source='{config.data.source}' ignores it",
                       "set data.source=arrayrecord or clear data.path")
   if config.data.source == "raw":
-    from jaxtrain.data import stream
     stream.check(config)  # files there, field in them, tokenizer fits, enough records: before anything compiles
     return
   for key, default in (("field", "text"), ("eval_path", ""), ("eval_fraction", 0.0)):
@@ -73,13 +76,11 @@ def validate(config) -> None:
 def to_global(local_batch: dict, sharding: NamedSharding) -> dict:
   """This process's rows -> global arrays laid out with ``sharding`` (works on one host and on many).
   Host-side fields (``doc_ids``: provenance) stay behind."""
-  from jaxtrain.data.batch import KEYS
   return {k: jax.make_array_from_process_local_data(sharding, local_batch[k]) for k in KEYS}
 
 
 def data_root(config) -> str:
   """The prepared data folder: ``data.path``, or the bundled corpus (prepared on first use)."""
-  from jaxtrain.data import prepare
   return config.data.path or os.fspath(prepare.bundled_corpus(config.data.cache_dir))
 
 
@@ -100,7 +101,6 @@ def provenance(config, step: int, doc_ids) -> dict:
 
 
 def _arrayrecord_train(c) -> Iterator[dict]:
-  from jaxtrain.data import loader
   root = data_root(c)
   manifest = loader.load_manifest(root, c.data.verify_checksums)
   loader.check_compatible(manifest, root, c.model.vocab_size, c.data.tokenizer)
@@ -112,7 +112,6 @@ def _arrayrecord_train(c) -> Iterator[dict]:
 
 
 def _arrayrecord_eval(c) -> list[dict]:
-  from jaxtrain.data import loader
   root = data_root(c)
   return loader.eval_batches(root, loader.load_manifest(root, verify_checksums=False), seq_len=c.data.seq_len,
                              global_batch=c.train.global_batch_size, process_index=jax.process_index(),
@@ -122,8 +121,6 @@ def _arrayrecord_eval(c) -> list[dict]:
 def _arrayrecord_provenance(c, step: int, doc_ids) -> dict:
   if doc_ids is None:
     return {"source": "unknown"}
-  import numpy as np
-  from jaxtrain.data import loader
   ids = sorted({int(d) for d in np.unique(doc_ids) if d >= 0})
   root = data_root(c)
   manifest = loader.load_manifest(root, verify_checksums=False)
@@ -131,7 +128,6 @@ def _arrayrecord_provenance(c, step: int, doc_ids) -> dict:
 
 
 def _synthetic(c, seed: int):
-  from jaxtrain.data.synthetic import SyntheticSource
   return SyntheticSource(c.data.seq_len, c.model.vocab_size, c.train.global_batch_size, seed, jax.process_index(),
                          jax.process_count())
 
@@ -147,22 +143,7 @@ def _synthetic_provenance(c, step: int, doc_ids) -> dict:
 
 
 SOURCES.register("arrayrecord", Source(_arrayrecord_train, _arrayrecord_eval, _arrayrecord_provenance))
-def _raw_train(c) -> Iterator[dict]:
-  from jaxtrain.data import stream
-  return stream.open_train(c)
-
-
-def _raw_eval(c) -> list[dict]:
-  from jaxtrain.data import stream
-  return stream.open_eval(c)
-
-
-def _raw_provenance(c, step: int, doc_ids) -> dict:
-  from jaxtrain.data import stream
-  return stream.provenance(c, step, doc_ids)
-
-
-SOURCES.register("raw", Source(_raw_train, _raw_eval, _raw_provenance))
+SOURCES.register("raw", Source(stream.open_train, stream.open_eval, stream.provenance))
 SOURCES.register("synthetic", Source(lambda c: _synthetic(c, c.train.seed), _synthetic_eval, _synthetic_provenance,
                                      reads_path=False))
 

@@ -19,14 +19,15 @@ import json
 import os
 
 import grain
-from absl import flags
 import numpy as np
+from absl import flags
 from etils import epath
 
-from jaxtrain.config import DataError
 from jaxtrain.data import batch as batch_lib
 from jaxtrain.data import packing as packing_lib
 from jaxtrain.data import prepare
+from jaxtrain.data import tokenizers
+from jaxtrain.errors import DataError
 
 
 def load_manifest(path: str, verify_checksums: bool = True) -> dict:
@@ -73,7 +74,6 @@ def _same_tokenizer(config_value: str, manifest_value: str) -> bool:
     return True
   if config_value in ("", "byte"):
     return manifest_value == "byte"
-  from jaxtrain.data import tokenizers
   return tokenizers.load(config_value).name == manifest_value
 
 

@@ -22,7 +22,7 @@ from typing import Sequence
 import grain
 import numpy as np
 
-from jaxtrain.config import DataError
+from jaxtrain.errors import DataError
 
 
 class PackedLanes(grain.IterDataset):

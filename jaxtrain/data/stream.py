@@ -39,10 +39,12 @@ import os
 import re
 import sys
 
+import jax
 import numpy as np
 from etils import epath
 
 from jaxtrain import paths
+from jaxtrain.data import loader, tokenizers
 from jaxtrain.errors import ConfigError, DataError
 
 KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "text", ".text": "text", ".md": "text"}
@@ -240,7 +242,6 @@ class RawSource:
 
   def __getitem__(self, i: int) -> np.ndarray:
     if self._tokenizer is None:
-      from jaxtrain.data import tokenizers
       self._tokenizer = tokenizers.load(self.tokenizer)
     return self._tokenizer.encode(self.text(self.first + int(i)))
 
@@ -341,7 +342,6 @@ def check(c) -> None:
   """Config-time checks (before anything compiles), each one ConfigError line: the files exist, their first
   record has ``data.field``, the tokenizer fits the model, enough training records for the batch's lanes, an eval
   split when ``eval.every_steps`` asks for one."""
-  from jaxtrain.data import tokenizers
   if not 0 <= c.data.eval_fraction < 1:
     raise ConfigError("data.eval_fraction", f"{c.data.eval_fraction} is not in [0, 1)", "use e.g. 0.01 (or 0)")
   for key in ("data.path",) + (("data.eval_path",) if c.data.eval_path else ()):
@@ -390,7 +390,6 @@ def _check_field(path: str, field: str) -> None:
 
 def train_dataset(c, process_index: int, process_count: int):
   """This process's share of the endless stream of packed training batches."""
-  from jaxtrain.data import loader
   index, num_train, *_ = _splits(c)
   lanes = c.train.global_batch_size
   per_process = lanes // process_count
@@ -402,15 +401,12 @@ def train_dataset(c, process_index: int, process_count: int):
 
 
 def open_train(c):
-  import jax
-  from jaxtrain.data import loader
   check(c)
   dataset = train_dataset(c, jax.process_index(), jax.process_count())
   return loader.TrainIterator(dataset, c.train.global_batch_size, jax.process_index(), jax.process_count())
 
 
 def eval_batches(c, process_index: int, process_count: int) -> list[dict]:
-  from jaxtrain.data import loader
   _, _, index, first, size = _splits(c)
   if not size:
     return []
@@ -424,7 +420,6 @@ def eval_batches(c, process_index: int, process_count: int) -> list[dict]:
 
 
 def open_eval(c) -> list[dict]:
-  import jax
   return eval_batches(c, jax.process_index(), jax.process_count())
 
 

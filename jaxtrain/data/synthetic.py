@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxtrain.config import DataError
+from jaxtrain.errors import DataError
 from jaxtrain.data import batch as batch_lib
 
 

@@ -19,7 +19,7 @@ import json
 import numpy as np
 from etils import epath
 
-from jaxtrain.config import DataError
+from jaxtrain.errors import DataError
 
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -41,7 +41,7 @@ import ml_collections
 from flax import nnx
 
 from jaxtrain.errors import ConfigError, check_choice, check_positive
-from jaxtrain.models import lora
+from jaxtrain.models import attention, lora
 from jaxtrain.registry import Registry
 
 _STAGE_METHODS = ("embed_tokens", "apply_layer", "head")
@@ -161,7 +161,6 @@ def validate(config) -> None:
   check_choice(config, "model.dtype", DTYPES)
   REMAT.check(config)
   check_positive(config, ["model.attention_block_size"])
-  from jaxtrain.models import attention
   attention.BACKENDS.check(config)
   attention.check_available(config)
   family.validate(m)

@@ -243,7 +243,7 @@ def choose(platform: str, seq_len: int, context: int = 1, in_shard_map: bool = F
   """What ``auto`` runs: ``splash`` on TPU where its rules allow (no context parallelism, ``seq_len`` a multiple of
   its tiles, not already inside a ``shard_map`` such as the pipeline's), else ``xla`` up to
   :data:`AUTO_XLA_MAX_LEN` tokens and ``blockwise`` above (its memory is linear in the length; xla's quadratic:
-  3 GiB of temporaries per device for configs/tiny.py at 4k, README)."""
+  3 GiB of temporaries per device for configs/tiny.py at 4k, docs/benchmarks.md)."""
   if platform == "tpu" and context == 1 and seq_len % SPLASH_MIN_BLOCK == 0 and not in_shard_map:
     return "splash"
   return "xla" if seq_len <= AUTO_XLA_MAX_LEN else "blockwise"

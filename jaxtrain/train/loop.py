@@ -16,7 +16,7 @@ import json
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -29,11 +29,10 @@ from jaxtrain import data as data_lib
 from jaxtrain import integrity
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import monitor
+from jaxtrain import sampling
 from jaxtrain.train import state as state_lib
 from jaxtrain.train.preemption import PreemptionGuard
-
-if TYPE_CHECKING:
-  from jaxtrain.train.trainer import Run
+from jaxtrain.train.run import Run
 
 
 class TrainingStopped(Exception):
@@ -224,8 +223,7 @@ class Loop:
     self.sampling = {}  # step -> fetch of its samples (train.sample_every), likewise
     self.sample = None
     if c.train.get("sample_every", 0):
-      from jaxtrain import generate
-      self.sample = generate.Sampler(run)  # compiled once, here
+      self.sample = sampling.Sampler(run)  # compiled once, here
     self.summary = None  # (step, fingerprints and finiteness of its state, being computed) for its save
     self.recent_doc_ids = collections.deque(maxlen=4)  # (step, document ids of this process's rows): provenance
     self.flops = metrics_lib.flops_per_token(run.model, c.data.seq_len)

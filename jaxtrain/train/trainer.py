@@ -1,13 +1,12 @@
-"""From a config to a trained model: validate and lay out (``build``), compile, then loop.
+"""From a config to a trained model: lay out (:func:`jaxtrain.train.run.build`), compile, restore, then loop
+(:class:`jaxtrain.train.loop.Loop`); and the dry run, which stops after the compile.
 
-The loop reads top to bottom: next batch -> step -> every ``log_every`` steps fetch metrics and write them.
+``trainer`` is the training API: ``build``, ``train``, ``dry_run`` and the pieces tests and tools compose.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import json
 import math
 import re
@@ -15,142 +14,28 @@ import time
 from typing import Any, Iterator
 
 import jax
-import numpy as np
 import ml_collections
-import optax
+import numpy as np
 from absl import logging
 from etils import epath
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import checkpoint as checkpoint_lib
-from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain import integrity
 from jaxtrain import metrics as metrics_lib
-from jaxtrain import models
-from jaxtrain import optim
 from jaxtrain import sharding
+from jaxtrain import topology
 from jaxtrain import workdir as workdir_lib
 from jaxtrain.models import attention as attention_lib
 from jaxtrain.models import lora
-from jaxtrain.config import ConfigError
-from jaxtrain.data import batch as batch_lib
 from jaxtrain.parallel import context as context_lib
-from jaxtrain.parallel import pipeline as pipeline_lib
+from jaxtrain.train import loop as loop_lib
 from jaxtrain.train import state as state_lib
 from jaxtrain.train import step as step_lib
-from jaxtrain.train import loop as loop_lib
 from jaxtrain.train.loop import TrainingStopped  # noqa: F401 - main catches trainer.TrainingStopped
+from jaxtrain.train.run import Run, abstract_batch, build, report  # noqa: F401 - trainer.build is the public name
 from jaxtrain.train.state import TrainState
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-  """Everything derived from the config before anything is compiled."""
-  config: ml_collections.ConfigDict
-  mesh: Mesh
-  rules: sharding.Rules
-  model: models.Model
-  tx: optax.GradientTransformation
-  lr_schedule: optax.Schedule
-  state_shardings: TrainState
-  batch_sharding: NamedSharding
-  microbatches: int
-  pipeline_schedule: pipeline_lib.Schedule | None  # None: no pipeline parallelism (mesh.pipeline = 1)
-  aux_weights: dict[str, float]  # the model's auxiliary losses and their weights in the objective
-
-
-def build(config: ml_collections.ConfigDict, devices=None) -> Run:
-  """Validates ``config`` against the devices and lays out the run (``Run.config`` is the resolved config,
-see :func:`jaxtrain.config.resolve`). Raises ConfigError on user mistakes."""
-  config = config_lib.resolve(config)
-  mesh = sharding.make_mesh(config.mesh, devices)
-  rules = sharding.rules_from_config(config.sharding)
-  model = models.Model.from_config(config.model)
-  pipeline = None
-  if mesh.shape["pipeline"] > 1:
-    why = model.why_not_stageable()
-    if why:
-      raise ConfigError("mesh.pipeline", f"model '{config.model.name}' cannot be split into pipeline stages: {why}",
-                        "set mesh.pipeline=1 and dcn_pipeline=1, or give the model those parts (see jaxtrain/models)")
-    pipeline = pipeline_lib.schedule_from_config(config, mesh.shape["pipeline"], model.num_layers())
-    for logical in ("layers", "stage"):
-      if sharding.logical_to_mesh_spec(P(logical), rules)[0] != "pipeline":
-        raise ConfigError("sharding.rules", f"'{logical}' must map to the pipeline mesh axis when mesh.pipeline > 1",
-                          f"remove the '{logical}=' override")
-  if config.model.attention == "auto":
-    platform = "tpu" if config.get("dry_run_topology") else jax.default_backend()
-    chosen = attention_lib.choose(platform, config.data.seq_len, mesh.shape["context"], in_shard_map=bool(pipeline))
-    logging.info("model.attention=auto: %s (%s, seq_len %d, mesh.context %d%s)", chosen, platform,
-                 config.data.seq_len, mesh.shape["context"], ", inside pipeline stages" if pipeline else "")
-  microbatches = pipeline.microbatches if pipeline else config.train.microbatches or 1
-  if config.train.global_batch_size % microbatches:
-    raise ConfigError("train.microbatches", f"{microbatches} does not divide train.global_batch_size="
-                      f"{config.train.global_batch_size}", "choose a divisor of the batch size")
-  sharding.check_shardable(model.abstract_params, model.logical_specs, mesh, rules,
-                           functools.partial(models.axis_key, config.model.name))
-  batch_axes, batch_shards = sharding.batch_shards(dict(mesh.shape), rules)
-  per_microbatch = config.train.global_batch_size // microbatches
-  if per_microbatch % batch_shards:
-    axes = " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in batch_axes)
-    raise ConfigError("train.global_batch_size", f"each of the {microbatches} microbatches has "
-                      f"{per_microbatch} rows, not divisible by {axes}",
-                      f"make global_batch_size / microbatches a multiple of {batch_shards}")
-  per_process = config.train.global_batch_size // jax.process_count()
-  if config.train.global_batch_size % jax.process_count():
-    raise ConfigError("train.global_batch_size", f"does not split over {jax.process_count()} processes",
-                      "use a multiple of the process count")
-  if config.data.num_workers and per_process % config.data.num_workers:
-    raise ConfigError("data.num_workers", f"{config.data.num_workers} does not divide the {per_process} rows "
-                      "each process loads per step", "use a divisor of global_batch_size / processes")
-  tx = optim.make(config.optim, config.train.steps, model.trainable_mask())  # LoRA: the adapters only
-  aux_weights = model.aux_loss_weights(step_lib.aux_loss_names(model, config.data.seq_len))
-  return Run(config=config, mesh=mesh, rules=rules, model=model, tx=tx,
-             lr_schedule=optim.schedule(config.optim, config.train.steps),
-             state_shardings=state_lib.shardings(model, tx, mesh, rules),
-             batch_sharding=sharding.batch_sharding(mesh, rules), microbatches=microbatches,
-             pipeline_schedule=pipeline, aux_weights=aux_weights)
-
-
-def report(run: Run) -> dict[str, Any]:
-  """Parameter count, per-device bytes of params and optimizer state, large replicated params."""
-  abstract = state_lib.abstract(run.model, run.tx)
-  sh = run.state_shardings
-  info = {
-      "params": run.model.num_params(),
-      "trainable_params": sum(x.size for x in jax.tree.leaves(run.model.split_trainable(abstract.params)[0])),
-      "param_bytes_total": sharding.total_bytes(abstract.params),
-      "param_bytes_per_device": sharding.shard_bytes(abstract.params, sh.params),
-      "opt_bytes_total": sharding.total_bytes(abstract.opt_state),
-      "opt_bytes_per_device": sharding.shard_bytes(abstract.opt_state, sh.opt_state),
-      "replicated": sharding.replicated_params(
-          abstract.params, sh.params, run.config.sharding.report_replicated_mib * 2**20),
-  }
-  mib = 2**20
-  logging.info("mesh %s | %s parameters | params %.1f MiB/device (%.1f MiB total) | optimizer state %.1f "
-               "MiB/device (%.1f MiB total)", dict(run.mesh.shape), f"{info['params']:,}",
-               info["param_bytes_per_device"] / mib, info["param_bytes_total"] / mib,
-               info["opt_bytes_per_device"] / mib, info["opt_bytes_total"] / mib)
-  if run.model.lora:
-    lora_cfg = run.model.lora
-    logging.info("LoRA rank %d, alpha %g on %s: %s trainable parameters (%.3f%%), the base is frozen",
-                 lora_cfg.rank, lora_cfg.alpha, lora_cfg.targets, f"{info['trainable_params']:,}",
-                 100 * info["trainable_params"] / info["params"])
-  if run.pipeline_schedule:
-    p = run.pipeline_schedule
-    logging.info("pipeline: %d stages, %s, %d microbatches, %d layers per stage -> bubble %.1f%% "
-                 "((S-1)/(R*M+S-1))", p.stages, f"circular x {p.repeats} repeats" if p.repeats > 1 else "GPipe",
-                 p.microbatches, run.model.num_layers() // p.stages, 100 * p.bubble)
-  for path, nbytes in info["replicated"]:
-    logging.warning("fully replicated parameter %s (%.1f MiB): add a sharding rule for its axes",
-                    path, nbytes / mib)
-  return info
-
-
-def abstract_batch(run: Run) -> dict[str, jax.ShapeDtypeStruct]:
-  b, t = run.config.train.global_batch_size, run.config.data.seq_len
-  example = batch_lib.from_tokens(np.zeros((1, t + 1), np.int32))
-  return {k: jax.ShapeDtypeStruct((b, t), v.dtype, sharding=run.batch_sharding) for k, v in example.items()}
 
 
 def compile_step(run: Run, train_step=None):
@@ -219,7 +104,6 @@ def dry_run(config: ml_collections.ConfigDict, devices=None) -> dict[str, Any]:
   ``dry_run_topology`` the step is compiled for that TPU topology's chips (jaxtrain.topology), on any host."""
   target = config.get("dry_run_topology", "")
   if target:
-    from jaxtrain import topology
     topology.validate(config)  # before any TPU call: a bad name or a missing libtpu is one line
     devices = topology.devices(target)
   run = build(config, devices)

@@ -1,4 +1,4 @@
-"""The data preparation (:mod:`jaxtrain.data.prepare`) as an Apache Beam pipeline.
+"""The Apache Beam runner of the data preparation (:mod:`.algorithm`; picked by ``runner``, see :mod:`jaxtrain.data.prepare`).
 
 The same four steps as the in-process executor, on any Beam runner: locally DirectRunner (Beam's switching
 runner: its Prism runner where it can fetch the binary from GitHub, else the Python FnApiRunner, which
@@ -16,7 +16,7 @@ output's temporary folder and the shuffle carries only part names (and, with nea
 record per document and band). That is deliberate: the local runners keep every shuffled element in memory, so
 shuffling the documents would make the preparation's memory grow with the input; this way a worker holds one
 64 MiB buffer while scattering and one bucket (about ``shard_mib``) while gathering, on every runner. The
-driver then writes the manifest and renames the folder into place (:func:`prepare.finalize`).
+driver then writes the manifest and renames the folder into place (:func:`algorithm.finalize`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 from etils import epath
 
-from jaxtrain.config import DataError
-from jaxtrain.data import dedup, prepare
+from jaxtrain.data import dedup
+from jaxtrain.data.prepare import algorithm
+from jaxtrain.errors import DataError
 
 
 def check(opts) -> None:
@@ -41,14 +42,14 @@ def check(opts) -> None:
 
 
 class Scatter(beam.DoFn):
-  """:func:`prepare.scatter` of one input file: part names as the main output, LSH bands and errors tagged."""
+  """:func:`algorithm.scatter` of one input file: part names as the main output, LSH bands and errors tagged."""
 
   def __init__(self, plan):
     self.plan = plan
 
   def process(self, index):
     try:
-      for kind, key, value in prepare.scatter(self.plan, index):
+      for kind, key, value in algorithm.scatter(self.plan, index):
         yield (key, value) if kind == "part" else beam.pvalue.TaggedOutput(kind, (key, value))
     except DataError as e:
       # An output, not an exception: the driver reports it as one line, and runners would retry a raise.
@@ -62,7 +63,7 @@ def _near_duplicates(band):
 
 def _gather(item, plan):
   (split, bucket), grouped = item
-  return prepare.gather(plan, split, bucket, list(grouped["parts"]), list(grouped["dropped"]))
+  return algorithm.gather(plan, split, bucket, list(grouped["parts"]), list(grouped["dropped"]))
 
 
 def _write_json(items, path: str):

@@ -3,9 +3,8 @@
 Inputs are text files (documents separated by blank lines, or one per file), JSONL (one document per line,
 a named field), Parquet (a named column), folders (recursively) and globs, local or ``gs://``.
 
-One algorithm, two executors: in this process (the default; ``workers`` processes) or as an Apache Beam pipeline
-(``runner``: DirectRunner locally, DataflowRunner / FlinkRunner / SparkRunner at scale; :mod:`.prepare_beam`).
-Every decision about a document is a function of its content and the seed (:mod:`.dedup`), so the output is the
+The algorithm, which the runners (:mod:`.local`: this process and ``workers`` processes; :mod:`.beam`: an Apache
+Beam pipeline) execute; :mod:`jaxtrain.data.prepare` picks one and finalizes. Every decision about a document is a function of its content and the seed (:mod:`.dedup`), so the output is the
 same bytes whatever the executor, runner and worker count. Memory is bounded by a shard, not by the input:
 
 1. **scatter** (:func:`scatter`, per input file, streaming): read, tokenize, digest (SHA-256); route by a seeded
@@ -43,7 +42,6 @@ import hashlib
 import itertools
 import json
 import math
-import multiprocessing
 import os
 import shutil
 import struct
@@ -54,7 +52,7 @@ import numpy as np
 from etils import epath
 
 import jaxtrain
-from jaxtrain.config import DataError
+from jaxtrain.errors import DataError
 from jaxtrain.data import chat, dedup, tokenizers
 
 MANIFEST = "manifest.json"
@@ -222,7 +220,7 @@ def detect_format(files: list[str], fields: chat.Fields) -> str:
 
 
 @functools.cache
-def _encoder(tokenizer_spec: str, template_file: str) -> chat.Encoder:
+def encoder(tokenizer_spec: str, template_file: str) -> chat.Encoder:
   tokenizer = tokenizers.load(tokenizer_spec)
   source = epath.Path(template_file).read_text() if template_file else tokenizer.chat_template
   try:
@@ -240,10 +238,10 @@ def _documents(path: str, opts: Options) -> Iterator[tuple[bytes, np.ndarray, "n
   """(digest, token ids, trained flags (SFT) or None, text for near-duplicate search) of each document of one
   input file, streaming."""
   if opts.format == "sft":
-    encoder = _encoder(opts.tokenizer, opts.chat_template)
+    enc = encoder(opts.tokenizer, opts.chat_template)
     for line, messages in read_sft_records(path, opts.fields):
       try:
-        tokens, trained = encoder.encode(messages)
+        tokens, trained = enc.encode(messages)
       except chat.RecordError as e:
         raise DataError(f"{path}:{line}", str(e), "fix or remove the line") from None
       yield chat.digest(messages), tokens, trained, "\n".join(str(m.get("content") or "") for m in messages)
@@ -291,15 +289,6 @@ def make_plan(opts: Options) -> Plan:
     except ImportError:
       raise DataError("--near_dup_threshold", "near-duplicate removal needs datasketch",
                       "pip install -e '.[beam]' (or pip install datasketch)") from None
-  if opts.runner:
-    try:
-      from jaxtrain.data import prepare_beam
-    except ImportError as e:
-      if not (e.name or "").startswith("apache_beam"):
-        raise
-      raise DataError("--runner", "preparing on a Beam runner needs Apache Beam",
-                      "pip install -e '.[beam]', or leave --runner unset to prepare in this process") from None
-    prepare_beam.check(opts)
   output = epath.Path(opts.output)
   if output.exists() and any(output.iterdir()) and not opts.overwrite:
     raise DataError(opts.output, "the output folder exists and is not empty",
@@ -309,7 +298,7 @@ def make_plan(opts: Options) -> Plan:
   if opts.format == "auto":
     opts = dataclasses.replace(opts, format=detect_format(files, opts.fields))
   if opts.format == "sft":
-    _encoder(opts.tokenizer, opts.chat_template)  # a bad template fails here, once
+    encoder(opts.tokenizer, opts.chat_template)  # a bad template fails here, once
   size = 0
   for f in files:
     try:
@@ -475,7 +464,7 @@ def finalize(plan: Plan, entries: list[dict]) -> dict:
       "splits": splits, "shards": shards,
   }
   if sft:
-    template = _encoder(opts.tokenizer, opts.chat_template).template
+    template = encoder(opts.tokenizer, opts.chat_template).template
     manifest.update(loss_mask=True, sft={
         "template": "plain" if template is None else "chat_template",
         "chat_template_sha256": None if template is None else template.sha256,
@@ -487,100 +476,3 @@ def finalize(plan: Plan, entries: list[dict]) -> dict:
     shutil.rmtree(work / "scatter")
   (work / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
   return manifest
-
-
-def _scatter_file(plan: Plan, index: int) -> list[tuple]:
-  return list(scatter(plan, index))
-
-
-def _gather_bucket(args) -> dict:
-  return gather(*args)
-
-
-def run_local(plan: Plan) -> list[dict]:
-  """The pipeline in this process (``opts.workers`` > 1: a process pool over files, then over buckets)."""
-  parts, bands = collections.defaultdict(list), collections.defaultdict(list)
-  pool = multiprocessing.get_context("spawn").Pool(plan.opts.workers) if plan.opts.workers > 1 else None
-  imap = pool.imap if pool else map  # ordered either way
-  try:
-    with _progress(len(plan.files), plan.opts.progress, "tokenizing", "file") as bar:
-      for items in imap(functools.partial(_scatter_file, plan), range(len(plan.files))):
-        for kind, key, value in items:
-          (parts if kind == "part" else bands)[key].append(value)
-        bar.update(1)
-    dropped = collections.defaultdict(list)
-    for members in bands.values():
-      for where, digest in dedup.near_duplicates(members):
-        dropped[where].append(digest)
-    del bands
-    jobs = [(plan, split, bucket, parts[(split, bucket)], dropped[(split, bucket)]) for split, bucket in sorted(parts)]
-    with _progress(len(jobs), plan.opts.progress, "writing", "shard") as bar:
-      entries = []
-      for entry in imap(_gather_bucket, jobs):
-        entries.append(entry)
-        bar.update(1)
-    return entries
-  finally:
-    if pool:
-      pool.terminate()
-
-
-def prepare(opts: Options) -> dict:
-  """Runs the whole preparation and returns the manifest. Raises UserError (DataError) on bad input, having
-  written nothing: the output appears complete (manifest last) or not at all."""
-  plan = make_plan(opts)
-  work, output = epath.Path(plan.work), epath.Path(opts.output)
-  work.mkdir(parents=True)
-  try:
-    if opts.runner:
-      from jaxtrain.data import prepare_beam
-      entries = prepare_beam.run(plan)
-    else:
-      entries = run_local(plan)
-    manifest = finalize(plan, entries)
-    _move_into_place(work, output, opts.overwrite)
-  finally:
-    if work.exists():
-      shutil.rmtree(work, ignore_errors=True)
-  return manifest
-
-
-def _move_into_place(new: epath.Path, target: epath.Path, overwrite: bool) -> None:
-  """Renames the finished ``new`` folder to ``target``. Without ``overwrite`` the rename fails rather than
-  replace a non-empty ``target`` (another process may have just finished the same work); with it, the old
-  ``target`` is moved aside first and deleted only once the new one is in place."""
-  old = None
-  if overwrite and target.exists():
-    old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-    target.rename(old)
-  try:
-    new.rename(target)
-  except OSError:
-    if old is not None:
-      old.rename(target)
-    raise
-  if old is not None:
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _progress(total: int, enabled: bool, desc: str, unit: str):
-  from tqdm import tqdm
-  return tqdm(total=total, unit=unit, desc=desc, disable=not enabled)
-
-
-BUNDLED = epath.Path(__file__).parent / "corpus" / "tinyshakespeare.txt"
-
-
-def bundled_corpus(cache_dir: str) -> epath.Path:
-  """The bundled Shakespeare corpus, prepared (byte tokens, seed 0) on first use into ``cache_dir``."""
-  digest = hashlib.sha256(BUNDLED.read_bytes()).hexdigest()[:12]
-  target = epath.Path(os.path.expanduser(cache_dir)) / f"tinyshakespeare-{digest}"
-  if not (target / MANIFEST).exists():
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-      prepare(Options(inputs=[os.fspath(BUNDLED)], output=os.fspath(target), eval_fraction=0.05,
-                      progress=False))
-    except (DataError, OSError):
-      if not (target / MANIFEST).exists():  # another process on this host may have won the race
-        raise
-  return target

@@ -1,0 +1,88 @@
+"""Raw text -> tokenized, de-duplicated, shuffled ArrayRecord shards plus a manifest: :func:`prepare`.
+
+One algorithm (:mod:`.algorithm`: scatter, near duplicates, gather, finalize; its docstring has the record formats
+and the manifest), two runners on it: :mod:`.local` (this process; ``workers`` processes) and :mod:`.beam` (an
+Apache Beam pipeline, ``runner``: DirectRunner locally, DataflowRunner / FlinkRunner / SparkRunner at scale). Every
+decision about a document is a function of its content and the seed, so the output is the same bytes whatever the
+runner and worker count. :func:`bundled_corpus` prepares the bundled Shakespeare once per cache folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import uuid
+
+from etils import epath
+
+from jaxtrain.data.prepare import local
+from jaxtrain.data.prepare.algorithm import (FORMAT, FORMAT_SFT, FORMATS, MANIFEST, TEXT_SPLITS,  # noqa: F401
+                                             Options, encoder, finalize, make_plan)
+from jaxtrain.errors import DataError
+
+BUNDLED = epath.Path(__file__).parent.parent / "corpus" / "tinyshakespeare.txt"
+
+
+def _beam_runner(opts: Options):
+  """The Beam runner module, its ``runner`` checked. Imported here, not at the top: Apache Beam is an optional
+  dependency (extra ``beam``) and slow to import."""
+  try:
+    from jaxtrain.data.prepare import beam
+  except ImportError as e:
+    if not (e.name or "").startswith("apache_beam"):
+      raise
+    raise DataError("--runner", "preparing on a Beam runner needs Apache Beam",
+                    "pip install -e '.[beam]', or leave --runner unset to prepare in this process") from None
+  beam.check(opts)
+  return beam
+
+
+def prepare(opts: Options) -> dict:
+  """Runs the whole preparation and returns the manifest. Raises UserError (DataError) on bad input, having
+  written nothing: the output appears complete (manifest last) or not at all."""
+  runner = _beam_runner(opts) if opts.runner else local
+  plan = make_plan(opts)
+  work, output = epath.Path(plan.work), epath.Path(opts.output)
+  work.mkdir(parents=True)
+  try:
+    entries = runner.run(plan)
+    manifest = finalize(plan, entries)
+    _move_into_place(work, output, opts.overwrite)
+  finally:
+    if work.exists():
+      shutil.rmtree(work, ignore_errors=True)
+  return manifest
+
+
+def _move_into_place(new: epath.Path, target: epath.Path, overwrite: bool) -> None:
+  """Renames the finished ``new`` folder to ``target``. Without ``overwrite`` the rename fails rather than
+  replace a non-empty ``target`` (another process may have just finished the same work); with it, the old
+  ``target`` is moved aside first and deleted only once the new one is in place."""
+  old = None
+  if overwrite and target.exists():
+    old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+    target.rename(old)
+  try:
+    new.rename(target)
+  except OSError:
+    if old is not None:
+      old.rename(target)
+    raise
+  if old is not None:
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def bundled_corpus(cache_dir: str) -> epath.Path:
+  """The bundled Shakespeare corpus, prepared (byte tokens, seed 0) on first use into ``cache_dir``."""
+  digest = hashlib.sha256(BUNDLED.read_bytes()).hexdigest()[:12]
+  target = epath.Path(os.path.expanduser(cache_dir)) / f"tinyshakespeare-{digest}"
+  if not (target / MANIFEST).exists():
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+      prepare(Options(inputs=[os.fspath(BUNDLED)], output=os.fspath(target), eval_fraction=0.05,
+                      progress=False))
+    except (DataError, OSError):
+      if not (target / MANIFEST).exists():  # another process on this host may have won the race
+        raise
+  return target

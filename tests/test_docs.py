@@ -1,0 +1,76 @@
+"""The docs as pages: README.md is a front page (at most 250 lines) whose map reaches every page under docs/, and
+every link between the pages (files, and #anchors to their headings) resolves. The commands on the pages are run
+by tests/test_readme.py."""
+
+import pathlib
+import re
+
+import pytest
+
+from tests import readme
+
+ROOT = readme.ROOT
+LINK = re.compile(r"(?<!\!)\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+  """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+  text = re.sub(r"[`*_]", "", heading.strip().lower())
+  return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(page: pathlib.Path) -> set[str]:
+  text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)  # a '#' in a code block is no heading
+  return {slug(m) for m in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def links(page: pathlib.Path) -> list[str]:
+  text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+  return [t for t in LINK.findall(text) if not re.match(r"[a-z]+:", t)]  # http(s):, mailto: are not ours
+
+
+def broken(page: pathlib.Path) -> list[str]:
+  out = []
+  for target in links(page):
+    path, _, anchor = target.partition("#")
+    file = (page.parent / path).resolve() if path else page
+    if not file.exists():
+      out.append(f"{page.relative_to(ROOT)}: {target}: no such file")
+    elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+      out.append(f"{page.relative_to(ROOT)}: {target}: no heading '#{anchor}' in {file.relative_to(ROOT)}")
+  return out
+
+
+@pytest.mark.parametrize("page", readme.pages(), ids=lambda p: p.name)
+def test_links_resolve(page):
+  assert broken(page) == []
+
+
+def test_the_link_check_finds_a_broken_link(tmp_path):
+  page = tmp_path / "page.md"
+  (tmp_path / "other.md").write_text("# Other page\n\n## A section\n")
+  page.write_text("[ok](other.md#a-section) [no file](missing.md) [no anchor](other.md#nowhere) "
+                  "![image](x.png) [web](https://example.com)\n```\n[in code](nope.md)\n```\n")
+  global ROOT
+  saved, ROOT = ROOT, tmp_path
+  try:
+    assert broken(page) == ["page.md: missing.md: no such file",
+                            "page.md: other.md#nowhere: no heading '#nowhere' in other.md"]
+  finally:
+    ROOT = saved
+
+
+def test_readme_is_a_front_page_whose_map_reaches_every_page():
+  text = readme.README.read_text()
+  assert len(text.splitlines()) <= 250
+  linked = {(ROOT / t.partition("#")[0]).resolve() for t in links(readme.README)}
+  pages = set((ROOT / "docs").glob("*.md"))
+  assert pages and {p.resolve() for p in pages} <= linked, sorted(p.name for p in pages if p.resolve() not in linked)
+  for page in pages:  # and every page leads back
+    assert "../README.md" in links(page), page.name
+
+
+def test_slugs_match_githubs():
+  assert slug("Preparing at scale: Apache Beam") == "preparing-at-scale-apache-beam"
+  assert slug("Streaming raw files: `data.source=raw`") == "streaming-raw-files-datasourceraw"
+  assert slug("Fine-tuning data (SFT)") == "fine-tuning-data-sft"
