@@ -32,6 +32,7 @@ def _loss(backend, block, seg, pos):
   return f
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [1, 7, 16, 45, 128])
 def test_blockwise_equals_the_reference_and_xla(block):
   q, k, v, seg, pos = _packed()
@@ -65,6 +66,7 @@ def test_blockwise_in_bfloat16_stays_close():
   assert got.dtype == want.dtype and float(jnp.abs(got - want).max()) < 0.05
 
 
+@pytest.mark.slow
 def test_a_model_with_blockwise_attention_has_xla_attention_s_logits_and_gradients():
   c = base_config()
   c.model.update(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
@@ -85,6 +87,7 @@ def test_a_model_with_blockwise_attention_has_xla_attention_s_logits_and_gradien
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(jnp.abs(r).max()))
 
 
+@pytest.mark.slow
 def test_splash_kernel_equals_the_reference_in_interpret_mode():
   """The TPU kernel's own code, run by Pallas' interpreter on CPU (tests/test_tpu_compile.py compiles it for TPU):
   outputs and gradients of the real tokens equal the reference on packed rows with GQA and padding."""

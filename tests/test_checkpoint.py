@@ -80,6 +80,7 @@ def uninterrupted(tmp_path_factory):
   return workdir
 
 
+@pytest.mark.slow
 def test_exact_resume_is_bitwise(uninterrupted, tmp_path):
   _run(tmp_path, "--config.train.steps=10")
   err = _run(tmp_path, "--config.train.steps=20")
@@ -107,6 +108,7 @@ _KILL_IN_SAVE_MAIN = ("import os, runpy, signal, sys; from jaxtrain import check
                       "runpy.run_module('jaxtrain.main', run_name='__main__')")
 
 
+@pytest.mark.slow
 def test_kills_at_random_moments_resume_exactly(uninterrupted, tmp_path):
   """SIGKILL after a random 1-3 new steps (plus jitter) four times, and once while an async save is in flight;
   every run resumes from the newest committed checkpoint and the end result is bitwise the uninterrupted one."""
@@ -144,6 +146,7 @@ def test_kills_at_random_moments_resume_exactly(uninterrupted, tmp_path):
   assert _losses(tmp_path)[20] == _losses(uninterrupted)[20]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_exits_0_and_resumes_at_next_step(tmp_path):
   p = _start(tmp_path, "--config.train.steps=500")
   deadline = time.time() + 300
@@ -174,6 +177,7 @@ def _config(make_config, workdir, **mesh):
   return config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh,devices", [(dict(data=2, fsdp=2, tensor=2), 8), (dict(fsdp=4), 4)],
                          ids=["(1,8,1)->(2,2,2)", "8->4 devices"])
 def test_resume_on_another_mesh(make_config, tmp_path, mesh, devices):
@@ -221,6 +225,7 @@ def _flip(path: pathlib.Path, fraction: float) -> None:
   path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_flipped_bytes_in_any_data_file_are_detected_and_the_run_falls_back(make_config, tmp_path, caplog):
   """Orbax reads these back without complaint (its checksums cover only its index); the fingerprints written at
   save time catch them. The fallback run then continues exactly as an uncorrupted one."""
@@ -289,6 +294,7 @@ def test_non_finite_state_is_never_saved_and_a_non_finite_checkpoint_is_corrupt(
   assert [p.name.split("-")[:2] for p in tmp_path.iterdir() if not p.name.isdigit()] == [["corrupt", "2"]]
 
 
+@pytest.mark.slow
 def test_restore_params_from_another_run(make_config, tmp_path):
   source = _config(make_config, tmp_path / "a")
   state_a, _ = trainer.train(source)
@@ -591,6 +597,7 @@ def test_unraisable_hook_drops_only_the_closed_loop_echo_and_keeps_the_hook_it_w
                                                                    (ValueError, "Event loop is closed")]
 
 
+@pytest.mark.slow
 def test_two_processes_save_restore_and_continue(tmp_path):
   args = ["--config=configs/tiny.py", "--out", os.fspath(tmp_path / "out.json"), "--",
           f"workdir={tmp_path / 'run'}", "train.global_batch_size=8", "data.seq_len=64", "train.log_every=1",

@@ -77,6 +77,7 @@ def test_every_config_is_listed():
   assert {c.split(":")[0] for c in CPU_CONFIGS + POD_CONFIGS} == shipped
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CPU_CONFIGS)
 def test_three_steps_of_every_cpu_config(config, tmp_path):
   """--config.train.steps=3 shortens any config (its warmup is clipped) and ends with a checkpoint."""
@@ -90,6 +91,7 @@ def test_three_steps_of_every_cpu_config(config, tmp_path):
   assert "done: step 3/3" in result.stderr
 
 
+@pytest.mark.slow
 def test_pipeline_command_trains_and_its_checkpoint_restores_without_pipeline(tmp_path):
   """8 pipelined steps, then 4 more without the pipeline from its checkpoint: every logged loss equals that of
   a run never pipelined (same data, same seed; the pipeline only reorders the float sums)."""

@@ -37,6 +37,7 @@ def one_device(tmp_path_factory):
     dict(context=2, fsdp=2, tensor=2),
     dict(context=2, pipeline=2, fsdp=2),
 ], ids=lambda m: "-".join(f"{k}{v}" for k, v in m.items()))
+@pytest.mark.slow
 def test_context_parallel_losses_equal_one_device(tmp_path, one_device, mesh):
   config = _config(tmp_path, **mesh)
   if mesh.get("pipeline", 1) > 1:

@@ -386,6 +386,7 @@ def test_prepare_large_vocab_writes_uint32_tokens(tmp_path):
 # ------------------------------------------------------------------------------------------------- bad input
 
 
+@pytest.mark.slow
 def test_prepare_bad_inputs(tmp_path):
   (tmp_path / "empty.txt").write_text("\n\n")
   (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
@@ -440,6 +441,7 @@ def _contents(*folders):
   return {os.fspath(f / name): (f / name).read_bytes() for f in folders for name in sorted(os.listdir(f))}
 
 
+@pytest.mark.slow
 def test_training_bad_data(broken_copies, tmp_path):
   (tmp_path / "empty").mkdir()
   corrupt = broken_copies("corrupt", _flip_byte)
@@ -478,6 +480,7 @@ def test_tokenizer_mismatch_is_refused(shakespeare, tmp_path):
   assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_main_trains_on_prepared_data(shakespeare, tmp_path):
   r = _main(f"--config.workdir={tmp_path}", f"--config.data.path={shakespeare}", "--config.train.steps=20")
   assert r.returncode == 0, r.stderr[-3000:]

@@ -21,6 +21,8 @@ import pytest
 from jaxtrain.metrics import read_records
 from tests import multiprocess
 
+pytestmark = pytest.mark.slow  # multi-process jobs
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARGS = ["--config=configs/tiny.py", "--config.train.log_every=1", "--config.optim.decay_steps=40",
         "--config.train.global_batch_size=8", "--config.data.seq_len=64", "--config.checkpoint.every_steps=4"]

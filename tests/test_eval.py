@@ -137,6 +137,7 @@ def test_eval_max_batches(tmp_path, corpus, plain, eval_batches):
   jax.tree.map(np.testing.assert_array_equal, params, plain[1])
 
 
+@pytest.mark.slow
 def test_pipelined_eval_equals_unpipelined(tmp_path, corpus, plain, eval_batches):
   reference = plain[2]
   config = _config(tmp_path, corpus, pipeline=2, data=2, tensor=2)  # 2 microbatches, 1 layer per stage

@@ -56,6 +56,7 @@ def _reference_objective(model, params, batch, weight):
   return jnp.sum(ce * mask) / jnp.sum(mask) + weight * out.aux_losses["z_loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_aux_loss_reaches_the_gradient(tmp_path, microbatches):
   """The step's gradient is that of cross-entropy + z_loss_weight x z-loss, with or without accumulation."""
@@ -76,6 +77,7 @@ def test_aux_loss_reaches_the_gradient(tmp_path, microbatches):
   assert abs(norms[0.5] - norms[0.0]) > 1e-3 * norms[0.0]  # the aux term moved the gradient
 
 
+@pytest.mark.slow
 def test_gpt2_trains_sharded_and_pipelined_alike(tmp_path):
   """Data x FSDP x tensor (2, 2, 2) and a 2-stage pipeline give the same losses; params sharded by their logical
   names; the z-loss and the model's metric are logged; MFU's FLOPs are the family's own."""
@@ -108,6 +110,7 @@ def test_gpt2_trains_sharded_and_pipelined_alike(tmp_path):
     assert r["tflops_per_device"] * r["step_time"] * 1e12 == pytest.approx(flops * 16 * 32 / 8, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_command_line_picks_the_family_and_its_keys(tmp_path):
   """--config.model.name=gpt2 on a config file that starts from Llama swaps in GPT-2's model group, so its own
   keys can be set on the same command line; a Llama-only key is then unknown."""
@@ -137,6 +140,7 @@ def _gpt2_params(cfg, vocab):
   return vocab * d + cfg["n_positions"] * d + layers * per_layer + 2 * d
 
 
+@pytest.mark.slow
 def test_attention_backends_agree_and_one_registers_from_outside():
   from jaxtrain.models import attention
   k1, k2, k3 = jax.random.split(jax.random.key(0), 3)

@@ -59,6 +59,7 @@ def _generator(tiny, prompts=PROMPTS, **kw):
 # (b) The KV cache against a full recompute ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cached_logits_equal_full_recompute_at_every_step(tiny):
   params = tiny[-1]
   results = {}
@@ -155,6 +156,7 @@ def test_sharded_mesh_generates_what_one_device_does(tiny):
 # (a) transformers ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_greedy_equals_transformers_generate(tmp_path):
   torch = pytest.importorskip("torch", reason="torch (test-only) is not installed: the comparison with "
                               "transformers needs it")
@@ -224,6 +226,7 @@ def trained_run(tmp_path_factory):
   return pathlib.Path(c.workdir)
 
 
+@pytest.mark.slow
 def test_cli_prints_completions_and_they_equal_the_api(trained_run):
   result = _cli(f"--checkpoint={trained_run}", "--prompt=ROMEO:", "--prompt=To be", "--max_new_tokens=10")
   assert result.returncode == 0, result.stderr[-3000:]

@@ -166,6 +166,7 @@ def test_sharded_source_and_sharded_export(tmp_path):
   assert not any(info.values()), info
 
 
+@pytest.mark.slow
 def test_fine_tune_from_import_then_export(tmp_path):
   """OUT/config.py trains (restore_from the import, restore_mode=params); the run's workdir exports, finds the
   import's tokenizer through restore_from, and transformers computes jaxtrain's logits of the trained params."""

@@ -57,6 +57,7 @@ def _base(params):
   return {k: v for k, v in params.items() if k != "lora"}
 
 
+@pytest.mark.slow
 def test_adapters_mirror_their_kernels_and_start_at_the_base(tmp_path):
   """Adapters under params['lora'] with the split rule's shapes and the kernels' logical names; at init (B = 0)
   the base params are those of the model without LoRA (same seed) and the logits are identical."""
@@ -88,6 +89,7 @@ def test_adapters_mirror_their_kernels_and_start_at_the_base(tmp_path):
   assert np.array_equal(np.asarray(jax.jit(adapted.apply)(p1, *x)), np.asarray(jax.jit(plain.apply)(p0, *x)))
 
 
+@pytest.mark.slow
 def test_merge_is_w_plus_scaled_ab_and_is_the_adapted_forward(tmp_path):
   """merge(): W + alpha / rank * A @ B exactly (hand-made A, B whose products are exact in float32), the lora key
   gone; the adapted forward equals the base model on the merged params; the gradient reaches only the adapters
@@ -150,6 +152,7 @@ def sharded_run(tmp_path_factory):
   return config, run, initial, jax.device_get(state), history
 
 
+@pytest.mark.slow
 def test_lora_trains_only_the_adapters(sharded_run, tmp_path):
   """The base params are bitwise those of the initial state after 5 steps; every adapter moved; the loss falls;
   the optimizer state holds AdamW's two moments of the adapters and nothing else (no state for any frozen param),
@@ -182,6 +185,7 @@ def test_lora_trains_only_the_adapters(sharded_run, tmp_path):
   assert predicted["params"] == report["param_bytes_per_device"]
 
 
+@pytest.mark.slow
 def test_lora_run_resumes_exactly_and_refuses_a_plain_model(sharded_run, tmp_path):
   """A LoRA run's checkpoints hold base + adapters: 3 steps, then resumed to 5, equal the 5 uninterrupted steps
   bitwise. Restoring them into a model without LoRA is a one-line error naming the adapters."""
@@ -203,6 +207,7 @@ def test_lora_run_resumes_exactly_and_refuses_a_plain_model(sharded_run, tmp_pat
   assert "\n" not in str(e.value) and "holds params of another model (it has params/lora/" in str(e.value)
 
 
+@pytest.mark.slow
 def test_lora_sharded_and_pipelined_equal_one_device(sharded_run, tmp_path):
   """The same LoRA run on one device and on a 2-stage pipeline (fsdp 4) gives the (2, 2, 2) mesh's losses."""
   _, _, _, _, sharded = sharded_run
@@ -242,6 +247,7 @@ def test_bad_lora_target_on_the_command_line_is_one_line(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_fine_tune_imported_checkpoint_with_lora_then_export(tmp_path):
   """Import an HF Llama, fine-tune it with LoRA from OUT/config.py (restore_mode=params: the import's weights,
   fresh adapters), export: transformers loads the merged weights with no missing or unexpected keys, and its

@@ -75,6 +75,7 @@ def test_attention_stays_within_document():
   assert not np.allclose(a[0, :6], b[0, :6])
 
 
+@pytest.mark.slow
 def test_remat_same_values_and_grads():
   """Remat recomputes activations in the backward pass: the same loss and gradients with fewer temporaries
   (8 layers so the saved activations dominate the step's temporary memory)."""
@@ -109,6 +110,7 @@ def _next_token_loss(model, tokens):
   return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
 
+@pytest.mark.slow
 def test_bf16_compute_keeps_fp32_params():
   model, params = _model_and_params(dtype="bfloat16")
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))

@@ -80,6 +80,7 @@ def _routing_problem(seed=0, b=8, t=12, d=16, f=8, e=8, k=2):
   return x, ids, weights, valid, gate, up, down
 
 
+@pytest.mark.slow
 def test_dropless_and_capacity_equal_a_per_token_loop():
   x, ids, w, valid, gate, up, down = problem = _routing_problem()
   want, _ = _reference(*problem)
@@ -178,6 +179,7 @@ LAYOUTS = {"expert8": dict(expert=8), "expert2_fsdp2_tensor2": dict(fsdp=2, expe
            "expert2_pipeline2": dict(fsdp=2, expert=2, pipeline=2)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_expert_parallel_training_equals_one_device(one_device, tmp_path, layout):
   """(expert = 2 x fsdp = 4 and expert = 4 x fsdp = 2 are the checkpoint test's layouts.)"""
@@ -208,6 +210,7 @@ def _gradients(run, params, batch):
     return jax.device_get(jax.jit(jax.grad(objective))(params))
 
 
+@pytest.mark.slow
 def test_gradients_of_router_and_every_expert_match_one_device(tmp_path):
   batch = {k: jnp.asarray(v) for k, v in next(SyntheticSource(32, 256, 16, 0, 0, 1)).items() if k != "doc_ids"}
   reference = trainer.build(moe_config(tmp_path, microbatches=1), devices=jax.devices()[:1])
@@ -223,6 +226,7 @@ def test_gradients_of_router_and_every_expert_match_one_device(tmp_path):
       np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{layout}{jax.tree_util.keystr(path)}")
 
 
+@pytest.mark.slow
 def test_checkpoint_resumes_exactly_and_onto_another_expert_parallel_size(one_device, tmp_path):
   """Expert = 2 equals one device; saved at step 3 it resumes bitwise, and onto expert = 4 within 1e-5."""
   config = training_config
@@ -238,6 +242,7 @@ def test_checkpoint_resumes_exactly_and_onto_another_expert_parallel_size(one_de
   assert state.params["layers"]["moe"]["down"].addressable_shards[0].data.shape[1] == 2  # 8 experts over 4
 
 
+@pytest.mark.slow
 def test_cached_decoding_equals_the_training_forward():
   """Generation with the KV cache on an expert=2 x fsdp=2 mesh: every step's logits are those of the training
   forward of the row alone (one device, no mesh), through the dense first layer, the routed and the shared experts."""

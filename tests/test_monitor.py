@@ -64,6 +64,7 @@ def test_flops_per_token_counts_the_output_projection_once_tied_or_not(make_conf
   assert metrics.flops_per_token(untied, 32) == metrics.flops_per_token(tied, 32) == SMALL_FLOPS_PER_TOKEN == 788_352
 
 
+@pytest.mark.slow
 def test_mfu_on_console_jsonl_and_tensorboard(make_config, caplog):
   from tensorboard.backend.event_processing import event_accumulator
   config = make_config(fsdp=8)
@@ -142,6 +143,7 @@ def _assert_checkpoints_finite(workdir):
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["skip", "rollback"])
 def test_nan_step_is_skipped_and_never_checkpointed(make_config, tmp_path, policy, caplog):
   args = (32, 256, 16, 0)
@@ -183,6 +185,7 @@ def _main(*args):
                         text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_persistent_non_finite_steps_under_skip_roll_back_then_stop(tmp_path):
   r = _main(f"--config.workdir={tmp_path}", "--config.train.steps=20", "--config.checkpoint.every_steps=1",
             "--config.monitor.max_consecutive_nonfinite=3")
@@ -197,6 +200,7 @@ def test_persistent_non_finite_steps_under_skip_roll_back_then_stop(tmp_path):
   _assert_checkpoints_finite(tmp_path)
 
 
+@pytest.mark.slow
 def test_rollback_policy_stops_after_too_many_rollbacks_to_one_checkpoint(tmp_path):
   r = _main(f"--config.workdir={tmp_path}", "--config.train.steps=20", "--config.checkpoint.every_steps=1",
             "--config.monitor.max_consecutive_nonfinite=3", "--config.monitor.nan_policy=rollback")
@@ -218,6 +222,7 @@ def test_a_run_never_exits_0_when_its_last_steps_were_non_finite(tmp_path):
   assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_nan_policy_stop_on_the_command_line(tmp_path):
   r = _main(f"--config.workdir={tmp_path}", "--config.train.steps=20", "--config.checkpoint.every_steps=1",
             "--config.monitor.nan_policy=stop")
@@ -421,6 +426,7 @@ def test_watchdog_thread_fires_once_a_step_overruns_the_default_limit():
     dog.stop()
 
 
+@pytest.mark.slow
 def test_watchdog_dumps_stacks_and_exits_nonzero(tmp_path):
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
   # The worker's data hangs before step 7 with monitor.watchdog_timeout_s=6 (its steps take well under that).

@@ -38,6 +38,7 @@ def _wsd(step, lr=1.0, warmup=5, horizon=20, fraction=0.2, end=0.1):
   return lr - (lr - lr * end) * min(step - decay_start, horizon - decay_start) / (horizon - decay_start)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,lr", [("lion", 1e-3), ("adafactor", 3e-3), ("muon", 3e-3)])
 def test_optimizer_trains_from_the_command_line_with_wsd(name, lr, tmp_path):
   """20 steps of configs/tiny.py on the bundled corpus with --config.optim.name=NAME and the wsd schedule: the

@@ -65,6 +65,7 @@ CASES = [  # (mesh, devices, schedule, remat); alone = only the pipeline axis, o
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh,devices,schedule,remat", CASES,
                          ids=[f"{'x'.join(f'{k}{v}' for k, v in m.items())}-{s}-{r}" for m, _, s, r in CASES])
 def test_pipelined_loss_and_grads_equal_unpipelined(reference, tmp_path, mesh, devices, schedule, remat):
@@ -94,6 +95,7 @@ def test_circular_all_to_all_tables_cover_every_group():
         assert j * repeats + source_slot == r * stages + d
 
 
+@pytest.mark.slow
 def test_bf16_pipeline_close_to_fp32(reference, tmp_path):
   """bf16 compute through the circular pipeline: the loss and every layer's gradient match the fp32
   unpipelined reference up to bf16 rounding (measured: cosine > 0.9998, norms within 0.3%), so a layer that
@@ -136,6 +138,7 @@ def test_layer_params_per_device_with_four_stages(tmp_path):
   assert on_device(moments[0].mu["layers"]) == on_device(moments[0].nu["layers"]) == total // 4
 
 
+@pytest.mark.slow
 def test_checkpoint_restores_across_pipeline_splits(tmp_path):
   """pipeline=2 (GPipe) -> pipeline=4 (circular) -> no pipeline, each resuming the previous one's checkpoint:
   the same losses and params as one unpipelined run."""

@@ -57,6 +57,7 @@ def _decoded(folder, manifest, split) -> list[str]:
   return [bytes(np.asarray(source[i], np.uint8)).decode("utf-8") for i in range(len(source))]
 
 
+@pytest.mark.slow
 def test_every_executor_gives_the_documents_split_and_order_of_the_spec(corpus, tmp_path):
   folder, docs = corpus
   outs = {"in process": _prepare(folder, tmp_path / "local"),
@@ -131,6 +132,7 @@ def _cli(*args):
                         timeout=300)
 
 
+@pytest.mark.slow
 def test_bad_input_fails_the_pipeline_with_the_file_named(tmp_path):
   lines = [json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(30)]
   good = "".join(lines)

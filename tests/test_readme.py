@@ -22,6 +22,8 @@ import pytest
 
 from tests import readme
 
+pytestmark = pytest.mark.slow  # every command of the docs, from a fresh install
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # The commands this module runs (a unique part of each): the README's, then the docs pages'.

@@ -338,6 +338,7 @@ def _reference_mask(src, b) -> np.ndarray:
   return mask
 
 
+@pytest.mark.slow
 def test_prompt_tokens_get_no_gradient(sft_data):
   src = loader.TokenSource(sft_data, loader.load_manifest(sft_data), "train")
   b = next(iter(_dataset(sft_data)))
@@ -486,6 +487,7 @@ def test_sft_loader_resumes_exactly(sft_data, workers):
 # ------------------------------------------------------------------------------------------- (f) end to end
 
 
+@pytest.mark.slow
 def test_prepare_and_train_on_sft_data(tmp_path):
   src = _write_jsonl(tmp_path / "in" / "chat.jsonl", _sft_records(40))
   r = _prepare_cli(f"--input={src}", f"--output={tmp_path / 'data'}", "--eval_fraction=0.1")
@@ -506,6 +508,7 @@ def test_prepare_and_train_on_sft_data(tmp_path):
 # ---------------------------------------------------------------------------------------------- (g) bad input
 
 
+@pytest.mark.slow
 def test_bad_sft_input_gives_one_line_and_exit_2(tmp_path):
   good = json.dumps({"prompt": "p", "response": "r"})
   chat_ok = {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]}

@@ -104,6 +104,7 @@ def jsonl(tmp_path_factory):
   return _write(tmp_path_factory.mktemp("jsonl"), "jsonl", _paragraphs())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_deterministic_and_resumes_from_its_state(jsonl, workers):
   c = _config(jsonl, num_workers=workers)
@@ -172,6 +173,7 @@ def _error(r) -> str:
   return lines[0]
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_one_line_before_compiling(tmp_path, jsonl):
   (tmp_path / "empty").mkdir()
   (tmp_path / "other").mkdir()
@@ -192,6 +194,7 @@ def test_bad_inputs_are_one_line_before_compiling(tmp_path, jsonl):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_bad_records_name_file_and_line(tmp_path, workers):
   good = [json.dumps({"text": d}).encode() for d in _paragraphs()[:64]]
@@ -229,6 +232,7 @@ def _records(workdir) -> dict:
   return out
 
 
+@pytest.mark.slow
 def test_sigkill_and_resume_gives_the_uninterrupted_batches(jsonl, tmp_path):
   args = [f"--config.data.path={jsonl}", "--config.data.source=raw", "--config.data.seq_len=64",
           "--config.data.eval_fraction=0.02", "--config.eval.every_steps=3", "--config.eval.max_batches=2",

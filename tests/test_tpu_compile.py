@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # TPU compiles with libtpu
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -18,6 +18,7 @@ def _losses(history):
   return np.array([h["loss"] for h in history])
 
 
+@pytest.mark.slow
 def test_sharded_equals_single_device(make_config, tmp_path):
   sharded = make_config(data=2, fsdp=2, tensor=2)
   single = make_config()
@@ -52,6 +53,7 @@ def _one_step(config, batch):
   return jax.device_get(state.params), jax.device_get(metrics)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("microbatches", [2, 4])
 def test_gradient_accumulation_matches_big_batch(make_config, microbatches):
   batch = next(SyntheticSource(32, 256, 16, seed=3))
@@ -87,6 +89,7 @@ def test_loss_mask_excludes_targets(make_config):
   np.testing.assert_allclose(float(s1), nll[:, :16].sum(), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_tiny_overfits_one_batch(tmp_path):
   from configs import tiny  # the real tiny config, trained on one repeated batch
   config = tiny.get_config()

@@ -39,6 +39,7 @@ def _files(workdir: pathlib.Path) -> dict:
   return {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow
 def test_second_run_on_a_live_workdir_is_refused_and_the_first_finishes(tmp_path):
   first = _start(tmp_path, "--config.train.steps=30")
   try:
@@ -68,6 +69,7 @@ def test_second_run_on_a_live_workdir_is_refused_and_the_first_finishes(tmp_path
   assert not (tmp_path / "run.lock").exists()
 
 
+@pytest.mark.slow
 def test_lock_of_a_killed_run_is_taken_over_and_the_restart_resumes(tmp_path):
   first = _start(tmp_path, "--config.train.steps=400")
   _wait_for(tmp_path / "checkpoints" / "5", first)
