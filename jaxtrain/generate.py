@@ -49,7 +49,7 @@ from jaxtrain import models
 from jaxtrain import paths
 from jaxtrain import sharding
 from jaxtrain.errors import ConfigError, UserError
-from jaxtrain.sampling import (GenerateError, Generator, Sampling, encode_prompts, padded_rows,  # noqa: F401
+from jaxtrain.sampling import (GenerateError, Generator, Sampling, encode_prompts, padded_rows,
                                tokenizer_for)
 from jaxtrain.train.state import TrainState
 
