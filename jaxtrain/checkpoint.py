@@ -493,13 +493,14 @@ def step_dir(path: str, step: int | None = None) -> str:
   path = os.path.abspath(path)
   if os.path.isdir(os.path.join(path, "state")):
     if step is not None and os.path.basename(path) != str(step):
-      raise CheckpointError(path, f"is step {os.path.basename(path)}, not --step={step}", "drop --step or pass its folder")
+      raise CheckpointError(path, f"is step {os.path.basename(path)}, not --step={step}",
+                            "drop --step or pass its folder")
     return path
   folder = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
   steps = sorted(int(p) for p in os.listdir(folder) if p.isdigit()) if os.path.isdir(folder) else []
   if not steps:
-    raise CheckpointError(path, "holds no committed checkpoint", "pass a run's workdir, its checkpoints folder or a step "
-                  "folder")
+    raise CheckpointError(path, "holds no committed checkpoint",
+                          "pass a run's workdir, its checkpoints folder or a step folder")
   if step is not None and step not in steps:
     raise CheckpointError(folder, f"has no step {step} (it has {', '.join(map(str, steps))})", "pick one of them")
   return os.path.join(folder, str(step if step is not None else steps[-1]))
@@ -511,8 +512,8 @@ def saved_config(step_dir: str) -> dict:
             os.path.join(os.path.dirname(os.path.dirname(step_dir)), "config.json")):
     if os.path.exists(f):
       return json.loads(open(f).read())
-  raise CheckpointError(step_dir, "has no config item and its workdir no config.json", "pass a checkpoint written by "
-                "jaxtrain")
+  raise CheckpointError(step_dir, "has no config item and its workdir no config.json",
+                        "pass a checkpoint written by jaxtrain")
 
 
 def side_files_dir(step_dir: str, config: dict) -> str | None:

@@ -6,11 +6,10 @@ import logging as std_logging
 import os
 import sys
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 from ml_collections.config_flags import config_flags as config_flags_impl  # its file parser, to subclass
-
-import jax
 
 from jaxtrain import config as config_lib
 from jaxtrain import distributed

@@ -171,19 +171,11 @@ class WorkdirLock:
     return (f"another run is using this workdir (host {held.get('host', '?')}, PID {held.get('pid', '?')}, "
             f"since {held.get('since', '?')})")
 
-  def acquire(self) -> "WorkdirLock":
-    """Takes the lock or raises WorkdirBusy; a workdir that cannot be created or written is a UserError (one
-    line). Creates the workdir if needed (nothing else)."""
-    self._started = time.time()
+  def _take(self) -> None:
+    self.dir.mkdir(parents=True, exist_ok=True)
     for _ in range(3):  # a contender may create or take over between our look and our write
-      try:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        created = self._create()
-      except OSError as e:
-        raise UserError(os.fspath(self.dir), f"the workdir cannot be created or written ({e.strerror or e})",
-                        "pass a --config.workdir this user can write to") from None
-      if created:
-        break
+      if self._create():
+        return
       held = self._read()
       if held is None:
         continue
@@ -194,9 +186,18 @@ class WorkdirLock:
       logging.warning("%s: the run that held it (host %s, PID %s, since %s) is gone; taking over", self.path,
                       held.get("host"), held.get("pid"), held.get("since"))
       self._take_over(held)
-    else:
-      held = self._read() or {}
-      raise WorkdirBusy(os.fspath(self.dir), self._describe(held), "another run started at the same moment")
+    held = self._read() or {}
+    raise WorkdirBusy(os.fspath(self.dir), self._describe(held), "another run started at the same moment")
+
+  def acquire(self) -> "WorkdirLock":
+    """Takes the lock or raises WorkdirBusy; a workdir that cannot be created or written is a UserError (one
+    line). Creates the workdir if needed (nothing else)."""
+    self._started = time.time()
+    try:
+      self._take()
+    except OSError as e:  # not FileExistsError (handled by _create): a path this user cannot write to
+      raise UserError(os.fspath(self.dir), f"the workdir cannot be created or written ({e.strerror or e})",
+                      "pass a --config.workdir this user can write to") from None
     self._thread = threading.Thread(target=self._renew, name="jaxtrain-workdir-lock", daemon=True)
     self._thread.start()
     return self
