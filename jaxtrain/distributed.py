@@ -6,21 +6,30 @@
   JobSets), Open MPI: whatever ``jax.distributed.initialize()`` detects from the environment.
 - Otherwise a single process: nothing to do.
 
-``heartbeat_timeout_s`` bounds how long the others wait for a process that died: they then fail instead of
-hanging (crashes are better than hangs; the scheduler restarts the job). CPU processes use gloo collectives.
+A lost peer ends the job restartably (exit 75, :data:`jaxtrain.exits.RESTART`: the scheduler restarts it and it
+resumes), never as a hang or a crash: :class:`PeerWatch` names a process not heard from for
+``heartbeat_timeout_s`` and exits 75, and main reads a collective that failed on a broken connection the same way
+(:func:`lost_peer`). JAX's own heartbeat check stays as the backstop at twice that timeout: when it fires it aborts
+the process (SIGABRT), which a scheduler cannot tell from a crash. CPU processes use gloo collectives.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import sys
+import threading
 import time
 
 import jax
 import ml_collections
 from absl import logging
+from jax._src import distributed as jax_distributed  # the coordination client: see PeerWatch
 
+from jaxtrain import exits
 from jaxtrain.errors import ConfigError, check_positive
+
 
 def defaults() -> ml_collections.ConfigDict:
   """The ``distributed`` config group."""
@@ -30,7 +39,7 @@ def defaults() -> ml_collections.ConfigDict:
       process_id=0,
       auto=True,  # join automatically on TPU pods, Slurm, Kubernetes indexed jobs, Open MPI
       timeout_s=300.0,  # give up (clear error) if the coordinator cannot be reached in this time
-      heartbeat_timeout_s=30.0,  # a process that stops answering this long fails the job instead of hanging it
+      heartbeat_timeout_s=30.0,  # a process not heard from this long ends the job restartably (exit 75)
   ))
 
 
@@ -73,7 +82,9 @@ def initialize(cfg) -> None:
     return
   if jax.config.jax_platforms in ("cpu",) or os.environ.get("JAX_PLATFORMS") == "cpu":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  kwargs = dict(initialization_timeout=int(cfg.timeout_s), heartbeat_timeout_seconds=int(cfg.heartbeat_timeout_s))
+  # JAX's heartbeat check is the backstop: PeerWatch answers first, restartably.
+  kwargs = dict(initialization_timeout=int(cfg.timeout_s),
+                heartbeat_timeout_seconds=int(2 * cfg.heartbeat_timeout_s + 10))
   if explicit:
     if cfg.num_processes < 1 or not 0 <= cfg.process_id < cfg.num_processes:
       raise ConfigError("distributed.process_id", f"{cfg.process_id} is not in [0, distributed.num_processes="
@@ -93,3 +104,84 @@ def initialize(cfg) -> None:
                       "check that process 0 runs and the address/port is reachable") from None
   logging.info("joined a %d-process job as process %d (%d local / %d global devices)", jax.process_count(),
                jax.process_index(), jax.local_device_count(), jax.device_count())
+  watch = PeerWatch(jax_distributed.global_state.client, jax.process_index(), jax.process_count(),
+                    cfg.heartbeat_timeout_s).start()
+  atexit.register(watch.done)  # after JAX's shutdown hook, so it runs first (atexit is last in, first out)
+
+
+# Words of a collective that failed because a peer went away (gloo on CPU, NCCL on GPU, the coordination service).
+_LOST_PEER_WORDS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed",
+                    "remote process exited", "stopped sending heartbeats", "heartbeat timeout")
+
+
+def lost_peer(error: BaseException) -> bool:
+  """Whether ``error``, raised on a multi-process job, says that another process went away (not a bug here)."""
+  return jax.process_count() > 1 and any(w in str(error) for w in _LOST_PEER_WORDS)
+
+
+class PeerWatch:
+  """Every process posts a beat to the coordination service's key-value store every ``timeout_s / 5`` seconds and
+  reads everyone's; a peer whose beat has not moved for ``timeout_s`` (or a coordination service that no longer
+  answers) ends this process with exit 75. A process that exits normally posts ``done`` first (``done()``, at
+  exit), so the others do not mistake the end of a run for a lost peer. ``on_lost`` is for tests."""
+
+  PREFIX = "jaxtrain/beat/"
+
+  def __init__(self, client, process_id: int, num_processes: int, timeout_s: float, clock=time.monotonic,
+               on_lost=None):
+    self.client, self.me, self.n, self.timeout_s, self._clock = client, process_id, num_processes, timeout_s, clock
+    self.on_lost = on_lost or _exit_lost_peer
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="jaxtrain-peer-watch", daemon=True)
+    self._heard: dict[int, tuple[str | None, float]] = {}  # peer -> (its newest beat, when it last moved)
+
+  def start(self) -> "PeerWatch":
+    self._thread.start()
+    return self
+
+  def _run(self) -> None:
+    beat = 0
+    while not self._stop.wait(self.timeout_s / 5):
+      beat += 1
+      try:
+        self.client.key_value_set(f"{self.PREFIX}{self.me}", str(beat), allow_overwrite=True)
+        beats = dict(self.client.key_value_dir_get(self.PREFIX))
+      except Exception as e:  # noqa: BLE001 - the service (in process 0) is gone
+        if not self._stop.is_set():
+          self.on_lost(f"the coordination service no longer answers ({str(e).splitlines()[0][:200]})")
+        return
+      lost = self.check(beats)
+      if lost and not self._stop.is_set():
+        self.on_lost(lost)
+        return
+
+  def check(self, beats: dict[str, str]) -> str | None:
+    """Notes the peers' beats; a description of a peer not heard from for ``timeout_s``, else None."""
+    now = self._clock()
+    for peer in range(self.n):
+      value = beats.get(f"{self.PREFIX}{peer}")
+      if peer == self.me or value == "done":
+        continue
+      last, since = self._heard.get(peer, (None, now))
+      if value != last or peer not in self._heard:
+        self._heard[peer] = (value, now)
+      elif now - since > self.timeout_s:
+        return f"process {peer} has not been heard from for {now - since:.0f}s"
+    return None
+
+  def done(self) -> None:
+    """This process ends normally: stop watching and tell the others."""
+    self._stop.set()
+    try:
+      self.client.key_value_set(f"{self.PREFIX}{self.me}", "done", allow_overwrite=True)
+    except Exception:  # noqa: BLE001 - the service is already gone: nobody is left to tell
+      pass
+
+
+def _exit_lost_peer(why: str) -> None:
+  logging.error("a process of the job is gone (%s): exiting %d so that the job restarts", why, exits.RESTART)
+  logging.flush()
+  print(f"jaxtrain: stopped: a process of the job is gone ({why}); restart the job: it resumes from the newest "
+        f"checkpoint (exit {exits.RESTART})", file=sys.stderr, flush=True)
+  os._exit(exits.RESTART)  # not sys.exit: JAX's shutdown barrier would wait for the lost process, then abort
+

@@ -13,6 +13,7 @@ from ml_collections.config_flags import config_flags as config_flags_impl  # its
 
 from jaxtrain import config as config_lib
 from jaxtrain import distributed
+from jaxtrain import exits
 from jaxtrain import models
 from jaxtrain.checkpoint import CheckpointError, SaveFailed, describe
 from jaxtrain.train import trainer
@@ -53,7 +54,7 @@ def _model_name_override(argv: list[str]) -> str | None:
   return name
 
 
-def _fail(message: str, code: int = 2, at_once: bool = False) -> None:
+def _fail(message: str, code: int = exits.USER_ERROR, at_once: bool = False) -> None:
   print(f"jaxtrain: error: {message}", file=sys.stderr)
   if at_once:
     _leave(code)
@@ -119,15 +120,22 @@ def main(argv: list[str]) -> None:
     trainer.train(config)
   except config_lib.UserError as e:
     _fail(str(e), at_once=isinstance(e, CheckpointError))
+  except exits.Restart as e:
+    print(f"jaxtrain: stopped: {e}; restart the same command to resume (exit {exits.RESTART})", file=sys.stderr)
+    sys.exit(exits.RESTART)
   except trainer.TrainingStopped as e:
     print(f"jaxtrain: stopped: {e}", file=sys.stderr)
-    sys.exit(1)
-  except Exception as e:  # not the user's mistake: a bug here or in a library
+    sys.exit(exits.BUG)
+  except Exception as e:  # not the user's mistake: a lost peer, or a bug here or in a library
+    if distributed.lost_peer(e):  # a collective failed because another process went away: restart the job
+      print(f"jaxtrain: stopped: a process of the job is gone ({describe(e)}); restart the job: it resumes from "
+            f"the newest checkpoint (exit {exits.RESTART})", file=sys.stderr)
+      _leave(exits.RESTART)  # at once: JAX's shutdown would wait for the lost process
     log_file = getattr(e, "log_file", None)
     if log_file is None:  # it happened before the run had a log file: the traceback goes to the console
       raise
     what = str(e) if isinstance(e, SaveFailed) else f"unexpected {describe(e)}; this is a bug"
-    _fail(f"{what}; the traceback is in {log_file}", code=1, at_once=isinstance(e, SaveFailed))
+    _fail(f"{what}; the traceback is in {log_file}", code=exits.BUG, at_once=isinstance(e, SaveFailed))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Acting on trouble: anomaly warnings (loss / grad-norm spikes, throughput drops, loss stagnation) and a
-hang watchdog that dumps every thread's stack and exits non-zero so the scheduler restarts the job.
+hang watchdog that dumps every thread's stack and exits 75 (restartable) so that the scheduler restarts the job.
 
 NaN/Inf handling itself lives in the train step (a non-finite update is never applied, so a NaN can never
 reach the state or a checkpoint); what the run does next is the ``monitor.nan_policy`` registered in
@@ -21,6 +21,7 @@ from typing import Callable, Literal
 
 from absl import logging
 import ml_collections
+from jaxtrain import exits
 from jaxtrain.errors import check_positive
 from jaxtrain.registry import Registry
 
@@ -76,7 +77,7 @@ def defaults() -> ml_collections.ConfigDict:
       spike_sigma=6.0,  # warn when loss or grad norm exceeds the window mean + k sigma (0: off)
       spike_window=50,  # logged steps in that window
       stagnation_logs=0,  # warn when the loss has not improved for this many log intervals (0: off)
-      watchdog_multiple=10.0,  # exit (code 3, with stacks) if no step finishes in this x the median time
+      watchdog_multiple=10.0,  # exit 75 (restartable; stacks in train.log) if no step finishes in this x the median
       watchdog_min_s=120.0,  # ... but never sooner than this
       watchdog_timeout_s=0.0,  # a hard limit instead (0: use the multiple)
   ))
@@ -129,17 +130,20 @@ class AnomalyDetector:
 
 
 class Watchdog:
-  """A daemon thread that kills the process if no heartbeat arrives in time.
+  """A daemon thread that ends the process if no heartbeat arrives in time.
 
   The limit is ``multiple`` x the median gap between heartbeats seen so far (at least ``min_s``; 10 x ``min_s``
-  before the first one), or ``timeout_s`` when given. When it fires it prints every thread's stack to stderr and
-  exits with code 3: crashes are better than hangs, because a scheduler restarts a crashed job.
+  before the first one), or ``timeout_s`` when given. When it fires it writes what ``describe()`` says (where the
+  loop is) and every thread's Python stack to stderr and to ``log_path`` (train.log), then exits 75: crashes are
+  better than hangs, and a hang is something a restart cures (:data:`jaxtrain.exits.RESTART`).
   """
 
-  EXIT_CODE = 3
+  EXIT_CODE = exits.RESTART
 
-  def __init__(self, multiple: float = 10.0, min_s: float = 60.0, timeout_s: float = 0.0, clock=time.monotonic):
+  def __init__(self, multiple: float = 10.0, min_s: float = 60.0, timeout_s: float = 0.0, clock=time.monotonic,
+               log_path: str | None = None, describe: Callable[[], str] = lambda: ""):
     self.multiple, self.min_s, self.timeout_s = multiple, min_s, timeout_s
+    self.log_path, self.describe = log_path, describe
     self._clock = clock  # seconds, monotonic; tests pass a fake one
     self._last = clock()
     self._gaps = collections.deque(maxlen=100)
@@ -174,10 +178,23 @@ class Watchdog:
         return
 
   def _expire(self, waited: float) -> None:
-    print(f"jaxtrain: watchdog: no step finished for {waited:.1f}s (limit {self.limit():.1f}s); "
-          "stacks of all threads follow, then exit", file=sys.stderr, flush=True)
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    sys.stderr.flush()
+    try:
+      where = self.describe()
+    except Exception as e:  # noqa: BLE001 - the report must not keep the process alive
+      where = f"(could not say where the loop is: {e!r})"
+    message = (f"jaxtrain: watchdog: no step finished for {waited:.1f}s (limit {self.limit():.1f}s): {where}; "
+               f"stacks of all threads follow, then exit {self.EXIT_CODE} (restartable)\n")
+    targets = [sys.stderr]
+    if self.log_path:
+      try:
+        targets.append(open(self.log_path, "a"))  # noqa: SIM115 - the process exits below
+      except OSError:
+        pass  # the console still has it
+    for f in targets:
+      f.write(message)
+      f.flush()
+      faulthandler.dump_traceback(file=f, all_threads=True)
+      f.flush()
     os._exit(self.EXIT_CODE)
 
   def stop(self) -> None:

@@ -34,6 +34,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
+from jaxtrain import exits
 from jaxtrain import paths
 from jaxtrain.errors import UserError
 
@@ -230,13 +231,21 @@ class WorkdirLock:
     self.release()
 
 
+def log_path(workdir: str) -> str | None:
+  """Where this process's log lines go besides the console: ``<workdir>/train.log`` for process 0 of a run
+  with a local workdir, else None."""
+  if jax.process_index() != 0 or paths.is_url(workdir):
+    return None
+  return os.path.join(workdir, LOG_FILE)
+
+
 class LogFile:
   """Process 0's log lines appended to ``<workdir>/train.log`` (local workdirs: object stores cannot append).
   An unexpected exception leaving the block has its whole traceback written there, and the file's path set
   on it as ``log_file``, so that the console can show one line and say where the rest is."""
 
   def __init__(self, workdir: str):
-    self.path = None if paths.is_url(workdir) else os.path.join(workdir, LOG_FILE)
+    self.path = log_path(workdir)
     self._handler = None
 
   def __enter__(self) -> "LogFile":
@@ -251,7 +260,8 @@ class LogFile:
   def __exit__(self, exc_type, error, tb) -> None:
     if self._handler is None:
       return
-    if error is not None and not isinstance(error, UserError) and isinstance(error, Exception):
+    expected = (UserError, exits.Restart)  # one line on the console says it all
+    if error is not None and not isinstance(error, expected) and isinstance(error, Exception):
       self._handler.handle(std_logging.LogRecord("jaxtrain", std_logging.ERROR, __file__, 0, "unexpected error",
                                                  None, (exc_type, error, tb)))
       error.log_file = self.path

@@ -22,6 +22,7 @@ import pytest
 from absl import logging
 
 from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import exits
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.metrics import read_records
 from jaxtrain.train import trainer
@@ -147,7 +148,7 @@ def test_kills_at_random_moments_resume_exactly(uninterrupted, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_exits_0_and_resumes_at_next_step(tmp_path):
+def test_sigterm_saves_exits_75_and_resumes_at_next_step(tmp_path):
   p = _start(tmp_path, "--config.train.steps=500")
   deadline = time.time() + 300
   while time.time() < deadline and p.poll() is None and len(_logged_steps(tmp_path)) < 3:
@@ -157,9 +158,11 @@ def test_sigterm_saves_exits_0_and_resumes_at_next_step(tmp_path):
   p.send_signal(signal.SIGTERM)
   p.send_signal(signal.SIGCONT)
   _, err = p.communicate(timeout=300)
-  assert p.returncode == 0, err[-2000:]
+  assert p.returncode == exits.RESTART, err[-2000:]  # restartable: the scheduler runs it again
   saved = _committed(tmp_path)
   assert len(saved) == 1 and f"preempted: saved step {saved[0]}, exiting" in err
+  assert f"jaxtrain: stopped: preempted after step {saved[0]} of 500; newest checkpoint: step {saved[0]}; " \
+         "restart the same command to resume (exit 75)" in err, err[-2000:]
   # The step running when the signal came (logging trails dispatch by one step, a half-written record by one more)
   assert logged + 1 <= saved[0] <= logged + 3, (logged, saved)
   assert _logged_steps(tmp_path)[-1] == saved[0]

@@ -13,11 +13,13 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import numpy as np
 import pytest
 
+from jaxtrain import distributed, exits
 from jaxtrain.metrics import read_records
 from tests import multiprocess
 
@@ -77,6 +79,17 @@ def one_process(tmp_path_factory):
   return losses
 
 
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+  """``losses(steps)``: the losses of an uninterrupted 2-process x 4-device run of ``steps`` steps."""
+  def losses(steps: int) -> dict[int, float]:
+    workdir = tmp_path_factory.mktemp("two_processes")
+    procs = multiprocess.start_main([*ARGS, f"--config.workdir={workdir}", f"--config.train.steps={steps}"])
+    assert multiprocess.wait_all(procs, 300) == [0, 0], procs[0].err_path.read_text()[-3000:]
+    return _losses(workdir)
+  return losses
+
+
 def test_two_process_job_is_killed_resumes_from_its_newest_committed_save_and_matches_one_process(
     tmp_path, one_process):
   workdir = tmp_path / "mp"
@@ -102,7 +115,7 @@ def test_two_process_job_is_killed_resumes_from_its_newest_committed_save_and_ma
   np.testing.assert_allclose([mp[s] for s in range(1, end + 5)], [one[s] for s in range(1, end + 5)], rtol=1e-5)
 
 
-def test_preempted_two_process_job_stops_at_one_step_saves_exits_0_and_resumes_exactly(tmp_path, one_process):
+def test_preempted_two_process_job_stops_at_one_step_saves_exits_75_and_resumes_exactly(tmp_path, one_process):
   workdir = tmp_path / "mp"
   run = [*ARGS, f"--config.workdir={workdir}", "--config.checkpoint.every_steps=0"]  # only the preemption saves
   # Joined the way srun starts it (SLURM_* variables, no coordinator flags): auto-detection end to end.
@@ -117,7 +130,7 @@ def test_preempted_two_process_job_stops_at_one_step_saves_exits_0_and_resumes_e
     p.send_signal(signal.SIGCONT)
   codes = multiprocess.wait_all(procs, 180)  # a step, a save, an exit
   errs = [p.err_path.read_text() for p in procs]
-  assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+  assert codes == [exits.RESTART] * 2, errs[0][-3000:] + errs[1][-3000:]
   for i, err in enumerate(errs):
     assert f"joined a 2-process job as process {i} (4 local / 8 global devices)" in err, err[-3000:]
   # One checkpoint, written by both processes at the step JAX's preemption sync point chose: not before the
@@ -136,11 +149,51 @@ def test_preempted_two_process_job_stops_at_one_step_saves_exits_0_and_resumes_e
   np.testing.assert_allclose([mp[s] for s in range(1, step + 3)], [one[s] for s in range(1, step + 3)], rtol=1e-5)
 
 
-@pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.xfail(strict=True, reason=(
-    "a multi-process job leaves SIGTERM to JAX's preemption notifier (a C++ handler installed by "
-    "jax.distributed.initialize, which ignores every signal after the first); PreemptionGuard installs its "
-    "handlers, and with them the exit 130 on a second signal, only when jax.process_count() == 1 "
-    "(jaxtrain/train/preemption.py)")))])
+def _freeze(procs):
+  procs[1].send_signal(signal.SIGSTOP)  # a hung process: the other waits in a collective for ever
+
+
+# What goes wrong in each start of the job (once it has saved a checkpoint past the previous start's), the overrides
+# of that start, and the exit codes the scheduler sees (-9: a process it killed after the other had exited).
+TROUBLES = [
+    (lambda procs: [p.send_signal(signal.SIGTERM) for p in procs], [], [exits.RESTART] * 2),  # a preemption
+    (lambda procs: procs[1].send_signal(signal.SIGKILL), [], [exits.RESTART, -9]),  # a lost peer
+    (_freeze, ["--config.monitor.watchdog_timeout_s=15", "--config.distributed.heartbeat_timeout_s=120"],
+     [exits.RESTART, -9]),  # a hang: process 0's watchdog, not the peer watch, ends it
+]
+
+
+def test_a_scheduler_restarting_on_exit_75_drives_a_two_process_run_through_failures_to_its_end(tmp_path,
+                                                                                               two_processes):
+  workdir, end = tmp_path / "mp", 16
+  run = [*ARGS, f"--config.workdir={workdir}", f"--config.train.steps={end}", "--config.checkpoint.every_steps=2"]
+  seen = []
+  for start in range(len(TROUBLES) + 1):  # the stand-in scheduler: restart on 75, stop on anything else
+    trouble, overrides, expected = TROUBLES[start] if start < len(TROUBLES) else (None, [], [exits.DONE] * 2)
+    procs = multiprocess.start_main([*run, *overrides])
+    if trouble:
+      before = _committed(workdir)
+      _wait_for(lambda: _committed(workdir) != before, procs, 300, "a new checkpoint")
+      trouble(procs)
+      multiprocess.wait_all(procs[:1], 120)
+    codes = multiprocess.wait_all(procs, 1 if trouble else 300)  # a scheduler ends the job's other tasks
+    err = procs[0].err_path.read_text()
+    assert codes == expected, (start, codes, err[-3000:])
+    seen.append(err)
+    if exits.RESTART not in codes:
+      break
+  assert "jaxtrain: stopped: preempted after step " in seen[0], seen[0][-3000:]
+  assert "jaxtrain: stopped: a process of the job is gone (" in seen[1], seen[1][-3000:]
+  assert "jaxtrain: watchdog: no step finished for " in seen[2], seen[2][-3000:]
+  log = (workdir / "train.log").read_text()
+  assert "watchdog: no step finished for " in log and "in _step" in log, log[-3000:]  # its stacks, kept
+  for err in seen[1:]:
+    assert "resumed from checkpoint step " in err, err[-3000:]
+  # Every loss, the steps trained again after each failure included, is bitwise that of an uninterrupted run.
+  assert _losses(workdir) == two_processes(end)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
 def test_a_second_sigterm_ends_a_stuck_run_at_once_with_exit_130_and_commits_nothing(tmp_path, processes):
   procs = multiprocess.start_script("tests/dist_stall_worker.py", [str(tmp_path)], processes, 8 // processes)
   _wait_for(lambda: all("STALLED" in p.err_path.read_text() for p in procs), procs, 300, "the data to stall")
@@ -150,29 +203,45 @@ def test_a_second_sigterm_ends_a_stuck_run_at_once_with_exit_130_and_commits_not
   for p in procs:
     p.send_signal(signal.SIGTERM)
   codes = multiprocess.wait_all(procs, 15)  # at once: the signal handler exits, waiting for nothing
-  assert codes == [130] * processes, (codes, procs[0].err_path.read_text()[-3000:])
+  assert codes == [exits.INTERRUPTED] * processes, (codes, procs[0].err_path.read_text()[-3000:])
   assert not _committed(tmp_path)
 
 
 HEARTBEAT_S = 5
 
 
-def test_a_dead_process_fails_the_job_within_the_heartbeat_timeout(tmp_path):
+def test_a_frozen_process_ends_the_job_restartably_within_the_heartbeat_timeout(tmp_path):
   procs = multiprocess.start_main([*ARGS, f"--config.workdir={tmp_path}", "--config.train.steps=100000",
                                    f"--config.distributed.heartbeat_timeout_s={HEARTBEAT_S}"])
   _wait_for(lambda: _logged(tmp_path) >= 2, procs, 300, "2 logged steps")
-  procs[1].send_signal(signal.SIGKILL)
+  procs[1].send_signal(signal.SIGSTOP)  # a frozen host: its connections stay open, only silence tells
   t = time.monotonic()
-  # Heartbeats go every half distributed.heartbeat_timeout_s; once the coordination service (in process 0) has
-  # missed them for the whole timeout it declares process 1 dead and terminates the survivors: between half the
-  # timeout and the timeout after the kill (measured: 5.5 s for 5 s, 10.4 s for 10, 16.3 s for 30). 9 s more
-  # cover its check interval and the abort on a loaded machine; a timeout that did not reach JAX (its default
-  # 100 s, or a fixed 30 s: at least 15 s) would miss the bound.
+  # jaxtrain's peer watch posts and reads beats every heartbeat_timeout_s / 5 and names a peer whose beat has not
+  # moved for the timeout: 0.8 to 1.2 x the timeout after the freeze (the last beat may be seen up to a period
+  # before it). 9 s more cover a loaded machine; JAX's own check (the backstop, at 2 x the timeout + 10 s, an
+  # abort) or a timeout that did not reach the watch would miss the bound.
   bound = HEARTBEAT_S + 9
   code = multiprocess.wait_all(procs[:1], bound + 60)[0]
   took = time.monotonic() - t
-  multiprocess.wait_all(procs, 30)
-  assert code not in (0, None) and took < bound, (code, took, procs[0].err_path.read_text()[-3000:])
+  multiprocess.wait_all(procs, 1)  # the scheduler ends the job's other process
+  err = procs[0].err_path.read_text()
+  assert code == exits.RESTART and 0.8 * HEARTBEAT_S <= took < bound, (code, took, err[-3000:])
+  assert "jaxtrain: stopped: a process of the job is gone (process 1 has not been heard from for " in err, err[-3000:]
+
+
+def test_peer_watch_names_a_silent_peer_after_the_timeout_and_not_one_that_finished():
+  clock = types.SimpleNamespace(now=1000.0)
+  watch = distributed.PeerWatch(client=None, process_id=0, num_processes=3, timeout_s=10.0, clock=lambda: clock.now)
+  beats = {"jaxtrain/beat/0": "1", "jaxtrain/beat/1": "1"}  # process 2 has not posted yet
+  assert watch.check(beats) is None
+  for n in range(2, 6):  # process 1 beats every 3 s; process 2 finished (posted done) and went quiet
+    clock.now += 3.0
+    beats.update({"jaxtrain/beat/1": str(n), "jaxtrain/beat/2": "done"})
+    assert watch.check(beats) is None
+  clock.now += 10.0  # process 1 silent for exactly the timeout: not yet
+  assert watch.check(beats) is None
+  clock.now += 0.5
+  assert watch.check(beats) == "process 1 has not been heard from for 10s"
 
 
 def test_unreachable_coordinator_is_a_clear_error(tmp_path):
@@ -265,11 +334,12 @@ def test_cluster_auto_detection(monkeypatch, env, expected):
 
 def _stubs(tmp_path, *names) -> pathlib.Path:
   """A bin folder of executables that record their working directory and arguments (NUL-separated) in
-  ``NAME.argv`` next to them, for PATH."""
+  ``NAME.argv`` next to them, for PATH; each exits with ``$STUB_EXIT_<NAME>`` (0 if unset)."""
   bin_dir = tmp_path / "bin"
-  bin_dir.mkdir()
+  bin_dir.mkdir(exist_ok=True)
   for name in names:
-    (bin_dir / name).write_text(f"#!/bin/sh\nprintf '%s\\0' \"$PWD\" \"$@\" > \"$(dirname \"$0\")/{name}.argv\"\n")
+    (bin_dir / name).write_text(f"#!/bin/sh\nprintf '%s\\0' \"$PWD\" \"$@\" > \"$(dirname \"$0\")/{name}.argv\"\n"
+                                f"exit \"${{STUB_EXIT_{name}:-0}}\"\n")
     (bin_dir / name).chmod(0o755)
   return bin_dir
 
@@ -293,8 +363,8 @@ def _assert_jaxtrain_flags(args):
 _EXTRA = ["--config.mesh.fsdp=-1", "--config.checkpoint.dir=/shared/ckpt with space", "--config.data.path=it's"]
 
 
-def test_slurm_launcher_runs_jaxtrain_main_once_per_task_under_srun(tmp_path):
-  bin_dir = _stubs(tmp_path, "srun")
+def test_slurm_launcher_runs_jaxtrain_main_once_per_task_under_srun_and_requeues_on_exit_75(tmp_path):
+  bin_dir = _stubs(tmp_path, "srun", "scontrol")
   env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
   r = subprocess.run(["bash", "tools/launch/slurm.sbatch", "configs/llama3_8b.py", "/shared/runs/llama3 8b", *_EXTRA],
                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
@@ -303,10 +373,21 @@ def test_slurm_launcher_runs_jaxtrain_main_once_per_task_under_srun(tmp_path):
   assert argv == ["--kill-on-bad-exit=1", "python", "-m", "jaxtrain.main", "--config=configs/llama3_8b.py",
                   "--config.workdir=/shared/runs/llama3 8b", *_EXTRA], argv
   _assert_jaxtrain_flags(argv[4:])
-  # The time limit's SIGTERM (2 minutes ahead) makes the run save and exit 0; the requeued job resumes.
+  assert _called(bin_dir, "scontrol") is None  # done: not requeued
+  # The time limit's SIGTERM (2 minutes ahead) makes the run save and exit 75; the job requeues itself and resumes.
   directives = [line.split()[1] for line in (ROOT / "tools/launch/slurm.sbatch").read_text().splitlines()
                 if line.startswith("#SBATCH")]
   assert "--signal=TERM@120" in directives and "--requeue" in directives, directives
+  # srun's exit code -> whether the job requeued itself: restartable (75) and deaths by a signal (128 + N: an OOM
+  # kill, a lost node) do, up to MAX_RESTARTS; done, a bug, a user mistake and an interrupt (130) do not.
+  for code, restarts, requeued in [(75, 0, True), (137, 3, True), (75, 100, False), (0, 0, False), (1, 0, False),
+                                   (2, 0, False), (130, 0, False)]:
+    r = subprocess.run(["bash", "tools/launch/slurm.sbatch", "configs/llama3_8b.py", "/shared/run"], cwd=ROOT,
+                       env={**env, "STUB_EXIT_srun": str(code), "SLURM_JOB_ID": "42",
+                            "SLURM_RESTART_COUNT": str(restarts)}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == code, (code, r.stderr)
+    assert _called(bin_dir, "scontrol") == ([str(ROOT), "requeue", "42"] if requeued else None), (code, restarts)
+    (bin_dir / "scontrol.argv").unlink(missing_ok=True)
   (bin_dir / "srun.argv").unlink()
   r = subprocess.run(["bash", "tools/launch/slurm.sbatch", "configs/llama3_8b.py"], cwd=ROOT, env=env,
                      capture_output=True, text=True, timeout=60)
@@ -314,8 +395,8 @@ def test_slurm_launcher_runs_jaxtrain_main_once_per_task_under_srun(tmp_path):
   assert _called(bin_dir, "srun") is None
 
 
-def test_tpu_vm_launcher_runs_the_same_jaxtrain_main_on_every_worker(tmp_path):
-  bin_dir = _stubs(tmp_path, "gcloud", "pip", "python")
+def test_tpu_vm_launcher_runs_the_same_jaxtrain_main_on_every_worker_and_again_on_exit_75(tmp_path):
+  bin_dir = _stubs(tmp_path, "pip", "python")
   local_home, remote_home = tmp_path / "local", tmp_path / "remote"
   local_home.mkdir()
   (remote_home / "jaxtrain").mkdir(parents=True)
@@ -323,27 +404,53 @@ def test_tpu_vm_launcher_runs_the_same_jaxtrain_main_on_every_worker(tmp_path):
   env = {**{k: v for k, v in os.environ.items() if k != "REPO_DIR"}, "PATH": path, "HOME": str(local_home),
          "TPU_NAME": "my-v5p", "ZONE": "us-east5-a", "PROJECT": "my-proj", "CONFIG": "configs/llama3_8b.py",
          "WORKDIR": "gs://my-bucket/runs/llama3-8b"}
+  _gcloud_reporting(bin_dir, "0 0")
   r = subprocess.run(["bash", "tools/launch/tpu_vm.sh", *_EXTRA], cwd=ROOT, env=env, capture_output=True,
                      text=True, timeout=60)
-  assert r.returncode == 0, r.stderr
+  assert r.returncode == 0 and (bin_dir / "gcloud.calls").read_text() == "1\n", r.stderr
   gcloud = _called(bin_dir, "gcloud")[1:]
   assert gcloud[:-1] == ["compute", "tpus", "tpu-vm", "ssh", "my-v5p", "--zone=us-east5-a", "--project=my-proj",
                          "--worker=all"], gcloud
   assert gcloud[-1].startswith("--command="), gcloud
   # What every worker runs: the command, in the remote user's shell, from the checkout in the remote home.
   r = subprocess.run(["bash", "-c", gcloud[-1].removeprefix("--command=")], cwd=remote_home, capture_output=True,
-                     env={**os.environ, "PATH": path, "HOME": str(remote_home)}, text=True, timeout=60)
-  assert r.returncode == 0, r.stderr
+                     env={**os.environ, "PATH": path, "HOME": str(remote_home), "STUB_EXIT_python": "75"},
+                     text=True, timeout=60)
+  assert r.returncode == 75 and r.stdout.splitlines()[-1] == "jaxtrain-exit-code=75", (r.stdout, r.stderr)
   checkout = str(remote_home / "jaxtrain")
   assert _called(bin_dir, "pip") == [checkout, "install", "-q", "-e", ".[tpu]"]
   argv = _called(bin_dir, "python")
   assert argv == [checkout, "-m", "jaxtrain.main", "--config=configs/llama3_8b.py",
                   "--config.workdir=gs://my-bucket/runs/llama3-8b", *_EXTRA], argv
   _assert_jaxtrain_flags(argv[3:])
+  # The workers' exit codes, one ssh session after another -> the script's exit code and how many sessions ran:
+  # 75 (or no report at all: the session or the hosts went away) runs every worker again; 0 ends it; 1, 2 and 130
+  # end it with that code.
+  for sessions, code, calls in [("75 75;0 0", 0, 2), ("75;75 75;2 75", 2, 3), ("- -;0 0", 0, 2), ("1 75", 1, 1),
+                                ("130 130", 130, 1), ("75 75;75 75;75 75;0 0", 75, 3)]:
+    _gcloud_reporting(bin_dir, sessions)
+    r = subprocess.run(["bash", "tools/launch/tpu_vm.sh"], cwd=ROOT, env={**env, "MAX_RESTARTS": "2"},
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, (bin_dir / "gcloud.calls").read_text().count("\n")) == (code, calls), (sessions, r.stderr)
   (bin_dir / "gcloud.argv").unlink()
   r = subprocess.run(["bash", "tools/launch/tpu_vm.sh"], cwd=ROOT, env={**env, "TPU_NAME": ""},
                      capture_output=True, text=True, timeout=60)
   assert r.returncode != 0 and "set TPU_NAME" in r.stderr and _called(bin_dir, "gcloud") is None, r.stderr
+
+
+def _gcloud_reporting(bin_dir: pathlib.Path, sessions: str) -> None:
+  """A ``gcloud`` stub that records its arguments and, on its i-th call, prints what the workers of the i-th
+  ``;``-separated session report (``-``: a worker that reports nothing)."""
+  (bin_dir / "gcloud.calls").write_text("")
+  (bin_dir / "gcloud").write_text(f"""#!/bin/bash
+printf '%s\\0' "$PWD" "$@" > "$(dirname "$0")/gcloud.argv"
+echo 1 >> "$(dirname "$0")/gcloud.calls"
+IFS=';' read -ra sessions <<< '{sessions}'
+for code in ${{sessions[$(( $(wc -l < "$(dirname "$0")/gcloud.calls") - 1 ))]}}; do
+  [ "$code" = - ] || echo "jaxtrain-exit-code=$code"
+done
+""")
+  (bin_dir / "gcloud").chmod(0o755)
 
 
 def test_k8s_jobset_runs_jaxtrain_main_on_every_host_of_the_slice():

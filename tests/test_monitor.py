@@ -17,7 +17,7 @@ import pytest
 
 from configs import llama3_8b
 from jaxtrain import data as data_lib
-from jaxtrain import integrity, metrics, models, monitor
+from jaxtrain import exits, integrity, metrics, models, monitor
 from jaxtrain.data import loader, prepare
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.metrics import read_records
@@ -306,8 +306,8 @@ def test_a_run_flags_stagnation_at_the_configured_log_and_beats_the_watchdog_eac
   dogs = []
 
   class Recorded(monitor.Watchdog):
-    def __init__(self, *args):
-      super().__init__(*args)
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
       self.args, self.beats = args, 0
       dogs.append(self)
 
@@ -329,6 +329,7 @@ def test_a_run_flags_stagnation_at_the_configured_log_and_beats_the_watchdog_eac
   assert "step 8: loss has not improved on 0.0000 for 3 log intervals" in caplog.text
   (dog,) = dogs
   assert dog.args == (7.0, 30.0, 0.0) and dog.beats == 8
+  assert dog.log_path == str(pathlib.Path(config.workdir, "train.log"))  # where its report would go
 
 
 @pytest.fixture(scope="module")
@@ -438,6 +439,11 @@ def test_watchdog_dumps_stacks_and_exits_nonzero(tmp_path):
   assert 0 <= stalled < fired, err[-3000:]  # it fired on the hang, not before
   waited, limit = map(float, re.search(r"no step finished for ([\d.]+)s \(limit ([\d.]+)s\)", err).groups())
   assert limit == 6.0 and waited >= limit
+  # train.log keeps the report: where the loop was (step 7 dispatched, waiting for its data) and every stack.
+  log = (tmp_path / "train.log").read_text()
+  assert re.search(r"watchdog: no step finished for [\d.]+s \(limit 6.0s\): step 6 dispatched; newest step "
+                   r"logged: [56], loss [\d.]+; [\d.]+s waiting for data", log), log[-3000:]
+  assert "Thread 0x" in log and "in __next__" in log and "stall_worker.py" in log, log[-3000:]
   stacks = err[fired:]
   assert "Thread" in stacks and re.search(r'stall_worker\.py", line \d+ in __next__', stacks), stacks[-3000:]
 
@@ -530,7 +536,8 @@ def test_profiler_traces_exactly_its_window(make_config, monkeypatch, case):
   (start, steps), (started, stopped) = PROFILE_CASES[case]
   config = make_config(fsdp=8)
   if case == "resumed":  # a first run, preempted after step 2 (its checkpoint)
-    with monkeypatch.context() as m:
+    with monkeypatch.context() as m, pytest.raises(exits.Restart, match="preempted after step 2 of 5; newest "
+                                                                           "checkpoint: step 2"):
       m.setattr(loop, "PreemptionGuard", functools.partial(PreemptedAfter, 2))
       trainer.train(config)
   config.metrics.update(profile_start=start, profile_steps=steps)  # steps [start, start + steps), 0-based
@@ -541,6 +548,9 @@ def test_profiler_traces_exactly_its_window(make_config, monkeypatch, case):
     config.train.steps, config.monitor.nan_policy = 8, "stop"
     with pytest.raises(trainer.TrainingStopped, match="step 4: non-finite"):
       trainer.train(config, data=Poisoned(3, 32, 256, 16, 0))
+  elif case == "preempted":
+    with pytest.raises(exits.Restart):
+      trainer.train(config)
   else:
     trainer.train(config)
   # Stopped after the window's last step, or wherever the run ended (train.steps, a preemption, an error): a

@@ -26,10 +26,12 @@ from etils import epath
 import jaxtrain
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import data as data_lib
+from jaxtrain import exits
 from jaxtrain import integrity
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import monitor
 from jaxtrain import sampling
+from jaxtrain import workdir as workdir_lib
 from jaxtrain.train import state as state_lib
 from jaxtrain.train.preemption import PreemptionGuard
 from jaxtrain.train.run import Run
@@ -238,22 +240,36 @@ class Loop:
                  "device peak unknown: MFU not reported (set metrics.peak_tflops)")
     self.writer = metrics_lib.MetricWriter(c.workdir, c.train.steps, self.counts.step, c.metrics, self.config_dict)
     self.anomalies = monitor.AnomalyDetector(m.spike_sigma, m.spike_window, m.stagnation_logs)
-    self.watchdog = monitor.Watchdog(m.watchdog_multiple, m.watchdog_min_s, m.watchdog_timeout_s).start()
+    self.watchdog = monitor.Watchdog(m.watchdog_multiple, m.watchdog_min_s, m.watchdog_timeout_s,
+                                     log_path=workdir_lib.log_path(c.workdir), describe=self._whereabouts).start()
     self.profile = _Profiler(c)
     self._clock = (time.perf_counter(), self.counts.wall_time)
+    preempted = False
     try:  # the profiler trace, watchdog and writers must not outlive the loop, whatever ends it
       with PreemptionGuard() as preemption:
         while self.counts.step < self.last_step:
           if not self._step(preemption):
-            break  # preempted, step saved
+            preempted = True  # its step saved (unless in a run of non-finite steps)
+            break
     finally:
       self.profile.stop()
       self.watchdog.stop()
       self.writer.close()
     self.checkpointer.wait()
+    if preempted:
+      steps = self.checkpointer.steps()
+      raise exits.Restart(f"preempted after step {self.counts.step} of {self.last_step}; newest checkpoint: "
+                          f"step {steps[-1] if steps else 'none'}")
     if self.counts.step == self.last_step:
       self._final_report()
     return self.state, self.history
+
+  def _whereabouts(self) -> str:
+    """Where the loop is, for the watchdog's report (read from its thread: no waiting, no I/O)."""
+    settled = self.history[-1]["step"] if self.history else "none"
+    loss = f", loss {self.last['loss']:.4f}" if self.last else ""
+    return (f"step {self.counts.step} dispatched; newest step logged: {settled}{loss}; "
+            f"{self.interval.data_wait:.1f}s waiting for data since the last log")
 
   def _step(self, preemption) -> bool:
     """Step N: dispatched, then step N-1 settled while it runs (or N itself before N's checkpoint). False when

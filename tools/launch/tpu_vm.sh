@@ -10,6 +10,10 @@
 #   WORKDIR=gs://my-bucket/runs/llama3-8b tools/launch/tpu_vm.sh --config.mesh.fsdp=-1
 #
 # Extra arguments are passed to jaxtrain.main. Restarting the same command resumes from the newest checkpoint.
+# Restarts (exit codes: docs/operations.md): every worker reports its exit code; when one reports 75 (stopped
+# early for a cause a restart cures: a maintenance event, a lost peer, a hang) or none reports at all (the session
+# or the hosts went away), and none reports 1 (a bug), 2 (a user mistake) or 130 (interrupted), every worker runs
+# again, at most MAX_RESTARTS times. The script exits 0 when the workers report 0 (done), else with their code.
 set -euo pipefail
 : "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}" "${PROJECT:?set PROJECT}"
 : "${CONFIG:=configs/llama3_8b.py}" "${WORKDIR:?set WORKDIR (a gs:// path)}" "${REPO_DIR:=~/jaxtrain}"
@@ -17,9 +21,28 @@ set -euo pipefail
 extra=""
 for arg in "$@"; do extra+=" $(printf '%q' "$arg")"; done
 
-gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --project="$PROJECT" --worker=all --command="
-  set -e
-  cd $REPO_DIR
-  pip install -q -e '.[tpu]'
-  python -m jaxtrain.main --config=$CONFIG --config.workdir=$WORKDIR$extra
-"
+output=$(mktemp)
+trap 'rm -f "$output"' EXIT
+for ((restart = 0; ; restart++)); do
+  gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --project="$PROJECT" --worker=all --command="
+    cd $REPO_DIR && pip install -q -e '.[tpu]' || exit 1
+    python -m jaxtrain.main --config=$CONFIG --config.workdir=$WORKDIR$extra
+    code=\$?
+    echo jaxtrain-exit-code=\$code
+    exit \$code
+  " 2>&1 | tee "$output" || true
+  codes=$({ grep -o 'jaxtrain-exit-code=[0-9]*' "$output" || true; } | cut -d= -f2 | sort -un | tr '\n' ' ')
+  reported=$(grep -c 'jaxtrain-exit-code=' "$output" || true)
+  echo "jaxtrain exit codes of the workers: ${codes:-none}" >&2
+  case " $codes " in
+    *" 1 "* | *" 2 "* | *" 130 "*) exit "$(echo $codes | tr ' ' '\n' | grep -E '^(1|2|130)$' | head -1)" ;;
+  esac
+  if [ "$codes" = "0 " ]; then
+    exit 0  # every worker reached train.steps
+  fi
+  if [ "$restart" -ge "${MAX_RESTARTS:-100}" ]; then
+    echo "jaxtrain: $restart restarts, giving up" >&2
+    exit 75
+  fi
+  echo "restarting every worker (restart $((restart + 1)); $reported worker(s) reported)" >&2
+done

@@ -1,0 +1,35 @@
+"""What ``python -m jaxtrain.main`` exits with, so that a scheduler can act on it without reading logs.
+
+One table (:data:`CODES`), read by ``main``, the launchers under ``tools/launch`` and the docs
+(``docs/operations.md``, whose table a test compares with this one):
+
+- ``0`` the run reached ``train.steps`` (or its workdir already had): done, do not restart;
+- ``1`` a bug, or training stopped on purpose (the NaN policy): restarting would do the same, stop;
+- ``2`` a user mistake (config, data, paths), reported before anything was touched: fix it, do not restart;
+- ``75`` (``EX_TEMPFAIL`` of sysexits.h) training stopped early for a cause a restart cures: a preemption or time
+  limit (after its checkpoint), a lost peer process, a hang the watchdog caught. Restart the same command: it
+  resumes from the newest checkpoint;
+- ``130`` a second SIGTERM/SIGINT ended the run at once (a person insisted): nothing new saved, stop.
+"""
+
+from __future__ import annotations
+
+DONE = 0
+BUG = 1
+USER_ERROR = 2
+RESTART = 75
+INTERRUPTED = 130
+
+CODES: dict[int, str] = {
+    DONE: "train.steps reached (or already reached): done",
+    BUG: "a bug, or training stopped by the NaN policy: do not restart",
+    USER_ERROR: "a mistake in the config, data or paths, reported before anything was touched: fix it",
+    RESTART: "stopped early for a cause a restart cures (preemption or time limit after its save, a lost peer, "
+             "a hang): restart the same command",
+    INTERRUPTED: "a second SIGTERM/SIGINT: stopped at once, nothing new saved: do not restart",
+}
+
+
+class Restart(Exception):
+  """Training stopped before ``train.steps`` for a cause a restart cures; ``main`` prints it as one line and exits
+  :data:`RESTART`. ``str(e)`` says why and what was saved."""
