@@ -80,15 +80,19 @@ def defaults() -> ml_collections.ConfigDict:
       watchdog_multiple=10.0,  # exit 75 (restartable; stacks in train.log) if no step finishes in this x the median
       watchdog_min_s=120.0,  # ... but never sooner than this
       watchdog_timeout_s=0.0,  # a hard limit instead (0: use the multiple)
+      straggler_threshold=0.15,  # name a process whose data wait exceeds the median process's by this fraction of
+      # the step time (0: off) ...
+      straggler_logs=3,  # ... over this many logged steps; the same window for a slowdown of the whole job:
+      slowdown_threshold=0.15,  # warn when the step time exceeds the job's recent median by this fraction (0: off)
   ))
 
 
 def validate(config) -> None:
   NAN_POLICIES.check(config)
-  check_positive(config, ["monitor.spike_sigma", "monitor.stagnation_logs", "monitor.watchdog_timeout_s"],
-                 allow_zero=True)
+  check_positive(config, ["monitor.spike_sigma", "monitor.stagnation_logs", "monitor.watchdog_timeout_s",
+                          "monitor.straggler_threshold", "monitor.slowdown_threshold"], allow_zero=True)
   check_positive(config, ["monitor.spike_window", "monitor.watchdog_multiple", "monitor.watchdog_min_s",
-                          "monitor.max_consecutive_nonfinite"])
+                          "monitor.max_consecutive_nonfinite", "monitor.straggler_logs"])
 
 
 class AnomalyDetector:
@@ -126,6 +130,60 @@ class AnomalyDetector:
         found.append("loss_stagnation")
         logging.warning("step %d: loss has not improved on %.4f for %d log intervals", step, self.best_loss,
                         self.since_best)
+    return found
+
+
+class Stragglers:
+  """Fed at every logged step with each process's data wait per step and the job's step time; names a straggler
+  and a slowdown of the whole job (warnings, and ``straggler/...`` / ``slowdown`` entries for the record).
+
+  In an SPMD job every process's step takes the same wall time: whoever is late makes the others wait in the
+  collectives, so step times cannot tell the late one. Its own wait for its input can: a host whose data
+  loading, storage or CPU is slow waits longer for its batches than the others. Over the last ``logs`` logged
+  intervals, a process is a straggler when its data wait exceeds the median process's by more than ``threshold``
+  of the job's time (what it costs everyone); it is named when it becomes one, and again after it recovered. (A
+  slow chip delays every process alike: the profiler, not this, finds it.) The job slows down when its step time
+  over the last ``logs`` intervals exceeds the median of its recent such figures by ``slowdown``. Judging windows,
+  not single intervals, keeps one short interval (a log right after a checkpoint's) from breaking a verdict.
+  """
+
+  def __init__(self, hosts: list[str], threshold: float = 0.15, logs: int = 3, slowdown: float = 0.15,
+               history: int = 20, warn: Callable[..., None] = logging.warning):
+    self.hosts, self.threshold, self.slowdown, self.warn = hosts, threshold, slowdown, warn
+    self.window = collections.deque(maxlen=logs)  # (data waits by process, step time) of the last intervals
+    self.recent = collections.deque(maxlen=history)  # the job's step time over earlier windows
+    self.named, self.slow = [False] * len(hosts), False
+
+  def __call__(self, step: int, data_waits, step_time: float) -> dict[str, float]:
+    self.window.append((list(data_waits), step_time))
+    if len(self.window) < self.window.maxlen:
+      return {}
+    found = {}
+    spent = sum(t for _, t in self.window)
+    waits = [sum(w[p] for w, _ in self.window) for p in range(len(self.hosts))]
+    median = statistics.median(waits)
+    for p, wait in enumerate(waits):
+      excess = (wait - median) / spent if spent > 0 else 0.0
+      straggling = bool(self.threshold) and excess > self.threshold
+      if straggling:
+        found.update({"straggler/process": float(p), "straggler/excess": excess})
+        if not self.named[p]:
+          n = len(self.window)
+          self.warn("step %d: process %d on host %s is a straggler: over the last %d logged steps it waited %.3fs "
+                    "per step for its data, the median process %.3fs: %.0f%% of the job's %.3fs per step", step, p,
+                    self.hosts[p], n, wait / n, median / n, 100 * excess, spent / n)
+      self.named[p] = straggling
+    per_step = spent / len(self.window)
+    if self.slowdown and len(self.recent) >= 5:
+      usual = statistics.median(self.recent)
+      slow = per_step > (1 + self.slowdown) * usual
+      if slow:
+        found["slowdown"] = per_step / usual - 1
+        if not self.slow:
+          self.warn("step %d: the whole job slowed down: %.3fs per step over the last %d logged steps, %.0f%% over "
+                    "its recent median %.3fs", step, per_step, len(self.window), 100 * found["slowdown"], usual)
+      self.slow = slow
+    self.recent.append(per_step)
     return found
 
 

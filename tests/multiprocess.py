@@ -64,9 +64,9 @@ def slurm_env(num_processes: int, process_id: int, port: int) -> dict[str, str]:
           "JAX_COORDINATOR_PORT": str(port)}
 
 
-def start_main(args: list[str], num_processes: int = 2, local_devices: int = 4,
-               cluster: str = "explicit") -> list[subprocess.Popen]:
-  """Starts ``python -m jaxtrain.main *args`` as a ``num_processes``-process job on localhost (a fresh port):
+def start_main(args: list[str], num_processes: int = 2, local_devices: int = 4, cluster: str = "explicit",
+               entry: tuple[str, ...] = ("-m", "jaxtrain.main")) -> list[subprocess.Popen]:
+  """Starts ``python -m jaxtrain.main *args`` (or ``python *entry *args``) as a ``num_processes``-process job on localhost (a fresh port):
   ``cluster='explicit'`` passes the coordinator config flags, ``'slurm'`` gives each process the environment of
   an ``srun`` task instead (no flags: jaxtrain joins by auto-detection). stderr goes to a file per process,
   returned as ``p.err_path``."""
@@ -81,7 +81,7 @@ def start_main(args: list[str], num_processes: int = 2, local_devices: int = 4,
                f"--config.distributed.num_processes={num_processes}", f"--config.distributed.process_id={i}"]
     else:
       raise ValueError(f"cluster={cluster!r}: use 'explicit' or 'slurm'")
-    procs.append(_popen(["-m", "jaxtrain.main", *args, *flags], env, f"jaxtrain-mp-{port}-{i}.err"))
+    procs.append(_popen([*entry, *args, *flags], env, f"jaxtrain-mp-{port}-{i}.err"))
   return procs
 
 

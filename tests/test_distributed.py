@@ -9,7 +9,9 @@ import json
 import logging
 import os
 import pathlib
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -81,13 +83,34 @@ def one_process(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
-  """``losses(steps)``: the losses of an uninterrupted 2-process x 4-device run of ``steps`` steps."""
-  def losses(steps: int) -> dict[int, float]:
+  """``run(steps)``: an uninterrupted 2-process x 4-device run of ``steps`` steps (one per ``steps``, shared):
+  its workdir and its processes' stderr."""
+  @functools.cache
+  def run(steps: int) -> tuple[pathlib.Path, list[str]]:
     workdir = tmp_path_factory.mktemp("two_processes")
     procs = multiprocess.start_main([*ARGS, f"--config.workdir={workdir}", f"--config.train.steps={steps}"])
     assert multiprocess.wait_all(procs, 300) == [0, 0], procs[0].err_path.read_text()[-3000:]
-    return _losses(workdir)
-  return losses
+    return workdir, [p.err_path.read_text() for p in procs]
+  return run
+
+
+def test_a_slow_process_is_named_as_a_straggler_within_its_bound_and_a_normal_run_names_none(tmp_path,
+                                                                                             two_processes):
+  steps = 8
+  procs = multiprocess.start_main([*ARGS, f"--config.workdir={tmp_path}", f"--config.train.steps={steps}"],
+                                  entry=("tests/straggler_main.py", "1.0"))
+  assert multiprocess.wait_all(procs, 300) == [0, 0], procs[0].err_path.read_text()[-3000:]
+  err = procs[0].err_path.read_text()
+  named = re.findall(r"step (\d+): process (\d) on host (\S+) is a straggler", err)
+  # Slow from the first step; monitor.straggler_logs=3 logged steps in a row (one log per step here): step 3.
+  assert named == [("3", "1", socket.gethostname())], err[-3000:]
+  records = {r["step"]: r for r in read_records(tmp_path) if "loss" in r}
+  assert [s for s in records if "straggler/process" in records[s]] == list(range(3, steps + 1))
+  assert all(records[s]["straggler/process"] == 1 and records[s]["straggler/excess"] > 0.15 for s in range(3, 9))
+  # The same job without the delay names nobody.
+  workdir, errs = two_processes(SCHEDULED_STEPS)
+  assert not any("straggler" in e for e in errs), errs[0][-3000:]
+  assert not [r for r in read_records(workdir) if "straggler/process" in r]
 
 
 def test_two_process_job_is_killed_resumes_from_its_newest_committed_save_and_matches_one_process(
@@ -149,6 +172,9 @@ def test_preempted_two_process_job_stops_at_one_step_saves_exits_75_and_resumes_
   np.testing.assert_allclose([mp[s] for s in range(1, step + 3)], [one[s] for s in range(1, step + 3)], rtol=1e-5)
 
 
+SCHEDULED_STEPS = 16
+
+
 def _freeze(procs):
   procs[1].send_signal(signal.SIGSTOP)  # a hung process: the other waits in a collective for ever
 
@@ -165,7 +191,7 @@ TROUBLES = [
 
 def test_a_scheduler_restarting_on_exit_75_drives_a_two_process_run_through_failures_to_its_end(tmp_path,
                                                                                                two_processes):
-  workdir, end = tmp_path / "mp", 16
+  workdir, end = tmp_path / "mp", SCHEDULED_STEPS
   run = [*ARGS, f"--config.workdir={workdir}", f"--config.train.steps={end}", "--config.checkpoint.every_steps=2"]
   seen = []
   for start in range(len(TROUBLES) + 1):  # the stand-in scheduler: restart on 75, stop on anything else
@@ -190,7 +216,7 @@ def test_a_scheduler_restarting_on_exit_75_drives_a_two_process_run_through_fail
   for err in seen[1:]:
     assert "resumed from checkpoint step " in err, err[-3000:]
   # Every loss, the steps trained again after each failure included, is bitwise that of an uninterrupted run.
-  assert _losses(workdir) == two_processes(end)
+  assert _losses(workdir) == _losses(two_processes(end)[0])
 
 
 @pytest.mark.parametrize("processes", [1, 2])

@@ -615,3 +615,27 @@ def test_progress_bar_shows_step_loss_throughput_and_mfu(make_config, capsys):
   trainer.train(config)
   err = capsys.readouterr().err
   assert "5/5" in err and "loss" in err and "tok/s" in err and "MFU" in err
+
+
+def test_stragglers_name_a_process_whose_data_wait_costs_the_job_over_the_threshold_across_the_window():
+  warnings = []
+  judge = monitor.Stragglers(["a", "b", "c"], threshold=0.15, logs=3, slowdown=0.0,
+                             warn=lambda *args: warnings.append(args[0] % args[1:]))
+  # (data waits of processes 0, 1, 2; the job's step time) per logged interval. Process 2 waits 0.2 s more than
+  # the median per 1 s step from the second log on; the third interval is a short one (a log right after a save).
+  logs = [([0.0, 0.0, 0.0], 1.0), ([0.0, 0.0, 0.2], 1.0), ([0.0, 0.0, 0.0], 0.01), ([0.0, 0.0, 0.2], 1.0),
+          ([0.0, 0.0, 0.2], 1.0), ([0.0, 0.0, 0.0], 1.0), ([0.0, 0.0, 0.0], 1.0), ([0.0, 0.0, 0.0], 1.0)]
+  found = [judge(step, waits, t) for step, (waits, t) in enumerate(logs, start=1)]
+  # Windows of 3: steps 1-3 wait 0.2 of 2.01 s (10%: no), 2-4 0.4 of 2.01 (20%), 3-5 0.4 of 2.01, 4-6 0.4 of 3
+  # (13%: recovered), then nothing.
+  assert [f.get("straggler/process") for f in found] == [None, None, None, 2.0, 2.0, None, None, None]
+  assert found[3]["straggler/excess"] == pytest.approx(0.4 / 2.01)
+  assert warnings == ["step 4: process 2 on host c is a straggler: over the last 3 logged steps it waited 0.133s "
+                      "per step for its data, the median process 0.000s: 20% of the job's 0.670s per step"]
+  # A slowdown of the whole job: step time 1 s for a while, then 1.3 s (30% > 15%): warned once, when the window's
+  # mean passes 1.15 s; each record while it lasts.
+  judge, warnings[:] = monitor.Stragglers(["a"], logs=3, warn=lambda *args: warnings.append(args[0] % args[1:])), []
+  found = [judge(step, [0.0], 1.0 if step <= 8 else 1.3) for step in range(1, 14)]
+  assert [round(f.get("slowdown", 0), 3) for f in found] == [0] * 9 + [0.2, 0.3, 0.3, 0.3]
+  assert warnings == ["step 10: the whole job slowed down: 1.200s per step over the last 3 logged steps, 20% over "
+                      "its recent median 1.000s"]

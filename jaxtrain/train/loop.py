@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import socket
 import time
 from typing import Any, Callable, Iterator
 
@@ -22,6 +23,7 @@ import jax
 import numpy as np
 from absl import logging
 from etils import epath
+from jax.experimental import multihost_utils
 
 import jaxtrain
 from jaxtrain import checkpoint as checkpoint_lib
@@ -240,6 +242,9 @@ class Loop:
                  "device peak unknown: MFU not reported (set metrics.peak_tflops)")
     self.writer = metrics_lib.MetricWriter(c.workdir, c.train.steps, self.counts.step, c.metrics, self.config_dict)
     self.anomalies = monitor.AnomalyDetector(m.spike_sigma, m.spike_window, m.stagnation_logs)
+    self.stragglers = monitor.Stragglers(
+        process_hosts(), m.straggler_threshold, m.straggler_logs, m.slowdown_threshold,
+        warn=logging.warning if jax.process_index() == 0 else lambda *_: None)  # the same verdict everywhere
     self.watchdog = monitor.Watchdog(m.watchdog_multiple, m.watchdog_min_s, m.watchdog_timeout_s,
                                      log_path=workdir_lib.log_path(c.workdir), describe=self._whereabouts).start()
     self.profile = _Profiler(c)
@@ -339,6 +344,7 @@ class Loop:
   def _log(self, step: int) -> None:
     if step % self.config.train.log_every == 0 or step == self.last_step:
       record = self.interval.record(self.plan, self.flops, self.peak, self.counts.skipped_steps)
+      record.update(self._straggling(step, record))
       found = self.anomalies(step, record)
       record["anomalies"] = len(found)
       if found:
@@ -353,6 +359,13 @@ class Loop:
     if step in self.sampling:
       write_samples(self.config.workdir, step, self.sampling.pop(step)(), self.writer)
       self.watchdog.beat()
+
+  def _straggling(self, step: int, record: dict) -> dict[str, float]:
+    """Every process's data wait and step time of this log interval (a gather of two floats on a multi-process
+    job), judged by monitor.Stragglers."""
+    own = np.array([record["data_wait_s"], record["step_time"]], np.float32)
+    every = np.asarray(multihost_utils.process_allgather(own)) if jax.process_count() > 1 else own[None]
+    return self.stragglers(step, [float(t) for t in every[:, 0]], float(every[:, 1].max()))
 
   def _save(self, step: int, forced: bool, fingerprints) -> bool:
     """Saves ``step`` if it may (:func:`may_save`). True if its state was non-finite and the run rolled back."""
@@ -432,6 +445,16 @@ class _Interval:
     if peak:
       record["mfu"] = tflops * 1e12 / peak
     return record
+
+
+def process_hosts() -> list[str]:
+  """Every process's host name, by process index (one gather of 64 bytes each, on a multi-process job)."""
+  name = socket.gethostname()
+  if jax.process_count() == 1:
+    return [name]
+  own = np.frombuffer(name.encode()[:64].ljust(64, b"\0"), np.uint8)
+  every = np.asarray(multihost_utils.process_allgather(own))
+  return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every]
 
 
 def write_samples(workdir: str, step: int, samples: list[dict[str, str]], writer=None) -> None:
