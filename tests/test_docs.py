@@ -74,3 +74,11 @@ def test_slugs_match_githubs():
   assert slug("Preparing at scale: Apache Beam") == "preparing-at-scale-apache-beam"
   assert slug("Streaming raw files: `data.source=raw`") == "streaming-raw-files-datasourceraw"
   assert slug("Fine-tuning data (SFT)") == "fine-tuning-data-sft"
+
+
+def test_the_exit_code_table_is_the_one_main_uses():
+  from jaxtrain import exits
+  text = (ROOT / "docs" / "operations.md").read_text()
+  rows = re.findall(r"^\| (\d+) \| (.+?) \| (\w+) \|$", text, re.M)
+  assert {int(code): meaning for code, meaning, _ in rows} == exits.CODES
+  assert {int(code) for code, _, act in rows if act == "restart"} == {exits.RESTART}

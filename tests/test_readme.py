@@ -11,10 +11,13 @@ environment's own install is left alone.
 import json
 import os
 import pathlib
+import re
 import shutil
+import signal
 import site
 import subprocess
 import sys
+import time
 import sysconfig
 
 import numpy as np
@@ -49,6 +52,7 @@ HF_PREPARE = "--tokenizer=imported/my-llama/hf"
 HF_TRAIN = "--config=imported/my-llama/config.py"
 HF_GENERATE = "--checkpoint=runs/my-llama --prompt"
 HF_EXPORT = "export --checkpoint=runs/my-llama"
+LOCAL = "tools/launch/local.sh configs/tiny.py runs/long"
 # Shown but not runnable here, with the reason.
 NOT_RUN = {
     TEST_COMMAND: "the test command itself: .ci/run runs it, read from the README "
@@ -64,7 +68,7 @@ def test_every_readme_command_is_run_by_a_test():
                                                            CIRCULAR, MOE, CONTEXT, PREPARE, TRAIN_PREPARED, PREPARE_BEAM,
                                                            TRAIN_RAW, PREPARE_SFT,
                                                            TRAIN_SFT, GENERATE, HF_IMPORT,
-                                                           HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT)]
+                                                           HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT, LOCAL)]
   not_run = [readme.command(part) for part in NOT_RUN]
   assert sorted(run + not_run) == sorted(readme.commands())
 
@@ -292,3 +296,21 @@ def test_hugging_face_import_lora_fine_tune_generate_export(user):
   assert sorted(source) == sorted(exported)
   changed = sorted(k for k in source if source[k].tobytes() != exported[k].tobytes())
   assert changed and all(".q_proj." in k or ".v_proj." in k for k in changed), changed
+
+
+def test_local_launcher_starts_a_run_stopped_by_sigterm_again_and_it_resumes(user):
+  command = readme.command(LOCAL)
+  p = subprocess.Popen(["bash", "-c", f"{command} --config.train.steps=40 --config.train.log_every=5"],
+                       cwd=user.repo, env=user.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  metrics = user.repo / "runs/long/metrics.jsonl"
+  deadline = time.monotonic() + 600  # a bound for a loaded machine, not a wait for luck: the event ends it
+  while not (metrics.exists() and metrics.read_text().strip()):
+    assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
+    time.sleep(0.1)
+  [child] = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+  os.kill(int(child), signal.SIGTERM)  # a preemption of jaxtrain, not of the launcher
+  err = p.communicate(timeout=600)[1]
+  assert p.returncode == 0, err[-3000:]
+  saved = re.search(r"preempted: saved step (\d+), exiting", err).group(1)
+  assert "jaxtrain exited 75 (restartable): starting it again (restart 1)" in err, err[-3000:]
+  assert f"resumed from checkpoint step {saved} (" in err and "done: step 40/40" in err, err[-3000:]
