@@ -104,9 +104,10 @@ def initialize(cfg) -> None:
                       "check that process 0 runs and the address/port is reachable") from None
   logging.info("joined a %d-process job as process %d (%d local / %d global devices)", jax.process_count(),
                jax.process_index(), jax.local_device_count(), jax.device_count())
-  watch = PeerWatch(jax_distributed.global_state.client, jax.process_index(), jax.process_count(),
-                    cfg.heartbeat_timeout_s).start()
-  atexit.register(watch.done)  # after JAX's shutdown hook, so it runs first (atexit is last in, first out)
+  client = jax_distributed.global_state.client
+  if client is not None:  # None: jax.distributed.initialize was replaced (tests)
+    watch = PeerWatch(client, jax.process_index(), jax.process_count(), cfg.heartbeat_timeout_s).start()
+    atexit.register(watch.done)  # after JAX's shutdown hook, so it runs first (atexit is last in, first out)
 
 
 # Words of a collective that failed because a peer went away (gloo on CPU, NCCL on GPU, the coordination service).

@@ -332,7 +332,8 @@ def test_cluster_auto_detection(monkeypatch, env, expected):
   joined = []
 
   def initialize(coordinator_address=None, num_processes=None, process_id=None, **kwargs):
-    assert kwargs == {"initialization_timeout": 300, "heartbeat_timeout_seconds": 30}  # the config's timeouts
+    # The config's timeouts: JAX's heartbeat check is the backstop, at 2 x distributed.heartbeat_timeout_s + 10 s.
+    assert kwargs == {"initialization_timeout": 300, "heartbeat_timeout_seconds": 70}
     found = clusters.ClusterEnv.auto_detect_unset_distributed_params(
         coordinator_address, num_processes, process_id, None, None, kwargs["initialization_timeout"])[:3]
     if None in found:
