@@ -131,7 +131,7 @@ class PeerWatch:
   def __init__(self, client, process_id: int, num_processes: int, timeout_s: float, clock=time.monotonic,
                on_lost=None):
     self.client, self.me, self.n, self.timeout_s, self._clock = client, process_id, num_processes, timeout_s, clock
-    self.on_lost = on_lost or _exit_lost_peer
+    self.on_lost = on_lost or exit_lost_peer
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name="jaxtrain-peer-watch", daemon=True)
     self._heard: dict[int, tuple[str | None, float]] = {}  # peer -> (its newest beat, when it last moved)
@@ -179,7 +179,8 @@ class PeerWatch:
       pass
 
 
-def _exit_lost_peer(why: str) -> None:
+def exit_lost_peer(why: str) -> None:
+  """Says that a process of the job is gone and why (console and train.log), then exits 75 at once."""
   logging.error("a process of the job is gone (%s): exiting %d so that the job restarts", why, exits.RESTART)
   logging.flush()
   print(f"jaxtrain: stopped: a process of the job is gone ({why}); restart the job: it resumes from the newest "

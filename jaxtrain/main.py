@@ -128,9 +128,7 @@ def main(argv: list[str]) -> None:
     sys.exit(exits.BUG)
   except Exception as e:  # not the user's mistake: a lost peer, or a bug here or in a library
     if distributed.lost_peer(e):  # a collective failed because another process went away: restart the job
-      print(f"jaxtrain: stopped: a process of the job is gone ({describe(e)}); restart the job: it resumes from "
-            f"the newest checkpoint (exit {exits.RESTART})", file=sys.stderr)
-      _leave(exits.RESTART)  # at once: JAX's shutdown would wait for the lost process
+      distributed.exit_lost_peer(describe(e))
     log_file = getattr(e, "log_file", None)
     if log_file is None:  # it happened before the run had a log file: the traceback goes to the console
       raise
