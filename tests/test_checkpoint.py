@@ -7,6 +7,7 @@ import logging as std_logging
 import os
 import pathlib
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from absl import logging
 
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import exits
+from jaxtrain import goodput
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.metrics import read_records
 from jaxtrain.train import trainer
@@ -662,3 +664,34 @@ def test_fingerprints_equal_their_formula_whole_or_block_by_block(monkeypatch, b
   assert fingerprints == {k: _fingerprint_by_formula(np.asarray(v)) for k, v in tree.items()}
   assert nonfinite == ["a"]
   assert [integrity._rows_per_block(jnp.asarray(tree[k])) for k in "abcd"] == ([1, 2, 1, 0] if block else [0] * 4)
+
+
+@pytest.mark.slow
+def test_goodput_of_a_killed_and_restarted_run_counts_the_steps_redone_and_the_down_time(tmp_path):
+  p = _start(tmp_path, "--config.train.steps=40", "--config.checkpoint.every_steps=10")
+  deadline = time.monotonic() + 300  # bounds the wait for the event on a loaded machine
+  while not (_committed(tmp_path) and max(_logged_steps(tmp_path), default=0) >= _committed(tmp_path)[-1] + 3):
+    assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
+    time.sleep(0.05)
+  p.send_signal(signal.SIGSTOP)  # frozen: its last event is written and no other follows
+  first = goodput.read_events(tmp_path)
+  p.kill()
+  p.communicate()
+  time.sleep(1.0)  # the scheduler's delay
+  restarted_at = time.time()
+  err = _run(tmp_path, "--config.train.steps=40", "--config.checkpoint.every_steps=10")
+  resumed = int(re.search(r"resumed from checkpoint step (\d+) \(", err).group(1))
+  summary = json.loads((tmp_path / goodput.SUMMARY).read_text())
+  assert summary == goodput.account(goodput.read_events(tmp_path)) and summary["runs"] == 2
+  # Lost: the first run's productive time after the checkpoint the second resumed from, and those steps.
+  progress = [e for e in first if e["event"] == "progress"]
+  at_resume = [e for e in progress if e["step"] <= resumed][-1]
+  assert summary["steps_trained_again"] == progress[-1]["step"] - resumed > 0
+  assert summary["seconds"]["lost"] == pytest.approx(progress[-1]["productive"] - at_resume["productive"], abs=1e-9)
+  assert summary["seconds"]["lost"] > 0
+  # Down: from the first run's last event to the second's start (the process's own start, from the kernel: a
+  # clock tick, plus the fork and exec after restarted_at).
+  assert summary["seconds"]["down"] == pytest.approx(restarted_at - first[-1]["t"], abs=0.05)
+  assert sum(summary["shares"].values()) == pytest.approx(1.0, abs=1e-9)
+  assert sum(summary["seconds"].values()) == pytest.approx(summary["wall_s"], abs=1e-6)
+  assert f"goodput {100 * summary['goodput']:.1f}% of " in err

@@ -215,6 +215,10 @@ def test_a_scheduler_restarting_on_exit_75_drives_a_two_process_run_through_fail
   assert "watchdog: no step finished for " in log and "in _step" in log, log[-3000:]  # its stacks, kept
   for err in seen[1:]:
     assert "resumed from checkpoint step " in err, err[-3000:]
+  # The goodput account saw the four runs; its parts add up to the wall time.
+  summary = json.loads((workdir / "goodput.json").read_text())
+  assert summary["runs"] == 4 and sum(summary["shares"].values()) == pytest.approx(1.0, abs=1e-9), summary
+  assert summary["seconds"]["down"] > 0 and summary["seconds"]["productive"] > 0, summary
   # Every loss, the steps trained again after each failure included, is bitwise that of an uninterrupted run.
   assert _losses(workdir) == _losses(two_processes(end)[0])
 

@@ -53,6 +53,7 @@ HF_TRAIN = "--config=imported/my-llama/config.py"
 HF_GENERATE = "--checkpoint=runs/my-llama --prompt"
 HF_EXPORT = "export --checkpoint=runs/my-llama"
 LOCAL = "tools/launch/local.sh configs/tiny.py runs/long"
+GOODPUT = "tools/goodput.py runs/long"
 # Shown but not runnable here, with the reason.
 NOT_RUN = {
     TEST_COMMAND: "the test command itself: .ci/run runs it, read from the README "
@@ -68,7 +69,8 @@ def test_every_readme_command_is_run_by_a_test():
                                                            CIRCULAR, MOE, CONTEXT, PREPARE, TRAIN_PREPARED, PREPARE_BEAM,
                                                            TRAIN_RAW, PREPARE_SFT,
                                                            TRAIN_SFT, GENERATE, HF_IMPORT,
-                                                           HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT, LOCAL)]
+                                                           HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT, LOCAL,
+                                                           GOODPUT)]
   not_run = [readme.command(part) for part in NOT_RUN]
   assert sorted(run + not_run) == sorted(readme.commands())
 
@@ -314,3 +316,11 @@ def test_local_launcher_starts_a_run_stopped_by_sigterm_again_and_it_resumes(use
   saved = re.search(r"preempted: saved step (\d+), exiting", err).group(1)
   assert "jaxtrain exited 75 (restartable): starting it again (restart 1)" in err, err[-3000:]
   assert f"resumed from checkpoint step {saved} (" in err and "done: step 40/40" in err, err[-3000:]
+
+  # Its goodput, over both runs: the table, the plot, and goodput.json equal to the tool's account.
+  out = _ok_out(user.run(readme.command(GOODPUT)))
+  summary = json.loads((user.repo / "runs/long/goodput.json").read_text())
+  assert summary["runs"] == 2 and out.startswith(f"goodput {100 * summary['goodput']:.1f}% of ")
+  for part in ("productive", "startup", "down", "lost"):
+    assert re.search(rf"^{part} +[\d.]+ +[\d.]+%$", out, re.M), out
+  assert (user.repo / "runs/long/goodput.png").stat().st_size > 10_000

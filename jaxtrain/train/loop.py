@@ -29,6 +29,7 @@ import jaxtrain
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import data as data_lib
 from jaxtrain import exits
+from jaxtrain import goodput as goodput_lib
 from jaxtrain import integrity
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import monitor
@@ -213,7 +214,8 @@ class Loop:
   fresh with ``{}``) to ``train.steps`` or a preemption and returns the final state and the logged records."""
 
   def __init__(self, run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Checkpointer, step_fn,
-               summarize, evaluate, state, meta: dict):
+               summarize, evaluate, state, meta: dict, goodput: goodput_lib.Recorder | None = None,
+               restore_s: float = 0.0):
     c = self.config = run.config
     self.plan, self.data, self.checkpointer = run, data, checkpointer  # plan: the trainer's Run
     self.step_fn, self.summarize, self.evaluate = step_fn, summarize, evaluate
@@ -233,6 +235,9 @@ class Loop:
     self.flops = metrics_lib.flops_per_token(run.model, c.data.seq_len)
     self.peak = metrics_lib.peak_flops_per_device(c.metrics.peak_tflops)
     self.config_dict = json.loads(c.to_json_best_effort())  # saved with every checkpoint
+    self.goodput = goodput or goodput_lib.Recorder(c.workdir)  # the trainer's has recorded the run's start
+    self.restore_s = restore_s  # seconds the trainer spent restoring the checkpoint this run resumed from
+    self.spent = dict.fromkeys(("checkpoint", "eval", "data_wait"), 0.0)  # the loop's seconds, for goodput
 
   def run(self):
     """Trains; returns ``(state, history)``. Raises TrainingStopped when the NaN policy or its limits stop it."""
@@ -249,6 +254,7 @@ class Loop:
                                      log_path=workdir_lib.log_path(c.workdir), describe=self._whereabouts).start()
     self.profile = _Profiler(c)
     self._clock = (time.perf_counter(), self.counts.wall_time)
+    self.goodput.ready(self.counts.step, self.restore_s)
     preempted = False
     try:  # the profiler trace, watchdog and writers must not outlive the loop, whatever ends it
       with PreemptionGuard() as preemption:
@@ -261,6 +267,7 @@ class Loop:
       self.watchdog.stop()
       self.writer.close()
     self.checkpointer.wait()
+    self.account = self.goodput.end(self.counts.step)
     if preempted:
       steps = self.checkpointer.steps()
       raise exits.Restart(f"preempted after step {self.counts.step} of {self.last_step}; newest checkpoint: "
@@ -304,7 +311,9 @@ class Loop:
     t = time.perf_counter()
     local = next(self.data)
     batch = data_lib.to_global(local, self.plan.batch_sharding)
-    self.interval.data_wait += time.perf_counter() - t
+    waited = time.perf_counter() - t
+    self.interval.data_wait += waited
+    self.spent["data_wait"] += waited
     step = self.counts.step + 1
     self.recent_doc_ids.append((step, local.get("doc_ids")))
     self.profile(step - 1, self.state)
@@ -352,6 +361,7 @@ class Loop:
       self.writer.write(step, record)
       self.history.append({"step": step, **record})
       self.interval = _Interval()
+    t = time.perf_counter()
     if step in self.evaluating:
       self.last_eval.update(self.evaluating.pop(step)())
       self.writer.write(step, self.last_eval)
@@ -359,6 +369,14 @@ class Loop:
     if step in self.sampling:
       write_samples(self.config.workdir, step, self.sampling.pop(step)(), self.writer)
       self.watchdog.beat()
+    self.spent["eval"] += time.perf_counter() - t
+    if self.history and self.history[-1]["step"] == step:
+      self.goodput.progress(step, self._spent_now())
+
+  def _spent_now(self) -> dict[str, float]:
+    """The loop's seconds so far in this run: productive (the rest of them) and each of ``self.spent``."""
+    loop = time.perf_counter() - self._clock[0]
+    return {"productive": loop - sum(self.spent.values()), **self.spent}
 
   def _straggling(self, step: int, record: dict) -> dict[str, float]:
     """Every process's data wait and step time of this log interval (a gather of two floats on a multi-process
@@ -380,6 +398,8 @@ class Loop:
       logging.warning("step %d: not saved: %s", step, e)
       return self._recover("escalate", step, why=f"a state with {e}")
     self.interval.checkpoint_blocked += self.checkpointer.last_save_blocked_s
+    self.spent["checkpoint"] += self.checkpointer.last_save_blocked_s
+    self.goodput.progress(step, self._spent_now())
     return False
 
   def _recover(self, action: monitor.Action, bad_step: int, why: str = "") -> bool:
@@ -421,6 +441,8 @@ class Loop:
     where = f"checkpoint {saved}, metrics {workdir / 'metrics.jsonl'}"
     if c.metrics.tensorboard:
       where += f", TensorBoard {workdir / 'tensorboard'}"
+    if self.account:
+      where += f"; {goodput_lib.describe(self.account)} ({workdir / goodput_lib.SUMMARY})"
     logging.info("done: step %d/%d, %s, %s tokens, %dm%02ds of training in all; %s; plot: python "
                  "tools/plot_metrics.py %s --out=%s", step, c.train.steps, loss, f"{counts.tokens_seen:,}", minutes,
                  seconds, where, workdir, workdir / "metrics.png")

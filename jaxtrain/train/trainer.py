@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import data as data_lib
+from jaxtrain import goodput
 from jaxtrain import integrity
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import sharding
@@ -198,6 +199,8 @@ def _already_done(run: Run, checkpointer: checkpoint_lib.Checkpointer) -> bool:
 def _train(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Checkpointer):
   """Compiles, restores (or initializes) and runs the loop."""
   config = run.config
+  recorder = goodput.Recorder(config.workdir)
+  recorder.start()
   write_config(config)
   report(run)
   t0 = time.perf_counter()
@@ -208,10 +211,13 @@ def _train(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Checkpoi
   if checkpointer.verify:
     summarize = jax.jit(integrity.summary).lower(state_lib.abstract(run.model, run.tx, run.state_shardings))
     summarize = summarize.compile()
+  t = time.perf_counter()
   state, meta = restore_or_init(run, checkpointer, data)
+  restore_s = time.perf_counter() - t if meta else 0.0  # a fresh state's init is start-up
   evaluate = make_evaluator(run) if config.eval.every_steps else None
   logging.info("compiled and initialized in %.1fs", time.perf_counter() - t0)
-  return loop_lib.Loop(run, data, checkpointer, step_fn, summarize, evaluate, state, meta).run()
+  return loop_lib.Loop(run, data, checkpointer, step_fn, summarize, evaluate, state, meta, goodput=recorder,
+                       restore_s=restore_s).run()
 
 
 def make_evaluator(run: Run):
