@@ -55,6 +55,10 @@ def base_config(model: str = "llama") -> ml_collections.ConfigDict:
       # The batch is split into this many microbatches: accumulated one after the other, or, with
       # mesh.pipeline > 1, flowing through the stages together. 0 = auto: 1, or the stage count when pipelined.
       microbatches=0,
+      # Elastic batch: at most this many rows on any device per pass (0: no limit). The microbatch count is
+      # derived for the devices the run starts on (the fewest, at least train.microbatches, that keep to it), so
+      # a restart on fewer or more devices keeps global_batch_size and accumulates more or fewer microbatches.
+      max_rows_per_device=0,
       log_every=10,
       # Greedy continuations of sample_prompts (sample_tokens new tokens each) logged every N steps and at the end
       # (0: off): to the log and <workdir>/samples.jsonl (jaxtrain.sampling.Sampler, compiled once).
@@ -93,7 +97,8 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
   for module in [module for _, module in COMPONENTS] + list(CROSS_CHECKS):
     module.validate(cfg)
   check_positive(cfg, ["train.steps", "train.global_batch_size", "train.log_every"])
-  check_positive(cfg, ["train.microbatches", "eval.every_steps", "eval.max_batches"], allow_zero=True)
+  check_positive(cfg, ["train.microbatches", "train.max_rows_per_device", "eval.every_steps", "eval.max_batches"],
+                 allow_zero=True)
   check_positive(cfg, ["train.sample_every"], allow_zero=True)
   check_positive(cfg, ["train.sample_tokens"])
   prompts = cfg.train.sample_prompts

@@ -67,7 +67,7 @@ def slurm_env(num_processes: int, process_id: int, port: int) -> dict[str, str]:
 def start_main(args: list[str], num_processes: int = 2, local_devices: int = 4, cluster: str = "explicit",
                entry: tuple[str, ...] = ("-m", "jaxtrain.main")) -> list[subprocess.Popen]:
   """Starts ``python -m jaxtrain.main *args`` (or ``python *entry *args``) as a ``num_processes``-process job on localhost (a fresh port):
-  ``cluster='explicit'`` passes the coordinator config flags, ``'slurm'`` gives each process the environment of
+  ``cluster='explicit'`` passes the coordinator config flags (none for one process), ``'slurm'`` gives each process the environment of
   an ``srun`` task instead (no flags: jaxtrain joins by auto-detection). stderr goes to a file per process,
   returned as ``p.err_path``."""
   port = portpicker.pick_unused_port()
@@ -76,10 +76,10 @@ def start_main(args: list[str], num_processes: int = 2, local_devices: int = 4, 
     env, flags = _env(local_devices), []
     if cluster == "slurm":
       env.update(slurm_env(num_processes, i, port))
-    elif cluster == "explicit":
+    elif cluster == "explicit" and num_processes > 1:
       flags = [f"--config.distributed.coordinator_address=127.0.0.1:{port}",
                f"--config.distributed.num_processes={num_processes}", f"--config.distributed.process_id={i}"]
-    else:
+    elif cluster != "explicit":
       raise ValueError(f"cluster={cluster!r}: use 'explicit' or 'slurm'")
     procs.append(_popen([*entry, *args, *flags], env, f"jaxtrain-mp-{port}-{i}.err"))
   return procs

@@ -113,6 +113,37 @@ def test_a_slow_process_is_named_as_a_straggler_within_its_bound_and_a_normal_ru
   assert not [r for r in read_records(workdir) if "straggler/process" in r]
 
 
+def test_elastic_restarts_on_fewer_then_more_devices_keep_the_global_batch_and_the_losses(tmp_path, two_processes):
+  workdir, end = tmp_path / "mp", SCHEDULED_STEPS
+  run = [*ARGS, f"--config.workdir={workdir}", "--config.checkpoint.every_steps=2",
+         "--config.train.max_rows_per_device=1"]  # the global batch of 8: one row per device per pass
+  procs = multiprocess.start_main([*run, f"--config.train.steps={end}"])  # 2 processes x 4 devices: 1 microbatch
+  _wait_for(lambda: _committed(workdir), procs, 300, "a checkpoint")
+  procs[1].send_signal(signal.SIGKILL)  # a host lost for good
+  assert multiprocess.wait_all(procs, 120) == [exits.RESTART, -9], procs[0].err_path.read_text()[-3000:]
+  first = procs[0].err_path.read_text()
+  assert "train.max_rows_per_device=1: 1 microbatch(es) of 8 rows, 1 per device over 8 batch shards" in first
+  # The job goes on as the one host left: 4 devices, the same global batch in 2 microbatches, for a few steps ...
+  resumed = _committed(workdir)[-1]
+  [alone] = multiprocess.start_main([*run, f"--config.train.steps={resumed + 3}"], num_processes=1)
+  assert multiprocess.wait_all([alone], 300) == [0], alone.err_path.read_text()[-3000:]
+  err = alone.err_path.read_text()
+  assert "2 microbatch(es) of 4 rows, 1 per device over 4 batch shards" in err, err[-3000:]
+  assert re.search(rf"resumed from checkpoint step {resumed} \(.*\n.*resumed on another layout: processes 2 -> 1, "
+                   r"mesh \{[^}]*'fsdp': 8[^}]*\} -> \{[^}]*'fsdp': 4[^}]*\}, microbatches 1 -> 2; the global batch "
+                   r"stays 8 rows", err), err[-3000:]
+  # ... then a replacement host joins: 2 x 4 again, 1 microbatch, to the end.
+  procs = multiprocess.start_main([*run, f"--config.train.steps={end}"])
+  assert multiprocess.wait_all(procs, 300) == [0, 0], procs[0].err_path.read_text()[-3000:]
+  assert "processes 1 -> 2, mesh" in procs[0].err_path.read_text() and "microbatches 2 -> 1" in \
+      procs[0].err_path.read_text()
+  # Every step's loss equals the uninterrupted 2 x 4 run's (token-weighted accumulation: equal but for the float
+  # summation order).
+  losses, reference = _losses(workdir), _losses(two_processes(end)[0])
+  np.testing.assert_allclose([losses[s] for s in range(1, end + 1)], [reference[s] for s in range(1, end + 1)],
+                             rtol=1e-5)
+
+
 def test_two_process_job_is_killed_resumes_from_its_newest_committed_save_and_matches_one_process(
     tmp_path, one_process):
   workdir = tmp_path / "mp"

@@ -117,3 +117,28 @@ def test_a_record_cut_by_a_kill_is_dropped_when_the_run_resumes(make_config, tmp
   writer.close()
   assert [json.loads(line) for line in path.read_text().splitlines()] == [{"step": 1, "loss": 5.5},
                                                                           {"step": 2, "eval_loss": 5.25}]
+
+
+@pytest.mark.parametrize("batch, least, limit, shards, expected", [
+    (8, 0, 0, 8, 1),  # no limit: train.microbatches (0: 1)
+    (8, 2, 0, 8, 2),
+    (8, 0, 1, 8, 1),  # 8 rows over 8 devices: 1 each
+    (8, 0, 1, 4, 2),  # the same batch on 4 devices: 2 microbatches of 4 rows
+    (16, 0, 2, 2, 4),  # 16 rows, 2 devices, at most 2 each: 4 of 4 rows
+    (16, 0, 3, 2, 4),  # 3 per device is not reachable evenly: 2 (4 microbatches)
+    (16, 8, 2, 2, 8),  # at least train.microbatches
+    (12, 0, 1, 4, 3),  # 12 rows on 4 devices: 3 microbatches of 4
+    (8, 0, 1, 16, None),  # fewer rows than devices: no split keeps every device busy
+])
+def test_max_rows_per_device_picks_the_fewest_microbatches_that_keep_to_it(batch, least, limit, shards, expected):
+  from jaxtrain.config import base_config
+  from jaxtrain.errors import ConfigError
+  from jaxtrain.train import run
+  train = base_config().train
+  train.update(global_batch_size=batch, microbatches=least, max_rows_per_device=limit)
+  if expected is None:
+    with pytest.raises(ConfigError, match=r"^train.max_rows_per_device: no split of train.global_batch_size=8 into "
+                                          r"microbatches \(at least 1\) puts at most 1 row\(s\) on each of the 16"):
+      run.microbatches_for(train, shards)
+  else:
+    assert run.microbatches_for(train, shards) == expected

@@ -84,11 +84,19 @@ class RunMeta:
   seed: int
   loss: float | None  # the saved step's (None: no step fetched yet in this run)
   saved_at: float  # Unix time
+  processes: int = 1  # the job's layout when it saved (checkpoints from before these keys: the defaults)
+  microbatches: int = 1
 
   @classmethod
   def now(cls, run: Run, loss: float | None) -> RunMeta:
     return cls(jaxtrain_version=jaxtrain.__version__, mesh=dict(run.mesh.shape), seed=run.config.train.seed,
-               loss=loss, saved_at=time.time())
+               loss=loss, saved_at=time.time(), processes=jax.process_count(), microbatches=run.microbatches)
+
+  def layout_changes(self, meta: dict) -> list[str]:
+    """What differs between the layout that saved a checkpoint (its ``meta``) and this one, e.g. ``['processes 2
+    -> 1', 'microbatches 1 -> 2']``; keys a checkpoint lacks are not compared."""
+    return [f"{key} {meta[key]} -> {getattr(self, key)}" for key in ("processes", "mesh", "microbatches")
+            if key in meta and meta[key] != getattr(self, key)]
 
 
 def checkpoint_meta(run_meta: RunMeta, counts: LoopState) -> dict:

@@ -71,13 +71,16 @@ see :func:`jaxtrain.config.resolve`). Raises ConfigError on user mistakes."""
     chosen = attention_lib.choose(platform, config.data.seq_len, mesh.shape["context"], in_shard_map=bool(pipeline))
     logging.info("model.attention=auto: %s (%s, seq_len %d, mesh.context %d%s)", chosen, platform,
                  config.data.seq_len, mesh.shape["context"], ", inside pipeline stages" if pipeline else "")
-  microbatches = pipeline.microbatches if pipeline else config.train.microbatches or 1
+  batch_axes, batch_shards = sharding.batch_shards(dict(mesh.shape), rules)
+  if pipeline and config.train.max_rows_per_device:
+    raise ConfigError("train.max_rows_per_device", "is not supported with pipeline parallelism (its microbatches "
+                      "are the pipeline's)", "set it to 0, or set pipeline.microbatches yourself")
+  microbatches = pipeline.microbatches if pipeline else microbatches_for(config.train, batch_shards)
   if config.train.global_batch_size % microbatches:
     raise ConfigError("train.microbatches", f"{microbatches} does not divide train.global_batch_size="
                       f"{config.train.global_batch_size}", "choose a divisor of the batch size")
   sharding.check_shardable(model.abstract_params, model.logical_specs, mesh, rules,
                            functools.partial(models.axis_key, config.model.name))
-  batch_axes, batch_shards = sharding.batch_shards(dict(mesh.shape), rules)
   per_microbatch = config.train.global_batch_size // microbatches
   if per_microbatch % batch_shards:
     axes = " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in batch_axes)
@@ -98,6 +101,21 @@ see :func:`jaxtrain.config.resolve`). Raises ConfigError on user mistakes."""
              state_shardings=state_lib.shardings(model, tx, mesh, rules),
              batch_sharding=sharding.batch_sharding(mesh, rules), microbatches=microbatches,
              pipeline_schedule=pipeline, aux_weights=aux_weights)
+
+
+def microbatches_for(train: ml_collections.ConfigDict, batch_shards: int) -> int:
+  """``train.microbatches`` (1 if 0); with ``train.max_rows_per_device`` set, the fewest microbatches, at least
+  that many, whose rows split evenly over the ``batch_shards`` devices a batch is split over, at most the limit on
+  each."""
+  rows, least, limit = train.global_batch_size, max(train.microbatches, 1), train.max_rows_per_device
+  if not limit:
+    return least
+  for m in range(least, rows + 1):
+    if rows % m == 0 and (rows // m) % batch_shards == 0 and rows // m // batch_shards <= limit:
+      return m
+  raise ConfigError("train.max_rows_per_device", f"no split of train.global_batch_size={rows} into microbatches "
+                    f"(at least {least}) puts at most {limit} row(s) on each of the {batch_shards} devices the batch "
+                    "is split over", "raise the limit, or use a global batch size with more divisors")
 
 
 def report(run: Run) -> dict[str, Any]:
@@ -124,6 +142,12 @@ def report(run: Run) -> dict[str, Any]:
     logging.info("LoRA rank %d, alpha %g on %s: %s trainable parameters (%.3f%%), the base is frozen",
                  lora_cfg.rank, lora_cfg.alpha, lora_cfg.targets, f"{info['trainable_params']:,}",
                  100 * info["trainable_params"] / info["params"])
+  train = run.config.train
+  if train.max_rows_per_device:
+    rows = train.global_batch_size // run.microbatches
+    shards = sharding.batch_shards(dict(run.mesh.shape), run.rules)[1]
+    logging.info("train.max_rows_per_device=%d: %d microbatch(es) of %d rows, %d per device over %d batch shards",
+                 train.max_rows_per_device, run.microbatches, rows, rows // shards, shards)
   if run.pipeline_schedule:
     p = run.pipeline_schedule
     logging.info("pipeline: %d stages, %s, %d microbatches, %d layers per stage -> bubble %.1f%% "

@@ -79,6 +79,10 @@ def restore_or_init(run: Run, checkpointer: checkpoint_lib.Checkpointer, data) -
   if restored is not None:
     state, meta = restored
     logging.info("resumed from checkpoint step %d (%s)", int(state.step), checkpointer.directory)
+    changed = loop_lib.RunMeta.now(run, None).layout_changes(meta)
+    if changed:
+      logging.info("resumed on another layout: %s; the global batch stays %d rows", ", ".join(changed),
+                   run.config.train.global_batch_size)
     return state, meta
   state = init_state(run)
   c = run.config.checkpoint
