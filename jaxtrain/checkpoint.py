@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 
 from jaxtrain import integrity
 from jaxtrain import paths
-from jaxtrain.errors import UserError, check_choice, check_positive
+from jaxtrain.errors import ConfigError, UserError, check_choice, check_positive
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -49,13 +49,26 @@ def defaults() -> ml_collections.ConfigDict:
       "verify": True,  # fingerprint every array at save, check them (and finiteness) at restore
       "restore_from": "",  # start from another run's checkpoint (folder of steps, or one step folder)
       "restore_mode": "params",  # params | state: what restore_from takes from that checkpoint
+      # A node-local tier (jaxtrain.local_checkpoint): each process saves its own shards to this folder on its
+      # own disk (a local NVMe, /dev/shm; empty: off) every local_every_steps, keeping local_keep_last of them.
+      "local_dir": "",
+      "local_every_steps": 0,
+      "local_keep_last": 2,
   })
 
 
 def validate(config) -> None:
   check_positive(config, ["checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.keep_every"],
                  allow_zero=True)
-  check_positive(config, ["checkpoint.keep_last"])
+  check_positive(config, ["checkpoint.keep_last", "checkpoint.local_keep_last"])
+  check_positive(config, ["checkpoint.local_every_steps"], allow_zero=True)
+  c = config.checkpoint
+  if c.local_dir and not c.local_every_steps:
+    raise ConfigError("checkpoint.local_every_steps", "must be > 0 when checkpoint.local_dir is set",
+                      "set how often the local tier saves, e.g. --config.checkpoint.local_every_steps=100")
+  if c.local_dir and paths.is_url(c.local_dir):
+    raise ConfigError("checkpoint.local_dir", f"'{c.local_dir}' is not on a local disk",
+                      "give a node-local folder (a local NVMe, /dev/shm); checkpoint.dir is the persistent tier")
   check_choice(config, "checkpoint.restore_mode", ("params", "state"))
 
 

@@ -10,6 +10,7 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -142,6 +143,70 @@ def test_elastic_restarts_on_fewer_then_more_devices_keep_the_global_batch_and_t
   losses, reference = _losses(workdir), _losses(two_processes(end)[0])
   np.testing.assert_allclose([losses[s] for s in range(1, end + 1)], [reference[s] for s in range(1, end + 1)],
                              rtol=1e-5)
+
+
+def _local_steps(root, process: int) -> list[int]:
+  """Committed steps of process ``process``'s node-local tier (of a 2-process job)."""
+  folder = pathlib.Path(root) / f"process_{process}-of-2"
+  return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and (p / "meta.json").exists()) \
+      if folder.exists() else []
+
+
+def _resumed_from(err: str) -> tuple[int, str]:
+  step, where = re.search(r"resumed from checkpoint step (\d+) \((.*?)\)", err).groups()
+  return int(step), where
+
+
+def test_two_tiers_resume_from_the_newest_local_step_all_share_else_from_the_persistent_tier(tmp_path,
+                                                                                           two_processes):
+  workdir, local, end = tmp_path / "mp", tmp_path / "local", SCHEDULED_STEPS
+  run = [*ARGS, f"--config.workdir={workdir}", f"--config.train.steps={end}", "--config.checkpoint.every_steps=4",
+         f"--config.checkpoint.local_dir={local}", "--config.checkpoint.local_every_steps=1",
+         "--config.checkpoint.local_keep_last=3"]
+
+  def start_and_kill(after):
+    """Starts the job, waits until ``after(procs)`` holds, kills both processes; process 0's stderr."""
+    procs = multiprocess.start_main(run)
+    _wait_for(lambda: after(procs), procs, 300, "the checkpoints to be written")
+    for p in procs:
+      p.send_signal(signal.SIGKILL)
+    multiprocess.wait_all(procs, 30)
+    return procs[0].err_path.read_text()
+
+  def local_ahead(by):  # both processes' local tiers hold a step `by` past the newest persistent one
+    return lambda procs: _committed(workdir) and min(max(_local_steps(local, i), default=0) for i in (0, 1)) >= \
+        _committed(workdir)[-1] + by
+
+  start_and_kill(local_ahead(2))
+  # 1. Killed: the restart resumes from the newest local step both processes hold, newer than the persistent one.
+  common = max(set(_local_steps(local, 0)) & set(_local_steps(local, 1)))
+  assert common > _committed(workdir)[-1]
+  err = start_and_kill(lambda procs: "resumed from checkpoint step" in procs[0].err_path.read_text())
+  assert _resumed_from(err) == (common, f"local tier, {local}"), err[-3000:]
+  # 2. Process 1's host is replaced (an empty local disk): both resume from the newest persistent step.
+  shutil.rmtree(local / "process_1-of-2")
+  persistent = _committed(workdir)[-1]
+  err = start_and_kill(local_ahead(2))
+  assert _resumed_from(err) == (persistent, str(workdir / "checkpoints")), err[-3000:]
+  # 3. Process 0's newest common local step is corrupt (flipped bytes): set aside everywhere, and the newest
+  # step that remains is used (an older common local one, else the persistent one).
+  common = sorted(set(_local_steps(local, 0)) & set(_local_steps(local, 1)))
+  persistent = _committed(workdir)[-1]
+  assert common and common[-1] > persistent, (common, persistent)
+  expected = (common[-2], f"local tier, {local}") if len(common) > 1 and common[-2] > persistent else \
+      (persistent, str(workdir / "checkpoints"))
+  shards = local / "process_0-of-2" / str(common[-1]) / "shards.npz"
+  data = bytearray(shards.read_bytes())
+  data[len(data) // 2] ^= 0xFF
+  shards.write_bytes(bytes(data))
+  procs = multiprocess.start_main(run)
+  assert multiprocess.wait_all(procs, 300) == [0, 0], procs[0].err_path.read_text()[-3000:]
+  err = procs[0].err_path.read_text()
+  assert f"local checkpoint step {common[-1]} in {local / 'process_0-of-2'} cannot be restored" in err, err[-3000:]
+  assert _resumed_from(err) == expected, err[-3000:]
+  assert list((local / "process_1-of-2").glob(f"corrupt-{common[-1]}-*")), "process 1 set it aside too"
+  # Every loss, the steps trained again included, is bitwise that of an uninterrupted run.
+  assert _losses(workdir) == _losses(two_processes(end)[0])
 
 
 def test_two_process_job_is_killed_resumes_from_its_newest_committed_save_and_matches_one_process(

@@ -1,4 +1,5 @@
-"""Checkpoint benchmark: how long the training loop blocks per async save vs a synchronous save.
+"""Checkpoint benchmark: how long the training loop blocks per async save vs a synchronous save, and per save to
+the node-local tier (``checkpoint.local_dir``) vs the persistent one.
 
   python tools/bench_checkpoint.py [--config=cpu_50m] [--saves=5] [--dir=/tmp/jaxtrain-bench-ckpt]
       [--out=benchmarks/results/checkpoint.json]
@@ -12,7 +13,9 @@ first is reported apart (it sets Orbax up). Blocking = the time ``save()`` takes
 training loop waits for; for async saves the background write is timed up to ``wait()``. With verification the
 save is handed the state's fingerprints as the train step computes them; the pass that computes them is timed
 apart (it is device work of the save step, not blocking). Restore = reading the newest checkpoint back onto the
-mesh (median of 3), with verification: plus recomputing and comparing the fingerprints and finiteness.
+mesh (median of 3), with verification: plus recomputing and comparing the fingerprints and finiteness. The
+local tier (jaxtrain.local_checkpoint, always verified) is timed the same way into ``--dir``/local: the loop
+waits for the device-to-host copy, a thread writes the file.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from absl import app, flags, logging  # noqa: E402
 from jaxtrain import checkpoint as checkpoint_lib  # noqa: E402
 from jaxtrain import data as data_lib  # noqa: E402
 from jaxtrain import integrity  # noqa: E402
+from jaxtrain import local_checkpoint  # noqa: E402
 from jaxtrain import sharding  # noqa: E402
 from jaxtrain.data.synthetic import SyntheticSource  # noqa: E402
 from jaxtrain.train import state as state_lib  # noqa: E402
@@ -106,6 +110,23 @@ def main(argv):
                     "save_total_s_median": statistics.median(written[1:]),
                     "restore_s_median": statistics.median(restores), "disk_bytes": disk_bytes,
                     "blocked_s": blocked, "save_total_s": written, "restore_s": restores}
+  local = local_checkpoint.LocalCheckpointer(os.path.join(_DIR.value, "local"), every_steps=1, keep_last=2)
+  blocked, written = [], []
+  for step in range(1, _SAVES.value + 1):
+    _, b = timed(local.save, step, state, data, meta={"step": step}, summary=summary)
+    _, w = timed(local.wait)
+    blocked.append(local.last_save_blocked_s)
+    written.append(b + w)
+  newest = pathlib.Path(local.directory, str(local.steps()[-1]))
+  restores = [timed(lambda: jax.block_until_ready(local.restore(abstract, data, newer_than=0)[0]))[1]
+              for _ in range(3)]
+  results["local"] = {"first_save_blocked_s": blocked[0], "blocked_s_median": statistics.median(blocked[1:]),
+                      "save_total_s_median": statistics.median(written[1:]),
+                      "restore_s_median": statistics.median(restores),
+                      "disk_bytes": sum(f.stat().st_size for f in newest.rglob("*") if f.is_file()),
+                      "blocked_s": blocked, "save_total_s": written, "restore_s": restores}
+  results["local_blocking_vs_async_verified"] = (results["local"]["blocked_s_median"] /
+                                                 results["async_verified"]["blocked_s_median"])
   for suffix in ("", "_verified"):
     results[f"async_blocking_vs_sync{suffix}"] = (results[f"async{suffix}"]["blocked_s_median"] /
                                                  results[f"sync{suffix}"]["blocked_s_median"])
@@ -115,12 +136,13 @@ def main(argv):
         f"after {_TRAIN_STEPS.value} optimizer steps")
   print(f"{'mode':<7}{'verify':>7}{'loop blocked s (median)':>25}{'save total s':>14}{'first save s':>14}"
         f"{'restore s':>11}{'on disk MB':>12}")
-  for mode, verify in modes:
-    r = results[f"{mode}_verified" if verify else mode]
+  for mode, verify in modes + [("local", True)]:
+    r = results[f"{mode}_verified" if verify and mode != "local" else mode]
     print(f"{mode:<7}{'yes' if verify else 'no':>7}{r['blocked_s_median']:>25.3f}{r['save_total_s_median']:>14.3f}"
           f"{r['first_save_blocked_s']:>14.3f}{r['restore_s_median']:>11.3f}{r['disk_bytes'] / 1e6:>12,.0f}")
   print(f"async blocking / sync save = {results['async_blocking_vs_sync_verified']:.3f} with verification, "
         f"{results['async_blocking_vs_sync']:.3f} without")
+  print(f"local tier blocking / persistent async save (verified) = {results['local_blocking_vs_async_verified']:.3f}")
   print(f"fingerprint + finiteness pass over the state (device work of a save step) = "
         f"{results['fingerprint_pass_s_median']:.3f} s")
   print(f"wrote {_bench.write_json(_OUT.value, results)}")

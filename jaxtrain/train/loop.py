@@ -31,6 +31,7 @@ from jaxtrain import data as data_lib
 from jaxtrain import exits
 from jaxtrain import goodput as goodput_lib
 from jaxtrain import integrity
+from jaxtrain import local_checkpoint
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import monitor
 from jaxtrain import sampling
@@ -223,7 +224,7 @@ class Loop:
 
   def __init__(self, run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Checkpointer, step_fn,
                summarize, evaluate, state, meta: dict, goodput: goodput_lib.Recorder | None = None,
-               restore_s: float = 0.0):
+               restore_s: float = 0.0, local: local_checkpoint.LocalCheckpointer | None = None):
     c = self.config = run.config
     self.plan, self.data, self.checkpointer = run, data, checkpointer  # plan: the trainer's Run
     self.step_fn, self.summarize, self.evaluate = step_fn, summarize, evaluate
@@ -245,6 +246,7 @@ class Loop:
     self.config_dict = json.loads(c.to_json_best_effort())  # saved with every checkpoint
     self.goodput = goodput or goodput_lib.Recorder(c.workdir)  # the trainer's has recorded the run's start
     self.restore_s = restore_s  # seconds the trainer spent restoring the checkpoint this run resumed from
+    self.local = local  # the node-local tier (checkpoint.local_dir), or None
     self.spent = dict.fromkeys(("checkpoint", "eval", "data_wait"), 0.0)  # the loop's seconds, for goodput
 
   def run(self):
@@ -275,6 +277,8 @@ class Loop:
       self.watchdog.stop()
       self.writer.close()
     self.checkpointer.wait()
+    if self.local is not None:
+      self.local.wait()
     self.account = self.goodput.end(self.counts.step)
     if preempted:
       steps = self.checkpointer.steps()
@@ -299,12 +303,14 @@ class Loop:
       return True  # rolled back: step N was dropped with the steps after the checkpoint
     preempted = preemption.requested(step)
     due = checkpoint_due(step, self.last_step, preempted, self.checkpointer.should_save)
+    if not due and self.local is not None and self.local.should_save(step):
+      due = "local"
     if due:
       # Wait for the step's fingerprints before its metrics are logged, so that the save follows the log.
       fingerprints = integrity.read(self.summary[1]) if self.summary and self.summary[0] == step else None
       if self._settle(self.buffer.flush()):
         return True  # rolled back: no checkpoint follows a bad step
-      if self._save(step, due == "forced", fingerprints):
+      if self._save(step, due, fingerprints):
         return True  # its state was not finite: rolled back
     if preempted:
       self.checkpointer.wait()
@@ -331,7 +337,8 @@ class Loop:
       self.evaluating[step] = self.evaluate(self.state.params)  # before the next step donates these params
     if self.sample is not None and sample_due(step, self.config.train.sample_every, self.last_step):
       self.sampling[step] = self.sample(self.state.params)  # likewise
-    if self.checkpointer.verify and (step == self.last_step or self.checkpointer.should_save(step)):
+    if (self.local is not None and self.local.should_save(step)) or (
+        self.checkpointer.verify and (step == self.last_step or self.checkpointer.should_save(step))):
       self.summary = (step, self.summarize(self.state))  # the device runs it right after the step
     return step, metrics
 
@@ -393,20 +400,25 @@ class Loop:
     every = np.asarray(multihost_utils.process_allgather(own)) if jax.process_count() > 1 else own[None]
     return self.stragglers(step, [float(t) for t in every[:, 0]], float(every[:, 1].max()))
 
-  def _save(self, step: int, forced: bool, fingerprints) -> bool:
-    """Saves ``step`` if it may (:func:`may_save`). True if its state was non-finite and the run rolled back."""
-    if not may_save(forced, self.nonfinite.streak, bool(self.last["skipped"])):
+  def _save(self, step: int, due: str, fingerprints) -> bool:
+    """Saves ``step`` if it may (:func:`may_save`): to the persistent tier (``due``: 'forced' or 'periodic') or
+    the node-local one ('local'). True if its state was non-finite and the run rolled back."""
+    if not may_save(due == "forced", self.nonfinite.streak, bool(self.last["skipped"])):
       logging.warning("step %d: not saving a checkpoint after a step whose update was not applied", step)
       return False
     meta = checkpoint_meta(RunMeta.now(self.plan, self.last.get("loss")), self._counts_now())
+    tier = self.local if due == "local" else self.checkpointer
     try:
-      self.checkpointer.save(step, self.state, self.data, meta=meta, config=self.config_dict, force=forced,
-                             summary=fingerprints)
+      if due == "local":
+        self.local.save(step, self.state, self.data, meta=meta, summary=fingerprints)
+      else:
+        self.checkpointer.save(step, self.state, self.data, meta=meta, config=self.config_dict,
+                               force=due == "forced", summary=fingerprints)
     except checkpoint_lib.NonFiniteState as e:
       logging.warning("step %d: not saved: %s", step, e)
       return self._recover("escalate", step, why=f"a state with {e}")
-    self.interval.checkpoint_blocked += self.checkpointer.last_save_blocked_s
-    self.spent["checkpoint"] += self.checkpointer.last_save_blocked_s
+    self.interval.checkpoint_blocked += tier.last_save_blocked_s
+    self.spent["checkpoint"] += tier.last_save_blocked_s
     self.goodput.progress(step, self._spent_now())
     return False
 

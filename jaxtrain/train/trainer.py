@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
 import time
 from typing import Any, Iterator
@@ -24,6 +25,7 @@ from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import data as data_lib
 from jaxtrain import goodput
 from jaxtrain import integrity
+from jaxtrain import local_checkpoint
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import sharding
 from jaxtrain import topology
@@ -71,14 +73,35 @@ def make_checkpointer(config: ml_collections.ConfigDict) -> checkpoint_lib.Check
                                      verify=c.verify)
 
 
-def restore_or_init(run: Run, checkpointer: checkpoint_lib.Checkpointer, data) -> tuple[TrainState, dict]:
+def make_local_checkpointer(config: ml_collections.ConfigDict) -> local_checkpoint.LocalCheckpointer | None:
+  c = config.checkpoint
+  return local_checkpoint.LocalCheckpointer(c.local_dir, c.local_every_steps, c.local_keep_last) if c.local_dir \
+      else None
+
+
+def restore_newest(run: Run, checkpointer: checkpoint_lib.Checkpointer,
+                   local: local_checkpoint.LocalCheckpointer | None, data) -> tuple[TrainState, dict, str] | None:
+  """The newest checkpoint every process can restore, with the data position: the local tier's when it is newer
+  than the persistent tier's and every process has it, else the persistent tier's. ``(state, meta, where)``."""
+  abstract = state_lib.abstract(run.model, run.tx, run.state_shardings)
+  if local is not None:
+    persistent = checkpointer.steps()
+    restored = local.restore(abstract, data, newer_than=persistent[-1] if persistent else 0)
+    if restored is not None:
+      return (*restored, f"local tier, {local.root}")
+  restored = checkpointer.restore(abstract, data)
+  return None if restored is None else (*restored, os.fspath(checkpointer.directory))
+
+
+def restore_or_init(run: Run, checkpointer: checkpoint_lib.Checkpointer, data,
+                    local: local_checkpoint.LocalCheckpointer | None = None) -> tuple[TrainState, dict]:
   """This run's newest good checkpoint (onto the current mesh, with the data position), else a fresh state,
   optionally started from another run's checkpoint (``checkpoint.restore_from``)."""
   abstract = state_lib.abstract(run.model, run.tx, run.state_shardings)
-  restored = checkpointer.restore(abstract, data)
+  restored = restore_newest(run, checkpointer, local, data)
   if restored is not None:
-    state, meta = restored
-    logging.info("resumed from checkpoint step %d (%s)", int(state.step), checkpointer.directory)
+    state, meta, where = restored
+    logging.info("resumed from checkpoint step %d (%s)", int(state.step), where)
     changed = loop_lib.RunMeta.now(run, None).layout_changes(meta)
     if changed:
       logging.info("resumed on another layout: %s; the global batch stays %d rows", ", ".join(changed),
@@ -216,12 +239,13 @@ def _train(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Checkpoi
     summarize = jax.jit(integrity.summary).lower(state_lib.abstract(run.model, run.tx, run.state_shardings))
     summarize = summarize.compile()
   t = time.perf_counter()
-  state, meta = restore_or_init(run, checkpointer, data)
+  local = make_local_checkpointer(config)
+  state, meta = restore_or_init(run, checkpointer, data, local)
   restore_s = time.perf_counter() - t if meta else 0.0  # a fresh state's init is start-up
   evaluate = make_evaluator(run) if config.eval.every_steps else None
   logging.info("compiled and initialized in %.1fs", time.perf_counter() - t0)
   return loop_lib.Loop(run, data, checkpointer, step_fn, summarize, evaluate, state, meta, goodput=recorder,
-                       restore_s=restore_s).run()
+                       restore_s=restore_s, local=local).run()
 
 
 def make_evaluator(run: Run):
