@@ -46,8 +46,10 @@ def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
 
 class LocalCheckpointer:
 
-  def __init__(self, directory: str, every_steps: int, keep_last: int = 2):
-    self.root = os.path.abspath(directory)
+  def __init__(self, directory: str, every_steps: int, keep_last: int = 2, owner: str = ""):
+    """``owner``: the persistent checkpoint folder of the run (recorded with every local step: a local folder
+    shared by several runs never hands one run's steps to another)."""
+    self.root, self.owner = os.path.abspath(directory), owner
     self.directory = os.path.join(self.root, f"process_{jax.process_index()}-of-{jax.process_count()}")
     self.every_steps, self.keep_last = every_steps, keep_last
     try:
@@ -125,7 +127,7 @@ class LocalCheckpointer:
                             "free space on the node-local disk or set checkpoint.local_dir elsewhere")
 
   def _layout(self) -> dict:
-    return {"processes": jax.process_count(), "process": jax.process_index(),
+    return {"run": self.owner, "processes": jax.process_count(), "process": jax.process_index(),
             "devices": [d.id for d in jax.local_devices()]}
 
   def _fits(self, step: int, abstract_state: Any) -> bool:
@@ -172,6 +174,20 @@ class LocalCheckpointer:
       meta = {k: v for k, v in record.items() if k not in ("shards", "position", "layout", "arrays")}
       return state, meta
     return None
+
+  def forget_after(self, step: int) -> None:
+    """The run resumes from ``step`` (0: from scratch): this process's local steps past it belong to a timeline
+    that was abandoned, and so do the steps of other layouts (another process count) on this disk; deleted."""
+    for folder in os.listdir(self.root):
+      path = os.path.join(self.root, folder)
+      if not folder.startswith("process_") or not os.path.isdir(path):
+        continue
+      mine = path == self.directory
+      if not mine and folder.endswith(f"-of-{jax.process_count()}"):
+        continue  # another process of this job: its own to clean
+      for name in os.listdir(path):
+        if name.isdigit() and (not mine or int(name) > step):
+          shutil.rmtree(os.path.join(path, name), ignore_errors=True)
 
   def _load(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
     folder = os.path.join(self.directory, str(step))

@@ -27,6 +27,7 @@ from jaxtrain import goodput
 from jaxtrain import integrity
 from jaxtrain import local_checkpoint
 from jaxtrain import metrics as metrics_lib
+from jaxtrain import paths
 from jaxtrain import sharding
 from jaxtrain import topology
 from jaxtrain import workdir as workdir_lib
@@ -75,8 +76,10 @@ def make_checkpointer(config: ml_collections.ConfigDict) -> checkpoint_lib.Check
 
 def make_local_checkpointer(config: ml_collections.ConfigDict) -> local_checkpoint.LocalCheckpointer | None:
   c = config.checkpoint
-  return local_checkpoint.LocalCheckpointer(c.local_dir, c.local_every_steps, c.local_keep_last) if c.local_dir \
-      else None
+  if not c.local_dir:
+    return None
+  return local_checkpoint.LocalCheckpointer(c.local_dir, c.local_every_steps, c.local_keep_last,
+                                            owner=os.fspath(paths.resolve(c.dir)))
 
 
 def restore_newest(run: Run, checkpointer: checkpoint_lib.Checkpointer,
@@ -84,13 +87,17 @@ def restore_newest(run: Run, checkpointer: checkpoint_lib.Checkpointer,
   """The newest checkpoint every process can restore, with the data position: the local tier's when it is newer
   than the persistent tier's and every process has it, else the persistent tier's. ``(state, meta, where)``."""
   abstract = state_lib.abstract(run.model, run.tx, run.state_shardings)
+  restored = None
   if local is not None:
     persistent = checkpointer.steps()
     restored = local.restore(abstract, data, newer_than=persistent[-1] if persistent else 0)
-    if restored is not None:
-      return (*restored, f"local tier, {local.root}")
-  restored = checkpointer.restore(abstract, data)
-  return None if restored is None else (*restored, os.fspath(checkpointer.directory))
+    restored = restored and (*restored, f"local tier, {local.root}")
+  if restored is None:
+    restored = checkpointer.restore(abstract, data)
+    restored = restored and (*restored, os.fspath(checkpointer.directory))
+  if local is not None:
+    local.forget_after(int(restored[0].step) if restored else 0)
+  return restored
 
 
 def restore_or_init(run: Run, checkpointer: checkpoint_lib.Checkpointer, data,
