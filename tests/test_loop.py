@@ -109,7 +109,16 @@ def test_loop_state_is_saved_and_restored_as_one_unit_under_the_old_keys():
   assert counts == loop.LoopState(step=6, tokens_seen=2560, skipped_steps=2, bad_steps={5}, wall_time=12.5)
   assert loop.LoopState.from_meta({}, step=0) == loop.LoopState()
   run_meta = loop.RunMeta("0.1.0", OLD_META["mesh"], seed=0, loss=4.5, saved_at=1.7e9)
-  assert loop.checkpoint_meta(run_meta, counts) == {k: v for k, v in OLD_META.items() if k != "fingerprints"}
+  # Every old key is still written, next to the layout keys added since (an elastic restart compares them).
+  assert loop.checkpoint_meta(run_meta, counts) == {**{k: v for k, v in OLD_META.items() if k != "fingerprints"},
+                                                    "processes": 1, "microbatches": 1}
+  # A checkpoint without those keys compares only its mesh with the run's layout.
+  now = loop.RunMeta("0.2.0", {"data": 1, "pipeline": 1, "fsdp": 4, "tensor": 1}, seed=0, loss=None, saved_at=2e9,
+                     processes=1, microbatches=2)
+  assert now.layout_changes(OLD_META) == ["mesh {'data': 1, 'pipeline': 1, 'fsdp': 8, 'tensor': 1} -> {'data': 1, "
+                                          "'pipeline': 1, 'fsdp': 4, 'tensor': 1}"]
+  assert now.layout_changes({**OLD_META, "processes": 2, "microbatches": 1})[::2] == ["processes 2 -> 1",
+                                                                                      "microbatches 1 -> 2"]
   # A rollback to that checkpoint from step 9: its step and tokens; bad steps, skips and wall time kept.
   later = loop.LoopState(step=9, tokens_seen=4096, skipped_steps=3, bad_steps={5, 8}, wall_time=20.0)
   assert later.rewound_to(counts) == loop.LoopState(step=6, tokens_seen=2560, skipped_steps=3, bad_steps={5, 8},
