@@ -320,7 +320,11 @@ def test_local_launcher_starts_a_run_stopped_by_sigterm_again_and_it_resumes(use
   # Its goodput, over both runs: the table, the plot, and goodput.json equal to the tool's account.
   out = _ok_out(user.run(readme.command(GOODPUT)))
   summary = json.loads((user.repo / "runs/long/goodput.json").read_text())
-  assert summary["runs"] == 2 and out.startswith(f"goodput {100 * summary['goodput']:.1f}% of ")
+  assert summary["runs"] == 2 and f"\ngoodput {100 * summary['goodput']:.1f}% of " in out  # after pip's lines
   for part in ("productive", "startup", "down", "lost"):
     assert re.search(rf"^{part} +[\d.]+ +[\d.]+%$", out, re.M), out
   assert (user.repo / "runs/long/goodput.png").stat().st_size > 10_000
+  # A workdir with no run: one line, exit 2.
+  r = user.run("python tools/goodput.py runs/nothing")
+  assert r.returncode == 2 and r.stderr == "goodput: error: runs/nothing/goodput.jsonl: no run recorded there; " \
+      "pass the workdir of a run (a local one: runs on object stores keep no goodput events)\n", r.stderr

@@ -57,6 +57,11 @@ def plot(events: list[dict], summary: dict, out: pathlib.Path) -> None:
   fig.savefig(out, dpi=100)
 
 
+def _fail(message: str) -> None:
+  print(f"goodput: error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("workdir")
@@ -65,8 +70,13 @@ def main() -> None:
   args = parser.parse_args()
   events = goodput.read_events(args.workdir)
   if not any(e["event"] == "start" for e in events):
-    sys.exit(f"goodput: {pathlib.Path(args.workdir) / goodput.EVENTS}: no run recorded there; pass the workdir of "
-             "a run (a local one: runs on object stores keep no goodput events)")
+    _fail(f"{pathlib.Path(args.workdir) / goodput.EVENTS}: no run recorded there; pass the workdir of a run (a "
+          "local one: runs on object stores keep no goodput events)")
+  if args.out:
+    try:
+      import matplotlib  # noqa: F401 - the plot's only dependency, an extra
+    except ImportError:
+      _fail("--out needs matplotlib: pip install -e '.[plot]' (or leave --out out to print the table)")
   summary = goodput.account(events)
   print(goodput.describe(summary))
   print(table(summary))
