@@ -113,6 +113,7 @@ def test_elastic_restarts_on_fewer_then_more_devices_keep_the_global_batch_and_t
   assert multiprocess.wait_all([alone], 300) == [0], alone.err_path.read_text()[-3000:]
   err = alone.err_path.read_text()
   assert "2 microbatch(es) of 4 rows, 1 per device over 4 batch shards" in err, err[-3000:]
+  assert "data position of 2 processes re-split over 1" in err, err[-3000:]
   assert re.search(rf"resumed from checkpoint step {resumed} \(.*\n.*resumed on another layout: processes 2 -> 1, "
                    r"mesh \{[^}]*'fsdp': 8[^}]*\} -> \{[^}]*'fsdp': 4[^}]*\}, microbatches 1 -> 2; the global batch "
                    r"stays 8 rows", err), err[-3000:]
@@ -121,6 +122,8 @@ def test_elastic_restarts_on_fewer_then_more_devices_keep_the_global_batch_and_t
   assert multiprocess.wait_all(procs, 300) == [0, 0], procs[0].err_path.read_text()[-3000:]
   assert "processes 1 -> 2, mesh" in procs[0].err_path.read_text() and "microbatches 2 -> 1" in \
       procs[0].err_path.read_text()
+  assert "data position of 1 processes re-split over 2" in procs[0].err_path.read_text()
+  assert "resumed" not in procs[1].err_path.read_text()  # only process 0 prints info lines
   # Every step's loss equals the uninterrupted 2 x 4 run's (token-weighted accumulation: equal but for the float
   # summation order).
   losses, reference = _losses(workdir), _losses(two_processes(end)[0])
