@@ -396,6 +396,8 @@ class Loop:
   def _straggling(self, step: int, record: dict) -> dict[str, float]:
     """Every process's data wait and step time of this log interval (a gather of two floats on a multi-process
     job), judged by monitor.Stragglers."""
+    if not (self.stragglers.threshold or self.stragglers.slowdown):
+      return {}  # both off: no gather
     own = np.array([record["data_wait_s"], record["step_time"]], np.float32)
     every = np.asarray(multihost_utils.process_allgather(own)) if jax.process_count() > 1 else own[None]
     return self.stragglers(step, [float(t) for t in every[:, 0]], float(every[:, 1].max()))
