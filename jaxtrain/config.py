@@ -68,7 +68,8 @@ def base_config(model: str = "llama") -> ml_collections.ConfigDict:
   ))
   c.eval = ml_collections.ConfigDict(dict(
       every_steps=0,  # eval loss and perplexity on the held-out split every N steps (0: off)
-      max_batches=0,  # 0 = the whole eval split
+      max_batches=0,  # 0 = the whole eval split (per eval set)
+      **data.eval_set_defaults(),  # eval.sets: named eval data (jaxtrain/data)
   ))
   for group, module in COMPONENTS:
     c[group] = module.defaults(model) if group == "model" else module.defaults()
@@ -124,6 +125,7 @@ def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     holder = out[group] if group else out
     if key != "data.tokenizer" or holder[name] != "byte":
       holder[name] = paths.resolve(holder[name])
+  data.resolve(out)
   out.checkpoint.dir = out.checkpoint.dir or paths.join(out.workdir, "checkpoints")
   horizon = out.optim.decay_steps or out.train.steps
   if out.optim.warmup_steps > horizon:

@@ -15,7 +15,8 @@ import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxtrain.data import loader, prepare, stream
+from jaxtrain import paths
+from jaxtrain.data import folders, loader, mixture, prepare, stream
 from jaxtrain.data.batch import KEYS
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.errors import ConfigError, check_positive
@@ -54,12 +55,29 @@ def defaults() -> ml_collections.ConfigDict:
       field="text",  # the JSONL field / Parquet column holding the text
       eval_path="",  # eval records (file, folder or glob); empty = the last eval_fraction of data.path
       eval_fraction=0.0,  # without eval_path: this fraction of data.path's records (its last ones) is eval only
+      # several folders mixed (jaxtrain/data/mixture.py), instead of data.path: 'web=data/web:0.7,code=data/code:0.3'
+      # (name=path:weight; in a config file also {'web': ('data/web', 0.7), ...}); per-component metrics and evals
+      mixture=ml_collections.FieldReference("", field_type=object),
+      mixture_stages=ml_collections.FieldReference("", field_type=object),  # '1000:web=0.9,code=0.1;...': after
+      # step 1000 those weights (every component named)
+      mixture_ramp=False,  # True: weights move linearly from each stage to the next instead of at once
   ))
+
+
+def eval_set_defaults() -> dict:
+  """The ``eval`` group's key this package reads (the group itself is the core's, jaxtrain.config)."""
+  # named eval data besides the training data's own eval split, each reported as eval_loss/<name>:
+  # 'books=data/books,code=data/code_eval' (prepared folders: every split; raw files: every record)
+  return dict(sets=ml_collections.FieldReference("", field_type=object))
 
 
 def validate(config) -> None:
   check_positive(config, ["data.seq_len", "data.prefetch"])
   check_positive(config, ["data.num_workers"], allow_zero=True)
+  _validate_eval_sets(config)
+  if mixture.components(config) or mixture.stages_given(config) or config.data.mixture_ramp:
+    mixture.validate(config)
+    return
   source = SOURCES.get(config.data.source)
   if config.data.path and not source.reads_path:
     raise ConfigError("data.path", f"is set but data.source='{config.data.source}' ignores it",
@@ -68,15 +86,38 @@ def validate(config) -> None:
     stream.check(config)  # files there, field in them, tokenizer fits, enough records: before anything compiles
     return
   for key, default in (("field", "text"), ("eval_path", ""), ("eval_fraction", 0.0)):
-    if config.data[key] != default:
+    if config.data[key] != default and not (key == "field" and config.eval.sets):  # raw eval sets read field
       raise ConfigError(f"data.{key}", f"is set but only data.source=raw reads it (data.source="
                         f"'{config.data.source}')", f"set data.source=raw or leave data.{key} at {default!r}")
 
 
+def _validate_eval_sets(config) -> None:
+  sets = mixture.parse_named(config.eval.sets, "eval.sets", weighted=False)
+  if not sets:
+    return
+  if not config.eval.every_steps:
+    raise ConfigError("eval.sets", "is set but eval.every_steps=0 (eval never runs)", "set eval.every_steps=N")
+  clash = set(mixture.names(config)) & {name for name, _, _ in sets}
+  if clash:
+    raise ConfigError("eval.sets", f"'{sorted(clash)[0]}' is also a component of data.mixture (whose eval split "
+                      "is reported under that name)", "give the eval set another name")
+  for name, path, _ in sets:
+    folders.check(paths.resolve(path), config, f"eval.sets ({name})")
+
+
+def resolve(config) -> None:
+  """The data keys' canonical form (config.json's): mixtures and eval sets with absolute paths, in name order."""
+  mixture.canonical(config)
+  sets = mixture.parse_named(config.eval.sets, "eval.sets", weighted=False)
+  if sets:
+    mixture.replace(config.eval, "sets", mixture.format_named(sets, "eval.sets"))
+
+
 def to_global(local_batch: dict, sharding: NamedSharding) -> dict:
   """This process's rows -> global arrays laid out with ``sharding`` (works on one host and on many).
-  Host-side fields (``doc_ids``: provenance) stay behind."""
-  return {k: jax.make_array_from_process_local_data(sharding, local_batch[k]) for k in KEYS}
+  Host-side fields (``doc_ids``: provenance) stay behind; a mixture's ``sources`` go along."""
+  keys = KEYS + (("sources",) if "sources" in local_batch else ())
+  return {k: jax.make_array_from_process_local_data(sharding, local_batch[k]) for k in keys}
 
 
 def data_root(config) -> str:
@@ -84,20 +125,51 @@ def data_root(config) -> str:
   return config.data.path or os.fspath(prepare.bundled_corpus(config.data.cache_dir))
 
 
+def _source(config) -> Source:
+  """The configured source: ``data.source``'s, or the mixture's when ``data.mixture`` is set."""
+  return MIXTURE if mixture.components(config) else SOURCES.get(config.data.source)
+
+
 def open_train(config) -> Iterator[dict]:
   """The training stream of the configured source, validated before anything is compiled. Raises DataError /
   ConfigError on bad input."""
-  return SOURCES.get(config.data.source).open_train(config)
+  return _source(config).open_train(config)
 
 
 def open_eval(config) -> list[dict]:
   """This process's share of the held-out eval batches (``eval.max_batches`` of them; 0 = all)."""
-  return SOURCES.get(config.data.source).open_eval(config)[:config.eval.max_batches or None]
+  return _source(config).open_eval(config)[:config.eval.max_batches or None]
+
+
+@dataclasses.dataclass
+class EvalSet:
+  """Held-out batches evaluated together: ``name`` None for the training data's own eval split (``eval_loss``),
+  else reported as ``eval_loss/<name>``; ``in_total``: its tokens count in ``eval_loss`` (a mixture's
+  components do; ``eval.sets`` do not)."""
+  name: str | None
+  batches: list[dict]
+  in_total: bool
+
+
+def eval_sets(config) -> list[EvalSet]:
+  """Everything the evaluator runs: the training data's eval split (per component for a mixture), then
+  ``eval.sets``. This process's rows; at most ``eval.max_batches`` batches each."""
+  if mixture.components(config):
+    out = [EvalSet(name, batches, True) for name, batches in mixture.eval_splits(config)]
+  else:
+    out = [EvalSet(None, open_eval(config), True)]
+  named = mixture.parse_named(config.eval.sets, "eval.sets", weighted=False)
+  opened = [folders.open_folder(name, paths.resolve(path), config, f"eval.sets ({name})", whole=True)
+            for name, path, _ in named]
+  for folder in opened:
+    out.append(EvalSet(folder.name, mixture.eval_batches(folder, config, jax.process_index(), jax.process_count()),
+                       False))
+  return [s for s in out if s.batches]
 
 
 def provenance(config, step: int, doc_ids) -> dict:
   """Where the rows of ``step`` came from, for bad-batch reports."""
-  return SOURCES.get(config.data.source).provenance(config, step, doc_ids)
+  return _source(config).provenance(config, step, doc_ids)
 
 
 def _arrayrecord_train(c) -> Iterator[dict]:
@@ -144,6 +216,9 @@ def _synthetic_provenance(c, step: int, doc_ids) -> dict:
 
 SOURCES.register("arrayrecord", Source(_arrayrecord_train, _arrayrecord_eval, _arrayrecord_provenance))
 SOURCES.register("raw", Source(stream.open_train, stream.open_eval, stream.provenance))
+# data.mixture's source: not a data.source choice (the mixture names its folders, each prepared or raw)
+MIXTURE = Source(mixture.open_train, lambda c: [b for _, bs in mixture.eval_splits(c) for b in bs],
+                 mixture.provenance)
 SOURCES.register("synthetic", Source(lambda c: _synthetic(c, c.train.seed), _synthetic_eval, _synthetic_provenance,
                                      reads_path=False))
 

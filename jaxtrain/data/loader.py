@@ -78,13 +78,13 @@ def _same_tokenizer(config_value: str, manifest_value: str) -> bool:
 
 
 class TokenSource(grain.sources.RandomAccessDataSource):
-  """Random access to the documents of one split: document i -> int32 token ids [n] or, for SFT data
+  """Random access to the documents of one split (``split=None``: of every split, in manifest order): document i -> int32 token ids [n] or, for SFT data
   (``masked``), int32 [2, n]: its token ids and their trained flags (1: the token's prediction is trained)."""
 
   def __init__(self, root: str, manifest: dict, split: str):
-    files = [os.fspath(epath.Path(root) / s["file"]) for s in manifest["shards"] if s["split"] == split]
+    files = [os.fspath(epath.Path(root) / s["file"]) for s in manifest["shards"] if split in (None, s["split"])]
     if not files:
-      raise DataError(root, f"no '{split}' shards in the manifest", "prepare the data with that split")
+      raise DataError(root, f"no '{split or 'any'}' shards in the manifest", "prepare the data with that split")
     self._source = grain.sources.ArrayRecordDataSource(files)
     self._dtype = np.dtype(manifest["dtype"])
     self.masked = bool(manifest.get("loss_mask", False))
@@ -104,6 +104,8 @@ class TokenSource(grain.sources.RandomAccessDataSource):
 def _to_train_batch(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   batch = batch_lib.from_packed(rows["tokens"], rows["segment_ids"], rows["positions"], rows.get("trained"))
   batch["doc_ids"] = rows["doc_ids"][:, :-1]  # host-side provenance: the document of each input token
+  if "sources" in rows:  # a mixture's component of each input token (per-component metrics in the step)
+    batch["sources"] = rows["sources"][:, :-1]
   return batch
 
 
@@ -133,11 +135,23 @@ def lanes_dataset(doc_ids, source, *, seq_len: int, global_batch: int, process_i
   """This process's batches of the packed lanes over ``doc_ids`` (the endless document order that
   :class:`jaxtrain.data.packing.PackedLanes` reads, lane r at r, r + B, ...) and ``source`` (document id ->
   tokens): the tail of :func:`train_dataset`, shared with the raw-data source (:mod:`jaxtrain.data.stream`)."""
+  lanes = process_lanes(global_batch, process_index, process_count)
+  per_process = len(lanes)
+  ds = packing_lib.PackedLanes(doc_ids, source, lanes, global_batch, seq_len + 1, packing, masked)
+  return batched(ds, per_process, num_workers=num_workers, prefetch=prefetch)
+
+
+def process_lanes(global_batch: int, process_index: int, process_count: int) -> range:
+  """The lanes (rows of the global batch) process ``process_index`` of ``process_count`` reads."""
   if global_batch % process_count:
     raise ValueError(f"global batch {global_batch} does not split over {process_count} processes")
   per_process = global_batch // process_count
-  lanes = range(process_index * per_process, (process_index + 1) * per_process)
-  ds = packing_lib.PackedLanes(doc_ids, source, lanes, global_batch, seq_len + 1, packing, masked)
+  return range(process_index * per_process, (process_index + 1) * per_process)
+
+
+def batched(ds: grain.IterDataset, per_process: int, *, num_workers: int = 0, prefetch: int = 2) -> grain.IterDataset:
+  """Rows of a process's lanes (:class:`~jaxtrain.data.packing.PackedLanes` or ``MixedLanes``) -> its batches:
+  packed by ``num_workers`` Grain worker processes (each a strided subset of the lanes) or in process."""
   if num_workers > 0:
     if per_process % num_workers:
       raise ValueError(f"{num_workers} workers do not divide the {per_process} rows of a process's batch")

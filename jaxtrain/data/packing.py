@@ -113,6 +113,80 @@ class _PackedLanesIterator(grain.DatasetIterator):
     self._doc, self._offset, self._next = list(state["doc"]), list(state["offset"]), int(state["next"])
 
 
+class MixedLanes(grain.IterDataset):
+  """Rows of ``lanes`` drawn from several :class:`PackedLanes` (a mixture's components, same lanes and length):
+  lane i's k-th row comes from component ``choose(k, lanes[i])``, the next row of that component's own lane i.
+  So each component keeps its own position per lane (what a change of weights or of components on a resumed run
+  preserves), and which component a row reads is a function of (row, lane) only. Rows carry ``sources`` (the
+  component's index, per token) and their ``doc_ids`` as ``component << 40 | document`` (int64, -1: padding);
+  when any component is SFT data (``masked``), rows of the others are trained wherever they hold tokens."""
+
+  def __init__(self, parts: Sequence[PackedLanes], names: Sequence[str], choose, lanes: Sequence[int]):
+    super().__init__()
+    self.parts, self.names, self.choose, self.lanes = list(parts), list(names), choose, list(lanes)
+    self.masked = any(p.masked for p in self.parts)
+
+  def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+    if sequential_slice:
+      raise ValueError("MixedLanes supports only strided slicing (one lane subset per worker)")
+    self.lanes = self.lanes[sl]
+    for part in self.parts:
+      part.set_slice(sl)
+
+  def __iter__(self) -> "_MixedLanesIterator":
+    return _MixedLanesIterator(self)
+
+
+SOURCE_SHIFT = 40  # a mixture row's doc_ids: component << SOURCE_SHIFT | document
+
+
+class _MixedLanesIterator(grain.DatasetIterator):
+
+  def __init__(self, ds: MixedLanes):
+    super().__init__()
+    self._ds = ds
+    self._parts = [iter(p) for p in ds.parts]
+    self._rows = [0] * len(ds.lanes)  # per lane: rows emitted
+    self._next = 0
+    self._retired = {}  # positions of components a checkpoint holds and this mixture lacks: saved on, unchanged
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    ds, i = self._ds, self._next
+    self._next = (i + 1) % len(ds.lanes)
+    c = ds.choose(self._rows[i], ds.lanes[i])
+    row = self._parts[c]._row(i)  # noqa: SLF001 - the same package's packer, one lane's next row
+    if row is None:  # components are endless streams
+      raise StopIteration
+    self._rows[i] += 1
+    length = row["tokens"].shape[0]
+    row["sources"] = np.full(length, c, np.int32)
+    row["doc_ids"] = np.where(row["doc_ids"] >= 0, row["doc_ids"].astype(np.int64) | (c << SOURCE_SHIFT), -1)
+    if ds.masked and "trained" not in row:
+      row["trained"] = (row["segment_ids"] > 0).astype(np.int32)
+    return row
+
+  def get_state(self) -> dict:
+    parts = dict(self._retired)
+    for name, part in zip(self._ds.names, self._parts):
+      state = part.get_state()
+      parts[name] = {"doc": state["doc"], "offset": state["offset"]}
+    return {"rows": list(self._rows), "next": self._next, "parts": parts}
+
+  def set_state(self, state: dict) -> None:
+    if "parts" not in state:
+      raise DataError("data position", "the checkpoint holds the position of one data source and this run reads "
+                      "a mixture (data.mixture)", "resume without data.mixture, or start a new workdir from its "
+                      "weights with checkpoint.restore_from")
+    if len(state["rows"]) != len(self._ds.lanes):
+      raise _rows_changed(len(state["rows"]), len(self._ds.lanes))
+    self._rows, self._next = list(state["rows"]), int(state["next"])
+    lanes = len(self._ds.lanes)
+    for name, part in zip(self._ds.names, self._parts):
+      saved = state["parts"].get(name, {"doc": [0] * lanes, "offset": [0] * lanes})  # a new component: its start
+      part.set_state({"doc": saved["doc"], "offset": saved["offset"], "next": 0})
+    self._retired = {n: p for n, p in state["parts"].items() if n not in self._ds.names}
+
+
 # The data position is per lane, i.e. per row of the *global* batch, so it does not depend on how many
 # processes read the lanes: a checkpoint saved by P processes resumes on P' by gathering the lanes' positions
 # in process order and giving each new process its own. Grain's worker pool (data.num_workers) holds the
@@ -126,9 +200,13 @@ def _rows_changed(saved: int, here: int) -> DataError:
                    "that saved it, or start a new workdir from its weights with checkpoint.restore_from")
 
 
+def _is_lanes_state(state: dict) -> bool:
+  return {"doc", "offset", "next"} <= state.keys() or {"rows", "parts", "next"} <= state.keys()
+
+
 def _lane_parts(state: dict) -> list[dict]:
   """The lane iterators' states inside a pipeline state: itself, or one per Grain worker (in worker order)."""
-  if {"doc", "offset", "next"} <= state.keys():
+  if _is_lanes_state(state):
     return [state]
   if "iterators_in_use_states" in state:
     order = sorted(range(len(state["iterators_in_use_indices"])), key=lambda i: state["iterators_in_use_indices"][i])
@@ -137,24 +215,43 @@ def _lane_parts(state: dict) -> list[dict]:
                   "resume with the number of processes that saved it")
 
 
-def lane_positions(state: dict, lanes: int) -> list[tuple[int, int]]:
-  """(document, offset) of each of a process's ``lanes`` lanes, in lane order."""
+def _lanes_of(part: dict) -> list:
+  """One lane iterator's state -> its lanes' positions, in its lane order: (document, offset) per lane of
+  :class:`PackedLanes`; ``{"rows": n, "parts": {name: (document, offset)}}`` per lane of :class:`MixedLanes`."""
+  if "parts" in part:
+    return [{"rows": part["rows"][j], "parts": {name: (p["doc"][j], p["offset"][j]) for name, p in
+                                                part["parts"].items()}} for j in range(len(part["rows"]))]
+  return list(zip(part["doc"], part["offset"]))
+
+
+def _set_lanes(part: dict, lanes: Sequence) -> None:
+  """The inverse of :func:`_lanes_of`: ``part`` (a lane iterator's state) set to ``lanes``, at a round's start."""
+  if "parts" in part:
+    names = sorted({name for lane in lanes for name in lane["parts"]})
+    part.update(rows=[lane["rows"] for lane in lanes], next=0,
+                parts={name: {"doc": [lane["parts"][name][0] for lane in lanes],
+                              "offset": [lane["parts"][name][1] for lane in lanes]} for name in names})
+  else:
+    part.update(doc=[d for d, _ in lanes], offset=[o for _, o in lanes], next=0)
+
+
+def lane_positions(state: dict, lanes: int) -> list:
+  """The position of each of a process's ``lanes`` lanes (see :func:`_lanes_of`), in lane order."""
   parts = _lane_parts(state)
-  if len(parts) > 1 and all(len(p["doc"]) == lanes and p == parts[0] for p in parts):
+  if len(parts) > 1 and all(len(_lanes_of(p)) == lanes and p == parts[0] for p in parts):
     parts = parts[:1]  # the worker pool has not started: every worker still lists every lane
-  if sum(len(p["doc"]) for p in parts) != lanes:
-    raise _rows_changed(sum(len(p["doc"]) for p in parts), lanes)
-  return [(parts[i % len(parts)]["doc"][i // len(parts)], parts[i % len(parts)]["offset"][i // len(parts)])
-          for i in range(lanes)]
+  per_part = [_lanes_of(p) for p in parts]
+  if sum(map(len, per_part)) != lanes:
+    raise _rows_changed(sum(map(len, per_part)), lanes)
+  return [per_part[i % len(parts)][i // len(parts)] for i in range(lanes)]
 
 
-def with_lane_positions(template: dict, positions: Sequence[tuple[int, int]]) -> dict:
+def with_lane_positions(template: dict, positions: Sequence) -> dict:
   """``template`` (an iterator's own state, for its layout) with its lanes set to ``positions``."""
   state = copy.deepcopy(template)
   parts = _lane_parts(state)
   for w, part in enumerate(parts):
-    mine = positions[w::len(parts)]
-    part.update(doc=[d for d, _ in mine], offset=[o for _, o in mine], next=0)
+    _set_lanes(part, positions[w::len(parts)])
   return state
 
 

@@ -357,9 +357,16 @@ def check(c) -> None:
     raise ConfigError("data.path", f"{num_train} training records, fewer than the {c.train.global_batch_size} "
                       "rows of train.global_batch_size (each row streams its own share of the records)",
                       "use more data or a smaller global batch")
-  if c.eval.every_steps and not num_eval:
+  if c.eval.every_steps and not num_eval and not c.eval.sets:
     raise ConfigError("eval.every_steps", "is set but data.source=raw has no eval split",
                       "set data.eval_path, or data.eval_fraction > 0 to hold out the last records of data.path")
+
+
+def checked_index(spec: str, field: str, key: str) -> Index:
+  """The index of ``spec``'s records after the config-time checks of :func:`check` that concern one path (files
+  there, ``field`` in the first record); errors name ``key``."""
+  _check_field(list_files(spec, key)[0], field)
+  return build_index(spec, field, key)
 
 
 def _check_field(path: str, field: str) -> None:

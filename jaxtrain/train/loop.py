@@ -37,6 +37,7 @@ from jaxtrain import monitor
 from jaxtrain import sampling
 from jaxtrain import workdir as workdir_lib
 from jaxtrain.train import state as state_lib
+from jaxtrain.train import step as step_lib
 from jaxtrain.train.preemption import PreemptionGuard
 from jaxtrain.train.run import Run
 
@@ -209,7 +210,7 @@ def _fetch(held: tuple[int, Any] | None) -> tuple[int, dict[str, float]] | None:
   if held is None:
     return None
   step, metrics = held
-  values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  values = step_lib.host_metrics({k: float(v) for k, v in jax.device_get(metrics).items()})
   if not math.isfinite(values.get("tokens", 0.0)):  # a NaN loss mask: count no tokens for this step
     values["tokens"] = 0.0
   return step, values
@@ -456,7 +457,7 @@ class Loop:
     c, step, counts = self.config, self.counts.step, self._counts_now()
     workdir = epath.Path(c.workdir)
     loss = f"loss {self.last['loss']:.4f}" if self.last else "no step run"
-    if self.last_eval:
+    if "eval_loss" in self.last_eval:
       loss += f", eval loss {self.last_eval['eval_loss']:.4f}"
     minutes, seconds = divmod(round(counts.wall_time), 60)
     saved = self.checkpointer.directory / str(step) if step in self.checkpointer.steps() else "not saved"

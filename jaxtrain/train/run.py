@@ -24,6 +24,7 @@ from jaxtrain import models
 from jaxtrain import optim
 from jaxtrain import sharding
 from jaxtrain.data import batch as batch_lib
+from jaxtrain.data import mixture
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import attention as attention_lib
 from jaxtrain.parallel import pipeline as pipeline_lib
@@ -46,6 +47,7 @@ class Run:
   microbatches: int
   pipeline_schedule: pipeline_lib.Schedule | None  # None: no pipeline parallelism (mesh.pipeline = 1)
   aux_weights: dict[str, float]  # the model's auxiliary losses and their weights in the objective
+  sources: tuple[str, ...] = ()  # a data mixture's components (batches carry their ids: per-component metrics)
 
 
 def build(config: ml_collections.ConfigDict, devices=None) -> Run:
@@ -100,7 +102,7 @@ see :func:`jaxtrain.config.resolve`). Raises ConfigError on user mistakes."""
              lr_schedule=optim.schedule(config.optim, config.train.steps),
              state_shardings=state_lib.shardings(model, tx, mesh, rules),
              batch_sharding=sharding.batch_sharding(mesh, rules), microbatches=microbatches,
-             pipeline_schedule=pipeline, aux_weights=aux_weights)
+             pipeline_schedule=pipeline, aux_weights=aux_weights, sources=mixture.names(config))
 
 
 def microbatches_for(train: ml_collections.ConfigDict, batch_shards: int) -> int:
@@ -162,4 +164,6 @@ def report(run: Run) -> dict[str, Any]:
 def abstract_batch(run: Run) -> dict[str, jax.ShapeDtypeStruct]:
   b, t = run.config.train.global_batch_size, run.config.data.seq_len
   example = batch_lib.from_tokens(np.zeros((1, t + 1), np.int32))
+  if run.sources:
+    example["sources"] = np.zeros((1, t), np.int32)
   return {k: jax.ShapeDtypeStruct((b, t), v.dtype, sharding=run.batch_sharding) for k, v in example.items()}

@@ -3,6 +3,9 @@ microbatches (or the pipelined forward), optimizer update, and the finiteness gu
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -15,31 +18,34 @@ from jaxtrain.parallel.pipeline import split_microbatches
 from jaxtrain.train.state import TrainState
 
 
-def token_losses(logits, batch):
-  """(sum of token cross-entropies over the loss mask, number of real target tokens)."""
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-  mask = batch["loss_mask"].astype(jnp.float32)
-  return jnp.sum(losses * mask), jnp.sum(mask)
-
-
-def _losses(out, batch) -> dict:
-  """What one forward contributes: summed token losses, its auxiliary losses and metrics (one microbatch's)."""
+def _losses(out, batch, sources: int = 0) -> dict:
+  """What one forward contributes: summed token losses, its auxiliary losses and metrics (one microbatch's); with
+  ``sources`` > 0 (a data mixture's components: ``batch["sources"]``), also each component's summed token losses
+  and real target tokens (``by_source``: two [sources] arrays)."""
   out = Output.of(out)
-  loss_sum, tokens = token_losses(out.logits, batch)
-  return {"loss_sum": loss_sum, "tokens": tokens, "aux": out.aux_losses, "metrics": out.metrics, "forwards": 1.0}
+  losses = optax.softmax_cross_entropy_with_integer_labels(out.logits, batch["targets"])
+  mask = batch["loss_mask"].astype(jnp.float32)
+  result = {"loss_sum": jnp.sum(losses * mask), "tokens": jnp.sum(mask), "aux": out.aux_losses,
+            "metrics": out.metrics, "forwards": 1.0}
+  if sources:
+    of_source = (batch["sources"][..., None] == jnp.arange(sources)) * mask[..., None]  # [b, t, sources]
+    result["by_source"] = (jnp.einsum("bt,bts->s", losses, of_source), jnp.sum(of_source, axis=(0, 1)))
+  return result
 
 
-def forward_losses(model: Model, params, batch, pipeline: pipeline_lib.Schedule | None = None) -> dict:
-  """``{loss_sum, tokens, aux: {name: sum}, metrics: {name: sum}, forwards}`` over the batch: with a pipeline
-  schedule the model runs pipelined (jaxtrain.parallel.pipeline.forward), and aux losses and metrics are summed
-  over its head's chunks (``forwards`` of them); divide by ``forwards`` for their mean."""
+def forward_losses(model: Model, params, batch, pipeline: pipeline_lib.Schedule | None = None,
+                   sources: int = 0) -> dict:
+  """``{loss_sum, tokens, aux: {name: sum}, metrics: {name: sum}, forwards[, by_source]}`` over the batch: with a
+  pipeline schedule the model runs pipelined (jaxtrain.parallel.pipeline.forward), and aux losses and metrics are
+  summed over its head's chunks (``forwards`` of them); divide by ``forwards`` for their mean."""
+  head_loss = functools.partial(_losses, sources=sources)
   if pipeline is not None:
-    out, layer_extras = pipeline_lib.forward(model, params, batch, pipeline, _losses)
+    out, layer_extras = pipeline_lib.forward(model, params, batch, pipeline, head_loss)
     if layer_extras:  # the layers' aux losses and metrics (a MoE router's), summed like the head's
       out = {**out, "aux": {**out["aux"], **layer_extras["aux_losses"]},
              "metrics": {**out["metrics"], **layer_extras["metrics"]}}
     return out
-  return _losses(model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"]), batch)
+  return head_loss(model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"]), batch)
 
 
 def loss_fn(model: Model, params, batch, pipeline: pipeline_lib.Schedule | None = None):
@@ -58,7 +64,7 @@ def aux_loss_names(model: Model, seq_len: int) -> list[str]:
 def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
                     microbatches: int, state_shardings: TrainState | None = None,
                     pipeline: pipeline_lib.Schedule | None = None, aux_weights: dict[str, float] | None = None,
-                    context: int = 1):
+                    context: int = 1, sources: tuple[str, ...] = ()):
   """``(state, batch, skip) -> (state, metrics)``. The objective is the mean over all real target tokens of the
   whole batch of the token cross-entropy, plus ``sum(aux_weights[n] * mean aux loss n)`` over the model's
   auxiliary losses; k microbatches give the same update as one batch k times larger: accumulated one after the
@@ -67,7 +73,10 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
   reduction per device, :func:`jaxtrain.integrity.all_finite`) and ``skip`` (a host-side decision: a known
   bad batch being replayed) is false; otherwise params and optimizer state stay as they were and only the step
   counter advances. With ``context`` > 1 shards of the sequence (context parallelism) the batch's tokens are first
-  put in the load-balanced order (jaxtrain.parallel.context.balance). Metrics: ``loss`` (the cross-entropy), ``aux_loss/<name>``, the model's own metrics, ..."""
+  put in the load-balanced order (jaxtrain.parallel.context.balance). Metrics: ``loss`` (the cross-entropy), ``aux_loss/<name>``, the model's own metrics, ...;
+  with ``sources`` (a data mixture's component names; the batch then carries ``sources``), ``mix/<name>`` (the
+  component's share of the step's real target tokens) and ``loss/<name>`` (its mean token loss; NaN when the step
+  holds none of its tokens: :func:`host_metrics` drops it)."""
   aux_weights = aux_weights or {}
   # Only the trained params are differentiated, updated and checked (LoRA: the adapters; the frozen base is
   # passed through untouched, bitwise); without LoRA that is all of them.
@@ -79,7 +88,7 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
   def objective(params, batch, aux_scale):
     """Summed token losses + aux_scale x the weighted aux losses: with aux_scale = (all tokens of the batch) /
     passes, the gradient divided by all tokens is that of the mean objective."""
-    out = forward_losses(model, params, batch, pipeline)
+    out = forward_losses(model, params, batch, pipeline, len(sources))
     value = out["loss_sum"]
     if aux_weights:  # (no term at all without aux losses: the same program as a plain language model)
       value = value + aux_scale * sum(w * out["aux"][n] / out["forwards"] for n, w in aux_weights.items())
@@ -101,18 +110,19 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
       def accumulate(carry, microbatch):
         (_, out), g = grad_fn(state.params, microbatch, aux_scale)
         mean = jax.tree.map(lambda v: v / out["forwards"], (out["aux"], out["metrics"]))
-        return jax.tree.map(jnp.add, carry, (out["loss_sum"], out["tokens"], mean, g)), None
+        return jax.tree.map(jnp.add, carry, (out["loss_sum"], out["tokens"], mean, g, out.get("by_source"))), None
       zero_grads = jax.tree.map(jnp.zeros_like, trained)
       if trained_shardings is not None:
         zero_grads = jax.lax.with_sharding_constraint(zero_grads, trained_shardings)
       micro = split_microbatches(batch, microbatches)
       first = jax.tree.map(lambda a: a[0], micro)
-      shapes = jax.eval_shape(lambda: forward_losses(model, state.params, first, pipeline))
-      zero_aux = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), (shapes["aux"], shapes["metrics"]))
-      init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero_aux, zero_grads)
-      (loss_sum, tokens, aux, grads), _ = jax.lax.scan(accumulate, init, micro)
+      shapes = jax.eval_shape(lambda: forward_losses(model, state.params, first, pipeline, len(sources)))
+      zero_aux, zero_by_source = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32),
+                                              ((shapes["aux"], shapes["metrics"]), shapes.get("by_source")))
+      init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero_aux, zero_grads, zero_by_source)
+      (loss_sum, tokens, aux, grads, by_source), _ = jax.lax.scan(accumulate, init, micro)
       aux = jax.tree.map(lambda v: v / microbatches, aux)
-      out = {"loss_sum": loss_sum, "tokens": tokens}
+      out = {"loss_sum": loss_sum, "tokens": tokens, "by_source": by_source}
     denom = jnp.maximum(out["tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / denom, grads)
     # The optimizer sees the whole params tree (frozen params: zero gradients it ignores, no state).
@@ -128,10 +138,23 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step), "tokens": out["tokens"],
                "nonfinite": (~finite).astype(jnp.float32), "skipped": (~apply).astype(jnp.float32),
                **{f"aux_loss/{k}": v for k, v in aux_losses.items()}, **model_metrics}
+    if sources:
+      source_loss, source_tokens = out["by_source"]
+      for i, name in enumerate(sources):
+        metrics[f"mix/{name}"] = source_tokens[i] / denom
+        metrics[f"loss/{name}"] = jnp.where(source_tokens[i] > 0, source_loss[i] / jnp.maximum(source_tokens[i], 1.0),
+                                            jnp.nan)
     params = model.join_trainable(keep(new_trained, trained), frozen)
     return TrainState(step=state.step + 1, params=params, opt_state=keep(opt_state, state.opt_state)), metrics
 
   return train_step
+
+
+def host_metrics(values: dict[str, float]) -> dict[str, float]:
+  """A step's fetched metrics as logged: a component's ``loss/<name>`` is left out when the step holds none of its
+  tokens."""
+  return {k: v for k, v in values.items() if not (k.startswith("loss/") and math.isnan(v)
+                                                  and values.get("mix/" + k[5:]) == 0.0)}
 
 
 def make_eval_step(model: Model, pipeline: pipeline_lib.Schedule | None = None, context: int = 1):

@@ -46,7 +46,7 @@ def compile_step(run: Run, train_step=None):
   """The jitted, donated, sharded train step compiled for this run's shapes (one compile)."""
   train_step = train_step or step_lib.make_train_step(
       run.model, run.tx, run.lr_schedule, run.microbatches, run.state_shardings, run.pipeline_schedule,
-      run.aux_weights, context_lib.shards(run.mesh))
+      run.aux_weights, context_lib.shards(run.mesh), run.sources)
   replicated = NamedSharding(run.mesh, P())
   jitted = jax.jit(train_step, in_shardings=(run.state_shardings, run.batch_sharding, replicated),
                    out_shardings=(run.state_shardings, replicated), donate_argnums=0)
@@ -256,21 +256,32 @@ def _train(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Checkpoi
 
 
 def make_evaluator(run: Run):
-  """``params -> fetch``: dispatches the eval of ``params`` over the held-out batches (one compiled step, not
-  waited for, so the params may be donated next); ``fetch()`` waits and returns ``{eval_loss, eval_perplexity,
-  eval_tokens}``, the loss being the mean over all real target tokens of the split."""
-  batches = [data_lib.to_global(b, run.batch_sharding) for b in data_lib.open_eval(run.config)]
+  """``params -> fetch``: dispatches the eval of ``params`` over every eval set (:func:`jaxtrain.data.eval_sets`;
+  one compiled step, not waited for, so the params may be donated next); ``fetch()`` waits and returns
+  ``{eval_loss, eval_perplexity, eval_tokens}`` over the training data's eval split (each loss the mean over all
+  real target tokens: a mixture's components' splits pooled, so token-weighted) and ``eval_loss/<name>`` for each
+  named set (a mixture's components, ``eval.sets``)."""
+  sets = [(s.name, s.in_total, [data_lib.to_global(b, run.batch_sharding) for b in s.batches])
+          for s in data_lib.eval_sets(run.config)]
   eval_step = jax.jit(step_lib.make_eval_step(run.model, run.pipeline_schedule, context_lib.shards(run.mesh)),
                       in_shardings=(run.state_shardings.params, run.batch_sharding))
 
   def evaluate(params):
     with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
-      sums = [eval_step(params, b) for b in batches]
+      sums = [(name, in_total, [eval_step(params, b) for b in batches]) for name, in_total, batches in sets]
 
     def fetch() -> dict[str, float]:
-      loss_sum, tokens = (sum(float(x[i]) for x in sums) for i in (0, 1))
-      loss = loss_sum / max(tokens, 1.0)
-      return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": tokens}
+      out, total = {}, [0.0, 0.0]
+      for name, in_total, parts in sums:
+        loss_sum, tokens = (sum(float(x[i]) for x in parts) for i in (0, 1))
+        if name is not None:
+          out[f"eval_loss/{name}"] = loss_sum / max(tokens, 1.0)
+        if in_total:
+          total = [total[0] + loss_sum, total[1] + tokens]
+      if any(in_total for _, in_total, _ in sums):
+        loss = total[0] / max(total[1], 1.0)
+        out = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": total[1], **out}
+      return out
 
     return fetch
 
