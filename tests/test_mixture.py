@@ -377,3 +377,19 @@ def test_sigkills_at_random_steps_resume_to_the_uninterrupted_batches_and_losses
   assert got == want  # the same batches: token counts, shares and every loss bitwise equal
   assert np.mean([want[s]["mix/web"] for s in range(boundary + 1, steps + 1)]) > 0.85
   assert np.mean([want[s]["mix/web"] for s in range(1, boundary + 1)]) == pytest.approx(0.5, abs=0.1)
+
+
+def test_plot_tool_draws_each_components_share_and_losses(tmp_path):
+  sys.path.insert(0, str(ROOT))
+  from tools import plot_metrics
+  records = [{"step": s, "loss": 3.0 / s, "tokens_per_sec": 1.0, "grad_norm": 1.0, "lr": 1e-3,
+              "mix/code": 0.25 * s, "mix/web": 1 - 0.25 * s, "loss/web": 2.0 / s} for s in (1, 2)]
+  records.append({"step": 2, "eval_loss": 1.5, "eval_loss/web": 1.4, "eval_loss/letters": 1.9})
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  fig = plot_metrics.figure([plot_metrics.read(str(tmp_path))])
+  share, losses = fig.axes[4:]
+  assert share.get_title() == "mixture: token share per component"
+  lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+           for ax in (share, losses) for line in ax.get_lines()}
+  assert lines == {"mix/code": ([1, 2], [0.25, 0.5]), "mix/web": ([1, 2], [0.75, 0.5]),
+                   "loss/web": ([1, 2], [2.0, 1.0]), "eval_loss/web": ([2], [1.4]), "eval_loss/letters": ([2], [1.9])}

@@ -44,6 +44,9 @@ PREPARE = "--input=my_texts --output=data/my_texts"
 TRAIN_PREPARED = "--config.data.path=data/my_texts"
 PREPARE_BEAM = "--runner=FnApiRunner"
 TRAIN_RAW = "--config.data.source=raw"
+MIX_PREPARE_WEB = "--output=data/web"
+MIX_PREPARE_CODE = "--output=data/code"
+MIX_TRAIN = "--config.workdir=runs/mixture"
 PREPARE_SFT = "--output=data/chats"
 TRAIN_SFT = "--config.data.path=data/chats"
 GENERATE = "--checkpoint=runs/tiny"
@@ -67,7 +70,8 @@ def test_every_readme_command_is_run_by_a_test():
   """A command added to the README or a docs page without a test here (or one a test no longer finds) fails."""
   run = [QUICK_START] + [readme.command(part) for part in (TRAIN_LONGER, INSPECT, PLOT, TP, DRY_RUN, GPIPE,
                                                            CIRCULAR, MOE, CONTEXT, PREPARE, TRAIN_PREPARED, PREPARE_BEAM,
-                                                           TRAIN_RAW, PREPARE_SFT,
+                                                           TRAIN_RAW, MIX_PREPARE_WEB, MIX_PREPARE_CODE, MIX_TRAIN,
+                                                           PREPARE_SFT,
                                                            TRAIN_SFT, GENERATE, HF_IMPORT,
                                                            HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT, LOCAL,
                                                            GOODPUT)]
@@ -236,6 +240,30 @@ def test_prepare_data_and_train_on_it(user):
   assert {p.name: p.read_bytes() for p in beam.iterdir()} == {p.name: p.read_bytes() for p in local.iterdir()}
   err = _ok(user.run(readme.command(TRAIN_RAW), "--config.train.steps=3"))  # the raw files, streamed
   assert user.committed("runs/raw") == [3] and "done: step 3/3" in err
+
+
+def test_mixture_commands(user):
+  """docs/data.md's mixture: two prepared folders and raw text files, weighted, with an eval set."""
+  docs = [d for d in (user.repo / "jaxtrain/data/corpus/tinyshakespeare.txt").read_text().split("\n\n") if d.strip()]
+  for name, part in (("web_texts", docs[:600]), ("code_texts", docs[600:1000]), ("book_texts", docs[1000:1200]),
+                     ("letter_texts", docs[1200:1300])):
+    (user.repo / name).mkdir()
+    (user.repo / name / "a.txt").write_text("\n\n".join(part) + "\n")
+  for command, name in ((MIX_PREPARE_WEB, "web"), (MIX_PREPARE_CODE, "code")):
+    assert _ok_out(user.run(readme.command(command))).strip().endswith(f"-> data/{name}")
+  err = _ok(user.run(readme.command(MIX_TRAIN), "--config.train.steps=4", "--config.eval.every_steps=2"))
+  assert user.committed("runs/mixture") == [4] and "done: step 4/4" in err
+  records = user.records("runs/mixture")
+  train = [r for r in records if "loss" in r]
+  evals = [r for r in records if "eval_loss" in r]
+  assert all(abs(sum(r[f"mix/{n}"] for n in ("web", "code", "books")) - 1) < 1e-6 for r in train), train
+  assert [r["step"] for r in evals] == [2, 4]
+  assert {k for k in evals[-1] if k.startswith("eval_loss/")} == {"eval_loss/web", "eval_loss/code",
+                                                                   "eval_loss/letters"}  # raw books: no eval split
+  resolved = json.loads((user.repo / "runs/mixture/config.json").read_text())
+  assert resolved["data"]["mixture"] == (f"books={user.repo / 'book_texts'}:0.1,code={user.repo / 'data/code'}:0.2,"
+                                         f"web={user.repo / 'data/web'}:0.7")
+  assert resolved["eval"]["sets"] == f"letters={user.repo / 'letter_texts'}"
 
 
 def _write_chats(path):

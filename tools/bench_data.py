@@ -1,12 +1,15 @@
 """Data benchmark: loader throughput vs what the step consumes, and the data stall in the training loop.
 
-  python tools/bench_data.py [--configs=tiny,cpu_50m] [--pairs=tiny=30,cpu_50m=4] [--source=arrayrecord|raw]
+  python tools/bench_data.py [--configs=tiny,cpu_50m] [--pairs=tiny=30,cpu_50m=4] [--source=arrayrecord|raw|mixture]
       [--raw_dir=DIR] [--out=benchmarks/results/data.json]
 
 For each config (8 simulated CPU devices), on the bundled corpus: prepared on first use (``--source=arrayrecord``,
 the default), or as raw JSONL tokenized inside the Grain pipeline (``--source=raw``, ``data.source=raw``: ~20 MB
 of the corpus's paragraphs, repeated with a counter so documents differ, in 8 .jsonl files with a "text" field,
 written once to ``--raw_dir`` or a temporary folder; byte tokenizer; results to benchmarks/results/data_stream.json):
+``--source=mixture`` compares the loader of one prepared folder (the bundled corpus) with that of a 3-component
+mixture (``data.mixture``: the corpus's paragraphs dealt into three prepared folders, weights 0.6 / 0.3 / 0.1) in
+alternated rounds of ``--mixture_batches`` batches, 0 workers (results to benchmarks/results/data_mixture.json).
 1. Loader alone: tokens/s with 0 and 2 worker processes, against the tokens/s the train step consumes.
 2. Stall: pairs of rounds of K steps, one fed by the real pipeline and one by synthetic batches (which goes
    first alternates), through the same compiled step and the trainer's loop body (next batch -> global
@@ -41,8 +44,11 @@ _CONFIGS = flags.DEFINE_list("configs", ["tiny", "cpu_50m"], "Config modules und
 _ROUNDS = flags.DEFINE_string("pairs", "tiny=30,cpu_50m=4", "Real / synthetic round pairs, per config.")
 _STEPS = flags.DEFINE_string("steps_per_round", "tiny=5,cpu_50m=2", "Steps per round, per config.")
 _BATCH = flags.DEFINE_integer("batch", 16, "Global batch size.")
-_SOURCE = flags.DEFINE_enum("source", "arrayrecord", ["arrayrecord", "raw"], "arrayrecord: the prepared bundled "
-                            "corpus. raw: data.source=raw on a generated JSONL corpus.")
+_SOURCE = flags.DEFINE_enum("source", "arrayrecord", ["arrayrecord", "raw", "mixture"], "arrayrecord: the prepared "
+                            "bundled corpus. raw: data.source=raw on a generated JSONL corpus. mixture: one folder "
+                            "against a 3-component mixture, loader only.")
+_MIX_ROUNDS = flags.DEFINE_integer("mixture_rounds", 10, "--source=mixture: alternated round pairs.")
+_MIX_BATCHES = flags.DEFINE_integer("mixture_batches", 100, "--source=mixture: batches per round.")
 _RAW_DIR = flags.DEFINE_string("raw_dir", "", "--source=raw: where the JSONL corpus is written (reused if there); "
                                "empty = a temporary folder, removed at the end.")
 _RAW_MB = flags.DEFINE_float("raw_mb", 20.0, "--source=raw: size of the generated JSONL corpus, in MB.")
@@ -138,8 +144,73 @@ def bench(name: str, raw_dir: str = "") -> dict:
           "round_times": times}
 
 
+def write_mixture(folder: str) -> dict[str, str]:
+  """The bundled corpus's paragraphs dealt round-robin into three prepared folders (kept if there)."""
+  from jaxtrain.data import prepare
+  with open(_CORPUS, encoding="utf-8") as f:
+    paragraphs = [p.strip("\n") for p in re.split(r"\n\s*\n", f.read()) if p.strip()]
+  out = {}
+  for i, name in enumerate(("web", "code", "books")):
+    out[name] = os.path.join(folder, name)
+    if not os.path.exists(os.path.join(out[name], "manifest.json")):
+      os.makedirs(os.path.join(folder, f"{name}_in"), exist_ok=True)
+      with open(os.path.join(folder, f"{name}_in", "a.txt"), "w", encoding="utf-8") as f:
+        f.write("\n\n".join(paragraphs[i::3]) + "\n")
+      prepare.prepare(prepare.Options(inputs=[os.path.join(folder, f"{name}_in")], output=out[name], progress=False))
+  return out
+
+
+def bench_mixture(name: str, folder: str) -> dict:
+  """Loader tokens/s of one folder and of a 3-component mixture, in alternated rounds (0 workers)."""
+  parts = write_mixture(folder)
+  single = importlib.import_module(f"configs.{name}").get_config()
+  single.train.global_batch_size = _BATCH.value
+  mixed = single.copy_and_resolve_references()
+  mixed.data.mixture = f"web={parts['web']}:0.6,code={parts['code']}:0.3,books={parts['books']}:0.1"
+  iterators = {"single": data_lib.open_train(single), "mixture": data_lib.open_train(mixed)}
+  rows = single.train.global_batch_size * single.data.seq_len
+  rates = {"single": [], "mixture": []}
+  for it in iterators.values():
+    for _ in range(5):
+      next(it)
+  for pair in range(_MIX_ROUNDS.value):
+    order = ("single", "mixture") if pair % 2 == 0 else ("mixture", "single")
+    for kind in order:
+      t = time.perf_counter()
+      for _ in range(_MIX_BATCHES.value):
+        next(iterators[kind])
+      rates[kind].append(_MIX_BATCHES.value * rows / (time.perf_counter() - t))
+  for it in iterators.values():
+    data_lib.close(it)
+  return {"config": name, "global_batch": single.train.global_batch_size, "seq_len": single.data.seq_len,
+          "single_tokens_per_sec_median": statistics.median(rates["single"]),
+          "mixture_tokens_per_sec_median": statistics.median(rates["mixture"]),
+          "mixture_vs_single_paired_median": statistics.median(m / s for m, s in zip(rates["mixture"],
+                                                                                    rates["single"])),
+          "rounds": rates}
+
+
+def main_mixture() -> None:
+  folder = _RAW_DIR.value or tempfile.mkdtemp(prefix="bench_data_mixture_")
+  try:
+    results = [bench_mixture(name, folder) for name in _CONFIGS.value]
+  finally:
+    if not _RAW_DIR.value:
+      shutil.rmtree(folder, ignore_errors=True)
+  header = f"{'config':<9}{'one folder tok/s':>18}{'3-component mixture tok/s':>27}{'mixture / one (paired)':>24}"
+  print(header)
+  print("-" * len(header))
+  for r in results:
+    print(f"{r['config']:<9}{r['single_tokens_per_sec_median']:>18,.0f}{r['mixture_tokens_per_sec_median']:>27,.0f}"
+          f"{r['mixture_vs_single_paired_median']:>24.3f}")
+  out = _OUT.value or "benchmarks/results/data_mixture.json"
+  print(f"wrote {_bench.write_json(out, {'source': 'mixture', 'results': results})}")
+
+
 def main(argv):
   del argv
+  if _SOURCE.value == "mixture":
+    return main_mixture()
   raw, tmp = {}, None
   if _SOURCE.value == "raw":
     folder = _RAW_DIR.value or (tmp := tempfile.mkdtemp(prefix="bench_data_raw_"))

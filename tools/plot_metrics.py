@@ -3,7 +3,9 @@
   python tools/plot_metrics.py RUN_OR_JSONL [RUN_OR_JSONL ...] --out=plot.png
 
 Each argument is a workdir (its metrics.jsonl is read) or a JSONL file; runs are labelled by folder name.
-Eval records (eval_loss) are drawn on the loss panel as dots.
+Eval records (eval_loss) are drawn on the loss panel as dots. A data mixture's runs get a third row: each
+component's token share (``mix/<name>``) and its training loss (``loss/<name>``, with ``eval_loss/<name>`` as dots,
+also for ``eval.sets``).
 """
 
 from __future__ import annotations
@@ -29,14 +31,22 @@ def read(path: str) -> tuple[str, list[dict]]:
   return (p.name if p.is_dir() else p.parent.name), records
 
 
+def _components(runs, prefix: str) -> list[str]:
+  return sorted({k[len(prefix):] for _, records in runs for r in records for k in r if k.startswith(prefix)})
+
+
 def figure(runs: list[tuple[str, list[dict]]]):
-  """The 2 x 2 panels of PANELS (a matplotlib Figure): one line per run, eval losses as dots."""
+  """The 2 x 2 panels of PANELS (a matplotlib Figure): one line per run, eval losses as dots; a third row for
+  data mixtures (shares; per-component losses)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-  for ax, (key, title) in zip(axes.flat, PANELS, strict=True):
+  mixed = _components(runs, "mix/")
+  named_evals = _components(runs, "eval_loss/")
+  rows = 3 if mixed or named_evals else 2
+  fig, axes = plt.subplots(rows, 2, figsize=(12, 4 * rows), squeeze=False)
+  for ax, (key, title) in zip(axes.flat, PANELS):
     for i, (label, records) in enumerate(runs):
       color = f"C{i}"  # one colour per run in every panel
       points = sorted({r["step"]: r[key] for r in records if key in r}.items())  # a re-run step: last value
@@ -51,6 +61,26 @@ def figure(runs: list[tuple[str, list[dict]]]):
     ax.grid(alpha=0.3)
     if key in ("loss", "grad_norm"):
       ax.set_yscale("log")
+  if rows == 3:  # one colour per component, one line style per run
+    share_ax, loss_ax = axes[2]
+    names = sorted(set(mixed) | set(named_evals))
+    for i, (label, records) in enumerate(runs):
+      style = ("-", "--", ":", "-.")[i % 4]
+      for j, name in enumerate(names):
+        color = f"C{j}"
+        for ax, key, marker in ((share_ax, f"mix/{name}", style), (loss_ax, f"loss/{name}", style),
+                                (loss_ax, f"eval_loss/{name}", "o")):
+          points = sorted({r["step"]: r[key] for r in records if key in r}.items())
+          if points:
+            ax.plot(*zip(*points), marker, color=color, label=f"{label}: {key}" if len(runs) > 1 else key)
+    share_ax.set_title("mixture: token share per component")
+    loss_ax.set_title("loss per component (eval: dots)")
+    loss_ax.set_yscale("log")
+    for ax in (share_ax, loss_ax):
+      ax.set_xlabel("step")
+      ax.grid(alpha=0.3)
+      if ax.lines:
+        ax.legend(fontsize="small")
   axes.flat[0].legend()
   fig.tight_layout()
   return fig

@@ -106,6 +106,9 @@ def _to_train_batch(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   batch["doc_ids"] = rows["doc_ids"][:, :-1]  # host-side provenance: the document of each input token
   if "sources" in rows:  # a mixture's component of each input token (per-component metrics in the step)
     batch["sources"] = rows["sources"][:, :-1]
+    doc_ids = batch["doc_ids"]  # provenance names the component too: component << SOURCE_SHIFT | document
+    batch["doc_ids"] = np.where(doc_ids >= 0, doc_ids.astype(np.int64) | (batch["sources"].astype(np.int64)
+                                                                          << packing_lib.SOURCE_SHIFT), -1)
   return batch
 
 

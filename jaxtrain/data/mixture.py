@@ -270,12 +270,12 @@ class Schedule:
     return w / w.sum()
 
   def __call__(self, row: int, lane: int) -> int:
-    if self._cached[0] != row:
+    if self._cached[0] != row:  # (a Python list and bisect: a row costs ~1 us, not numpy's call overheads)
       w = self.weights(row)
-      self._cached = (row, (np.cumsum(w), int(np.flatnonzero(w > 0)[-1])))
+      self._cached = (row, (np.cumsum(w).tolist(), int(np.flatnonzero(w > 0)[-1])))
     cumulative, last = self._cached[1]
     u = ((self.offset + (row * self.num_lanes + lane) * _GOLDEN) % 2**64) / 2**64
-    return min(int(np.searchsorted(cumulative, u, side="right")), last)
+    return min(bisect.bisect_right(cumulative, u), last)
 
 
 def schedule(c) -> Schedule:

@@ -118,7 +118,8 @@ class MixedLanes(grain.IterDataset):
   lane i's k-th row comes from component ``choose(k, lanes[i])``, the next row of that component's own lane i.
   So each component keeps its own position per lane (what a change of weights or of components on a resumed run
   preserves), and which component a row reads is a function of (row, lane) only. Rows carry ``sources`` (the
-  component's index, per token) and their ``doc_ids`` as ``component << 40 | document`` (int64, -1: padding);
+  component's index, per token; batches then carry ``doc_ids`` as ``component << 40 | document``, int64, -1:
+  padding, see :func:`jaxtrain.data.loader.batched`);
   when any component is SFT data (``masked``), rows of the others are trained wherever they hold tokens."""
 
   def __init__(self, parts: Sequence[PackedLanes], names: Sequence[str], choose, lanes: Sequence[int]):
@@ -160,7 +161,6 @@ class _MixedLanesIterator(grain.DatasetIterator):
     self._rows[i] += 1
     length = row["tokens"].shape[0]
     row["sources"] = np.full(length, c, np.int32)
-    row["doc_ids"] = np.where(row["doc_ids"] >= 0, row["doc_ids"].astype(np.int64) | (c << SOURCE_SHIFT), -1)
     if ds.masked and "trained" not in row:
       row["trained"] = (row["segment_ids"] > 0).astype(np.int32)
     return row
