@@ -21,6 +21,7 @@ from jaxtrain import data as data_lib
 from jaxtrain import models
 from jaxtrain.data import folders, loader, mixture, packing, prepare
 from jaxtrain.train import trainer
+from configs import tiny
 from tests.conftest import small_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -271,12 +272,15 @@ def test_eval_per_component_and_eval_sets_equal_an_independent_computation(compo
 
 
 MIX = "--config.data.mixture=web={web}:0.6,code={code}:0.4"
+# (arguments, text the one error line must contain); the first three also through the command line (exit 2,
+# one line, nothing written), the others where main gets them from (the config's validation).
 BAD = [
-    # (arguments, text the one error line must contain)
     (["--config.data.mixture=web={web}:0.6,code={tmp}/nowhere:0.4"],
      "data.mixture (code): {tmp}/nowhere: no such file or folder"),
     (["--config.data.mixture=web={web}:0.6,code={code}:lots"], "data.mixture: the weight 'lots' of 'code' is not a "
                                                                 "number"),
+    (["--config.data.mixture=web={web}:0.6,sp={sp}:0.4"], "data.mixture (web): {web} was made with tokenizer byte, "
+                                                           "but 'sp' with sentencepiece:sp.model:"),
     (["--config.data.mixture=web={web}"], "data.mixture: 'web={web}' is not name=path:weight"),
     (["--config.data.mixture=web={web}:0.6,code={code}:-0.4"], "data.mixture: the weight -0.4 of 'code' is negative"),
     (["--config.data.mixture=web={web}:0,code={code}:0"], "data.mixture: every weight is 0"),
@@ -287,9 +291,8 @@ BAD = [
     ([MIX, "--config.data.path={web}"], "data.path: is set together with data.mixture"),
     ([MIX, "--config.eval.sets=web={code}", "--config.eval.every_steps=5"], "eval.sets: 'web' is also a component"),
     ([MIX, "--config.eval.sets=x={code}"], "eval.sets: is set but eval.every_steps=0"),
-    (["--config.data.mixture=web={web}:0.6,sp={sp}:0.4"], "data.mixture (web): {web} was made with tokenizer byte, "
-                                                           "but 'sp' with sentencepiece:sp.model:"),
 ]
+COMMAND_LINE = 3
 
 
 @pytest.fixture(scope="module")
@@ -306,7 +309,8 @@ def other_tokenizer(components, tmp_path_factory):
   return os.fspath(tmp / "data")
 
 
-@pytest.mark.parametrize("args,message", BAD, ids=[a[-1].split("=", 1)[1][:40] for a, _ in BAD])
+@pytest.mark.parametrize("args,message", BAD[:COMMAND_LINE], ids=[a[-1].split("=", 1)[1][:40] for a, _ in
+                                                                   BAD[:COMMAND_LINE]])
 def test_bad_mixture_input_is_one_line_exit_2_nothing_written(components, other_tokenizer, tmp_path, args, message):
   values = {**components, "tmp": os.fspath(tmp_path), "sp": other_tokenizer}
   args = [a.format(**values) for a in args]
@@ -318,6 +322,22 @@ def test_bad_mixture_input_is_one_line_exit_2_nothing_written(components, other_
   assert message.format(**values) in errors[0], errors[0]
   assert "Traceback" not in r.stderr
   assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("args,message", BAD[COMMAND_LINE:], ids=[a[-1].split("=", 1)[1][:40] for a, _ in
+                                                                  BAD[COMMAND_LINE:]])
+def test_bad_mixture_config_is_refused_by_validation(components, tmp_path, args, message):
+  values = {**components, "tmp": os.fspath(tmp_path)}
+  c = tiny.get_config()  # what the command line would run
+  c.workdir = os.fspath(tmp_path / "run")
+  for arg in args:
+    key, value = arg.format(**values)[len("--config."):].split("=", 1)
+    group, name = key.split(".")
+    c[group][name] = int(value) if value.isdigit() else value
+  with pytest.raises(config_lib.UserError) as e:
+    config_lib.resolve(c)
+  assert message.format(**values) in str(e.value)
+  assert not (tmp_path / "run").exists()
 
 
 # jaxtrain.main that SIGKILLs itself when the loop is about to save step argv[1] (once the previous save has
