@@ -119,3 +119,32 @@ def init_distributed(coordinator: str, num_processes: int, process_id: int) -> N
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                              process_id=process_id, initialization_timeout=120)
+
+
+# jaxtrain.main that SIGKILLs itself when the loop is about to save step argv[1] (once the previous save has
+# committed): the steps after that checkpoint have run and are lost; the next run resumes from it.
+_KILL_AT_SAVE = ("import os, runpy, signal, sys; from jaxtrain import checkpoint as c\n"
+                 "save, kill_at = c.Checkpointer.save, int(sys.argv[1])\n"
+                 "def killing_save(self, step, *a, **k):\n"
+                 "  if step == kill_at: self.wait(); os.kill(os.getpid(), signal.SIGKILL)\n"
+                 "  return save(self, step, *a, **k)\n"
+                 "c.Checkpointer.save = killing_save; sys.argv[0:2] = ['jaxtrain.main']\n"
+                 "runpy.run_module('jaxtrain.main', run_name='__main__')")
+
+
+def main_killed_at_save(step: int, args: list[str], log: pathlib.Path, timeout: float = 300) -> int:
+  """Runs ``python -m jaxtrain.main *args`` (in the repository, output to ``log``) until it SIGKILLs itself about
+  to save ``step``; returns its exit status (-SIGKILL when it was killed there). It runs in its own process group,
+  killed once it is gone: a killed trainer's Grain workers may outlive it for a moment."""
+  import signal
+  with open(log, "w") as out:
+    p = subprocess.Popen([sys.executable, "-c", _KILL_AT_SAVE, str(step), *args], cwd=ROOT, stdout=out, stderr=out,
+                         start_new_session=True)
+    try:
+      p.wait(timeout=timeout)
+    finally:
+      try:
+        os.killpg(p.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+  return p.returncode

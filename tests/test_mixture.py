@@ -22,6 +22,7 @@ from jaxtrain import models
 from jaxtrain.data import folders, loader, mixture, packing, prepare
 from jaxtrain.train import trainer
 from configs import tiny
+from tests import multiprocess
 from tests.conftest import small_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -291,6 +292,8 @@ BAD = [
     ([MIX, "--config.data.path={web}"], "data.path: is set together with data.mixture"),
     ([MIX, "--config.eval.sets=web={code}", "--config.eval.every_steps=5"], "eval.sets: 'web' is also a component"),
     ([MIX, "--config.eval.sets=x={code}"], "eval.sets: is set but eval.every_steps=0"),
+    (["--config.data.mixture=raw={raw}:1", "--config.eval.every_steps=5"], "eval.every_steps: is set but no "
+                                                                           "component of data.mixture holds eval"),
 ]
 COMMAND_LINE = 3
 
@@ -340,17 +343,6 @@ def test_bad_mixture_config_is_refused_by_validation(components, tmp_path, args,
   assert not (tmp_path / "run").exists()
 
 
-# jaxtrain.main that SIGKILLs itself when the loop is about to save step argv[1] (once the previous save has
-# committed): the steps after that checkpoint have run and are lost; the next run resumes from it.
-_KILL_AT_SAVE = ("import os, runpy, signal, sys; from jaxtrain import checkpoint as c\n"
-                 "save, kill_at = c.Checkpointer.save, int(sys.argv[1])\n"
-                 "def killing_save(self, step, *a, **k):\n"
-                 "  if step == kill_at: self.wait(); os.kill(os.getpid(), signal.SIGKILL)\n"
-                 "  return save(self, step, *a, **k)\n"
-                 "c.Checkpointer.save = killing_save; sys.argv[0:2] = ['jaxtrain.main']\n"
-                 "runpy.run_module('jaxtrain.main', run_name='__main__')")
-
-
 def _records(workdir) -> dict:
   """step -> the last training record logged for it: its loss, token count and per-component metrics."""
   out = {}
@@ -377,18 +369,9 @@ def test_sigkills_at_random_steps_resume_to_the_uninterrupted_batches_and_losses
   resumes = [0] + [k - 1 for k in kills]  # run i starts after step resumes[i] and is killed at step kills[i]
   assert any(start <= boundary < kill for start, kill in zip(resumes, kills)), kills
   for kill in kills:
-    with open(tmp_path / "killed.log", "w") as log:
-      p = subprocess.Popen([sys.executable, "-c", _KILL_AT_SAVE, str(kill), *args[:],
-                            f"--config.workdir={tmp_path / 'b'}"], cwd=ROOT, stdout=log, stderr=log,
-                           start_new_session=True)
-      try:
-        p.wait(timeout=300)
-      finally:
-        try:
-          os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-          pass
-    assert p.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
+    code = multiprocess.main_killed_at_save(kill, [*args, f"--config.workdir={tmp_path / 'b'}"],
+                                            tmp_path / "killed.log")
+    assert code == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
   r = subprocess.run([sys.executable, "-m", "jaxtrain.main", *args, f"--config.workdir={tmp_path / 'b'}"],
                      cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0 and f"resumed from checkpoint step {kills[-1] - 1}" in r.stderr, r.stderr[-3000:]

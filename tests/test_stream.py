@@ -212,17 +212,6 @@ def test_bad_records_name_file_and_line(tmp_path, workers):
     data_lib.close(it)
 
 
-# jaxtrain.main that SIGKILLs itself when the loop is about to save step argv[1] (once the previous, async save
-# has committed): the steps after that checkpoint have run and are lost; the next run resumes from it.
-_KILL_AT_SAVE = ("import os, runpy, signal, sys; from jaxtrain import checkpoint as c\n"
-                 "save, kill_at = c.Checkpointer.save, int(sys.argv[1])\n"
-                 "def killing_save(self, step, *a, **k):\n"
-                 "  if step == kill_at: self.wait(); os.kill(os.getpid(), signal.SIGKILL)\n"
-                 "  return save(self, step, *a, **k)\n"
-                 "c.Checkpointer.save = killing_save; sys.argv[0:2] = ['jaxtrain.main']\n"
-                 "runpy.run_module('jaxtrain.main', run_name='__main__')")
-
-
 def _records(workdir) -> dict:
   """step -> the last record logged for it (training and eval records merged)."""
   out = {}
@@ -240,20 +229,9 @@ def test_sigkill_and_resume_gives_the_uninterrupted_batches(jsonl, tmp_path):
           "--config.data.num_workers=2"]
   r = _main(f"--config.workdir={tmp_path / 'a'}", *args)
   assert r.returncode == 0, r.stderr[-3000:]
-  # Its own process group, stderr to a file: the killed trainer's Grain workers may outlive it for a moment and
-  # would hold a pipe open; the group is killed once the trainer is gone.
-  with open(tmp_path / "killed.log", "w") as log:
-    p = subprocess.Popen([sys.executable, "-c", _KILL_AT_SAVE, "6", "--config=configs/tiny.py",
-                          f"--config.workdir={tmp_path / 'b'}", *args], cwd=ROOT, stdout=log, stderr=log,
-                         start_new_session=True)
-    try:
-      p.wait(timeout=300)
-    finally:
-      try:
-        os.killpg(p.pid, signal.SIGKILL)
-      except ProcessLookupError:
-        pass
-  assert p.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
+  code = multiprocess.main_killed_at_save(6, ["--config=configs/tiny.py", f"--config.workdir={tmp_path / 'b'}",
+                                               *args], tmp_path / "killed.log")
+  assert code == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
   r = _main(f"--config.workdir={tmp_path / 'b'}", *args)
   assert r.returncode == 0 and "resumed from checkpoint step 3" in r.stderr, r.stderr[-3000:]
   want, got = _records(tmp_path / "a"), _records(tmp_path / "b")

@@ -10,6 +10,7 @@ document of its folder (every split of prepared data, every record of raw files)
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -38,6 +39,14 @@ class Folder:
 
 def is_prepared(path: str) -> bool:
   return (epath.Path(paths.resolve(path)) / prepare.MANIFEST).exists()
+
+
+def has_held_out(path: str, c) -> bool:
+  """Whether ``path`` holds documents held out of training (prepared: an ``eval`` split; raw: data.eval_fraction)."""
+  if not is_prepared(path):
+    return c.data.eval_fraction > 0
+  manifest = json.loads((epath.Path(paths.resolve(path)) / prepare.MANIFEST).read_text())
+  return any(s.get("split") == "eval" for s in manifest.get("shards", []))
 
 
 def check(path: str, c, key: str) -> None:

@@ -244,6 +244,10 @@ def validate(c) -> None:
   stages(c)
   for comp in comps:
     folders.check(comp.path, c, f"data.mixture ({comp.name})")
+  if c.eval.every_steps and _empty(c.eval.sets) and not any(folders.has_held_out(comp.path, c) for comp in comps):
+    raise ConfigError("eval.every_steps", "is set but no component of data.mixture holds eval documents (and "
+                      "eval.sets is empty)", "prepare them with --eval_fraction > 0, set data.eval_fraction for raw "
+                      "components, or set eval.sets")
 
 
 # ---------------------------------------------------------------------------------------------- the schedule
