@@ -39,7 +39,8 @@ ERRORS = [
     ([TINY, "--config.train.microbatches=3"], "train.microbatches: 3 does not divide"),
     ([TINY, "--config.model.name=gpt9"], "model.name: 'gpt9' is not a registered model; use one of llama"),
     ([TINY, "--config.model.remat=everything"],
-     "model.remat: 'everything' is not a registered remat policy; use one of full, none, save_dots"),
+     "model.remat: 'everything' is not a registered remat policy; use one of full, minimal, none, offload_dots, "
+     "offload_minimal, save_dots, save_out_proj, save_qkv_proj"),
     ([TINY, "--config.sharding.preset=zero9"], "sharding.preset: 'zero9' is not a preset"),
     ([TINY, "--config.data.num_workers=3"], "data.num_workers: 3 does not divide the 16 rows"),
     ([TINY, "--config.mesh.pipeline=4", "--config.pipeline.schedule=circular"],

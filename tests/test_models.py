@@ -77,12 +77,14 @@ def test_attention_stays_within_document():
 
 @pytest.mark.slow
 def test_remat_same_values_and_grads():
-  """Remat recomputes activations in the backward pass: the same loss and gradients with fewer temporaries
-  (8 layers so the saved activations dominate the step's temporary memory)."""
+  """Every remat policy recomputes activations in the backward pass: the same loss and gradients, with the
+  temporaries the policy promises (8 layers so the saved activations dominate the step's temporary memory)."""
   _, params = _model_and_params(num_layers=8)
   tokens = _inputs(np.random.default_rng(0).integers(0, 256, (2, 32)))
-  results, temp = {}, {}
-  for remat in ["none", "save_dots", "full"]:
+  results, temp, host = {}, {}, {}
+  assert set(models.REMAT.names()) == {"none", "full", "save_dots", "save_qkv_proj", "save_out_proj", "minimal",
+                                       "offload_minimal", "offload_dots"}
+  for remat in models.REMAT.names():
     model = _model(num_layers=8, remat=remat)
 
     def loss(p, model=model):
@@ -90,15 +92,22 @@ def test_remat_same_values_and_grads():
 
     compiled = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
     results[remat] = compiled(params)
-    temp[remat] = compiled.memory_analysis().temp_size_in_bytes
+    memory = compiled.memory_analysis()
+    temp[remat], host[remat] = memory.temp_size_in_bytes, memory.host_temp_size_in_bytes
   l1, g1 = results["none"]
-  for remat in ["save_dots", "full"]:
+  for remat in models.REMAT.names():
     l2, g2 = results[remat]
     np.testing.assert_allclose(l1, l2, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8), g1, g2)
-  # save_dots keeps the matmul outputs, full only each layer's input (measured: 9.3 MB, 4.2 MB, 2.1 MB).
+  # save_dots keeps the matmul outputs, full only each layer's input (measured: 9.3 MB, 4.2 MB, 2.1 MB); the
+  # named policies sit between, each keeping what it names.
   assert temp["save_dots"] < 0.7 * temp["none"], temp
   assert temp["full"] < 0.7 * temp["save_dots"], temp
+  assert temp["full"] < temp["save_out_proj"] < temp["save_qkv_proj"] < temp["minimal"] <= temp["save_dots"], temp
+  # Offloaded: on CPU the device's memory is the host's, so XLA keeps them where minimal / save_dots do (the HBM
+  # they free on a TPU: tools/bench_topology.py --remat, docs/parallelism.md).
+  for offloaded, kept in (("offload_minimal", "minimal"), ("offload_dots", "save_dots")):
+    assert temp[offloaded] == temp[kept] and host[offloaded] == host[kept] == 0, (temp, host)
 
 
 def _next_token_loss(model, tokens):

@@ -16,6 +16,9 @@ then arithmetic over the mesh (no arrays are created, no program is compiled). A
   the backward pass, per layer (b = local batch rows per microbatch, t = seq_len / mesh context (local tokens), T
   = seq_len, d = d_model, f = mlp_dim, h = heads x head_dim, kv = kv_heads x head_dim, in the compute dtype):
   remat=full: the layer input b*t*d; save_dots: + the matmul outputs the backward reads b*t*(h + 2 kv + d + 2 f);
+  the policies that keep tagged projections by name (jaxtrain.models.ACTIVATION_NAMES) add theirs: save_qkv_proj
+  b*t*(h + 2 kv), save_out_proj b*t*d, minimal all of save_dots' (down's output is read by no backward); the
+  offload_* policies keep the same in host memory (reported apart) and only the layer input on the device;
   none: + the elementwise intermediates ~ b*t*(4 d + 3 f) and what the attention backend saves (xla: the
   probabilities heads*b*t*T). The transient on top is the larger of two phases': the head's (the float32 logits
   b*t*vocab and the full float32 gradients of the output projection and embedding, vocab*d each, before their
@@ -155,6 +158,8 @@ def estimate(config, devices: int, slices: int = 1, platform: str = "tpu") -> di
                            "total": state + grads + (activations or 0) + (transient or 0)},
       # The whole train state (params, optimizer state, step counter): what the compiled step takes as
       # arguments besides the batch, to the byte.
+      # Offloading remat policies (model.remat=offload_*) keep these activations in host memory instead.
+      "host_activation_bytes_per_device": per_family.get("host_activation_bytes", 0) if per_family else None,
       "params_plus_optimizer_per_device": state, "full_param_bytes": full_params,
       "comm_bytes_per_step_per_device": comm, **extra,
   }
@@ -204,6 +209,9 @@ def main(argv):
   for k, v in info["bytes_per_device"].items():
     print(f"  {k:<12} {v / gib:10.3f} GiB per device" if v is not None else
           f"  {k:<12} not estimated (model family '{config.model.name}' has no activation_estimate)")
+  if info["host_activation_bytes_per_device"]:
+    print(f"  {'host':<12} {info['host_activation_bytes_per_device'] / gib:10.3f} GiB per device of activations "
+          f"offloaded to host memory (model.remat={config.model.remat})")
   for axis, v in info["comm_bytes_per_step_per_device"].items():
     print(f"  comm {axis:<7} {v / gib:10.3f} GiB per step per device")
   if "moe" in info:

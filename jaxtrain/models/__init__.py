@@ -53,7 +53,8 @@ def _shared_defaults() -> dict:
       name="llama",
       vocab_size=256,
       dtype="float32",  # compute dtype; params are always float32
-      remat="none",  # what the backward pass recomputes per layer: a name in models.REMAT (none | full | save_dots)
+      remat="none",  # what the backward pass recomputes per layer: a name in models.REMAT (none | full | save_dots |
+      # save_qkv_proj | save_out_proj | minimal | offload_minimal | offload_dots; docs/parallelism.md)
       attention="auto",  # the attention backend, a name in models.attention.BACKENDS: auto | xla | blockwise | splash
       attention_block_size=512,  # keys per block of the blockwise backend (memory O(seq_len x this) per layer)
       lora=lora.defaults(),  # LoRA fine-tuning (rank 0 = off): jaxtrain/models/lora.py
@@ -116,11 +117,47 @@ class Family:
 
 FAMILIES: Registry[Family] = Registry("model.name", "model", builtin=("jaxtrain.models.llama", "jaxtrain.models.moe"),
                                       how="jaxtrain.models.register")
-# What the backward pass recomputes inside each layer (jax.checkpoint policies); None: keep everything.
+# The activations a layer tags with jax.ad_checkpoint.checkpoint_name, which remat policies can keep by name
+# (the names MaxText's policies use for the same tensors): the q, k, v projections (before RoPE), the attention
+# output projection, the MLP's gate, up and down projections.
+ACTIVATION_NAMES = ("query_proj", "key_proj", "value_proj", "out_proj", "mlp_gate", "mlp_up", "mlp_down")
+
+
+@dataclasses.dataclass(frozen=True)
+class Remat:
+  """A jax.checkpoint policy (called as one) and what it keeps for the backward pass, for tools/estimate.py:
+  ``saved`` in device memory, ``offloaded`` to host memory (``pinned_host``) between the forward and the backward;
+  names from :data:`ACTIVATION_NAMES`, or ``dots``: every matmul output without batch dimensions."""
+  policy: Callable
+  saved: tuple[str, ...] = ()
+  offloaded: tuple[str, ...] = ()
+
+  def __call__(self, *args, **kwargs):
+    return self.policy(*args, **kwargs)
+
+
+def _names(*names: str) -> Remat:
+  return Remat(jax.checkpoint_policies.save_only_these_names(*names), saved=names)
+
+
+def _offloaded(*names: str) -> Remat:
+  return Remat(jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=[], names_which_can_be_offloaded=list(names), offload_src="device",
+      offload_dst="pinned_host"), offloaded=names)
+
+
+# What the backward pass recomputes inside each layer (jax.checkpoint policies; a plain policy registers too);
+# None: keep everything.
 REMAT: Registry[Any] = Registry("model.remat", "remat policy", how="jaxtrain.models.REMAT.register")
 REMAT.register("none", None)
-REMAT.register("full", jax.checkpoint_policies.nothing_saveable)
-REMAT.register("save_dots", jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+REMAT.register("full", Remat(jax.checkpoint_policies.nothing_saveable))
+REMAT.register("save_dots", Remat(jax.checkpoint_policies.dots_with_no_batch_dims_saveable, saved=("dots",)))
+REMAT.register("save_qkv_proj", _names("query_proj", "key_proj", "value_proj"))
+REMAT.register("save_out_proj", _names("out_proj"))
+REMAT.register("minimal", _names(*ACTIVATION_NAMES))  # every projection's output: MaxText's "minimal"
+REMAT.register("offload_minimal", _offloaded(*ACTIVATION_NAMES))  # the same, kept in host memory
+REMAT.register("offload_dots", Remat(jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+                                     offloaded=("dots",)))
 
 
 def register(name: str, family: Family) -> Family:

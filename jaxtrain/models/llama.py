@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from flax import nnx
 
@@ -82,8 +83,14 @@ def activation_estimate(cfg, rows: int, seq_len: int, tensor: int, context: int 
   h, kv = heads * cfg.head_dim, kv_heads * cfg.head_dim
   act_bytes = 2 if cfg.dtype == "bfloat16" else 4
   per_layer = b * seq * d  # the layer's input
-  if cfg.remat in ("save_dots", "none"):  # q, k, v, attention output projection, gate, up (not down: unused)
-    per_layer += b * seq * (h + 2 * kv + d + 2 * f // tensor)
+  # The tagged projections (models.ACTIVATION_NAMES), and what save_dots keeps: q, k, v, the attention output
+  # projection, gate and up (down's output is not read by the backward: XLA drops it).
+  width = {"query_proj": h, "key_proj": kv, "value_proj": kv, "out_proj": d, "mlp_gate": f // tensor,
+           "mlp_up": f // tensor, "mlp_down": 0, "dots": h + 2 * kv + d + 2 * f // tensor}  # (down: read by no backward)
+  policy = models.REMAT.get(cfg.remat)
+  saved = ("dots",) if policy is None else getattr(policy, "saved", ())
+  per_layer += b * seq * sum(width[n] for n in saved)
+  host_per_layer = b * seq * sum(width[n] for n in getattr(policy, "offloaded", ()))
   if cfg.remat == "none":  # and every elementwise intermediate, and what the attention backend keeps
     per_layer += b * seq * (4 * d + 3 * f // tensor) + attention.saved_bytes(backend, b, heads, seq, full,
                                                                           act_bytes) // act_bytes
@@ -97,6 +104,7 @@ def activation_estimate(cfg, rows: int, seq_len: int, tensor: int, context: int 
   transient = max(head, layer + 2 * layer_weights)
   kv_gathers = 3 if cfg.remat != "none" else 2  # forward, the backward's recompute, the gradients' reduce-scatter
   return {"activation_bytes": cfg.num_layers * per_layer * act_bytes, "transient_bytes": transient,
+          "host_activation_bytes": cfg.num_layers * host_per_layer * act_bytes,
           "tensor_allreduce_bytes": 4 * cfg.num_layers * b * seq * d * act_bytes,
           "context_allgather_bytes": kv_gathers * cfg.num_layers * b * full * 2 * kv * act_bytes}
 
@@ -174,16 +182,19 @@ class Attention(nnx.Module):
     max_len, kv_heads, head_dim]`` and the KVCache whose segment ids and positions already hold the new tokens;
     the new keys and values are written at ``slots.index`` and the queries attend over the cache. Returns the
     output, and with a cache also the updated ``(k, v)``."""
-    q = constrain(rope(self.q(x), positions, self.theta, self.scaling), ("batch", "length", "heads", "head_dim"))
-    k = constrain(rope(self.k(x), positions, self.theta, self.scaling), ("batch", "length", "kv_heads", "head_dim"))
-    v = constrain(self.v(x), ("batch", "length", "kv_heads", "head_dim"))
+    # The projections are tagged for remat policies that keep them by name (models.ACTIVATION_NAMES).
+    q = rope(checkpoint_name(self.q(x), "query_proj"), positions, self.theta, self.scaling)
+    k = rope(checkpoint_name(self.k(x), "key_proj"), positions, self.theta, self.scaling)
+    q = constrain(q, ("batch", "length", "heads", "head_dim"))
+    k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
+    v = constrain(checkpoint_name(self.v(x), "value_proj"), ("batch", "length", "kv_heads", "head_dim"))
     if cache is not None:
       k_cache, v_cache, slots = cache
       k, v = write_kv(k_cache, k, slots.index), write_kv(v_cache, v, slots.index)
       out = attend_cached(q, k, v, segment_ids, positions, slots.segment_ids, slots.positions)
       return self.o(constrain(out, ("batch", "length", "heads", "head_dim"))), (k, v)
     out = attend(self.backend, q, k, v, segment_ids, positions, self.block_size)  # causal, never across documents
-    return self.o(constrain(out, ("batch", "length", "heads", "head_dim")))
+    return checkpoint_name(self.o(constrain(out, ("batch", "length", "heads", "head_dim"))), "out_proj")
 
 
 class MLP(nnx.Module):
@@ -194,8 +205,9 @@ class MLP(nnx.Module):
     self.down = nnx.Linear(cfg.mlp_dim, cfg.d_model, kernel_init=_param(("mlp", "embed")), **kw)
 
   def __call__(self, x):
-    h = constrain(jax.nn.silu(self.gate(x)) * self.up(x), ("batch", "length", "mlp"))
-    return self.down(h)
+    gate, up = checkpoint_name(self.gate(x), "mlp_gate"), checkpoint_name(self.up(x), "mlp_up")
+    h = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+    return checkpoint_name(self.down(h), "mlp_down")
 
 
 class Block(nnx.Module):

@@ -168,6 +168,8 @@ def dry_run(config: ml_collections.ConfigDict, devices=None) -> dict[str, Any]:
   mem = step_fn.memory_analysis()
   per_device = {k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "temp", "alias")}
   info["memory_per_device"] = per_device
+  # Host memory the program uses besides (activations an offloading remat policy keeps there).
+  info["host_bytes_per_device"] = int(getattr(mem, "host_temp_size_in_bytes", 0) or 0)
   if attention_lib.target_platform() == "tpu" or target:
     # The TPU compiler reports its heap's peak (temporaries reuse memory over the program; arguments included):
     # its own verdict. Its temp_size counts the temporaries without that reuse (llama3_8b at 8k: 1.4 x the peak).
