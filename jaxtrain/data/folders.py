@@ -10,7 +10,6 @@ document of its folder (every split of prepared data, every record of raw files)
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from typing import Any
 
@@ -36,7 +35,6 @@ class Folder:
   held_out_docs: int
 
 
-
 def is_prepared(path: str) -> bool:
   return (epath.Path(paths.resolve(path)) / prepare.MANIFEST).exists()
 
@@ -45,22 +43,22 @@ def has_held_out(path: str, c) -> bool:
   """Whether ``path`` holds documents held out of training (prepared: an ``eval`` split; raw: data.eval_fraction)."""
   if not is_prepared(path):
     return c.data.eval_fraction > 0
-  manifest = json.loads((epath.Path(paths.resolve(path)) / prepare.MANIFEST).read_text())
-  return any(s.get("split") == "eval" for s in manifest.get("shards", []))
+  return any(s["split"] == "eval" for s in loader.load_manifest(paths.resolve(path), verify_checksums=False)["shards"])
 
 
 def check(path: str, c, key: str) -> None:
-  """Config-time checks (nothing read but names and a raw folder's first record): the path is prepared data or
-  raw files with ``data.field``. ConfigError naming ``key``."""
+  """Config-time checks: the path is prepared data, or raw files with ``data.field`` in their first record (their
+  index is built here, and cached for training). ConfigError naming ``key``."""
   if not is_prepared(path):
     stream.checked_index(path, c.data.field, key)
 
 
-def open_folder(name: str, path: str, c, key: str, whole: bool = False) -> Folder:
-  """Opens ``path`` (already resolved) for config ``c``; ``whole``: every document is held out (an eval set).
-  Raises DataError / ConfigError (naming ``key`` or the file) on bad input."""
+def open_folder(name: str, path: str, c, key: str, whole: bool = False, verify: bool = True) -> Folder:
+  """Opens ``path`` (already resolved) for config ``c``; ``whole``: every document is held out (an eval set);
+  ``verify``: check prepared shards' SHA-256 when ``data.verify_checksums`` asks (False where training opened the
+  same folder already). Raises DataError / ConfigError (naming ``key`` or the file) on bad input."""
   if is_prepared(path):
-    manifest = loader.load_manifest(path, c.data.verify_checksums)
+    manifest = loader.load_manifest(path, verify and c.data.verify_checksums)
     loader.check_compatible(manifest, path, c.model.vocab_size, c.data.tokenizer)
     masked = bool(manifest.get("loss_mask", False))
     splits = {s["split"] for s in manifest["shards"]}

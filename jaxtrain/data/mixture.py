@@ -289,10 +289,11 @@ def schedule(c) -> Schedule:
 # ------------------------------------------------------------------------------------------------- the source
 
 
-def open_folders(c) -> list[folders.Folder]:
-  """Every component opened (manifests and checksums checked, raw files indexed); DataError if their tokenizers
-  differ."""
-  opened = [folders.open_folder(comp.name, comp.path, c, f"data.mixture ({comp.name})") for comp in components(c)]
+def open_folders(c, verify: bool = True) -> list[folders.Folder]:
+  """Every component opened (manifests and, with ``verify``, checksums checked; raw files indexed); DataError if
+  their tokenizers differ."""
+  opened = [folders.open_folder(comp.name, comp.path, c, f"data.mixture ({comp.name})", verify=verify)
+            for comp in components(c)]
   folders.check_same_tokenizer(opened, "data.mixture")
   return opened
 
@@ -335,8 +336,8 @@ def eval_batches(folder: folders.Folder, c, process_index: int, process_count: i
 
 def eval_splits(c) -> list[tuple[str, list[dict]]]:
   """``[(component, this process's eval batches)]`` for each component that holds an eval split."""
-  return [(f.name, eval_batches(f, c, jax.process_index(), jax.process_count())) for f in open_folders(c)
-          if f.held_out_docs]
+  return [(f.name, eval_batches(f, c, jax.process_index(), jax.process_count()))
+          for f in open_folders(c, verify=False) if f.held_out_docs]  # (training verified the shards)
 
 
 def provenance(c, step: int, doc_ids) -> dict:
