@@ -11,6 +11,8 @@ wrong and how to fix it; ``main`` turns that into exit code 2.
 from __future__ import annotations
 
 import difflib
+import importlib.util
+import json
 
 import ml_collections
 from absl import logging
@@ -74,6 +76,24 @@ def base_config(model: str = "llama") -> ml_collections.ConfigDict:
   for group, module in COMPONENTS:
     c[group] = module.defaults(model) if group == "model" else module.defaults()
   return c
+
+
+def load_file(path: str, overrides: list[str] = ()) -> ml_collections.ConfigDict:
+  """``configs/x.py[:variant]`` plus ``key=value`` overrides (values parsed as JSON where they parse), as the
+  ``--config`` / ``--config.key=value`` flags of jaxtrain.main give them; for tools that load configs themselves."""
+  path, _, variant = path.partition(":")
+  spec = importlib.util.spec_from_file_location("cfg", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(variant) if variant else module.get_config()
+  for item in overrides:
+    key, value = item.split("=", 1)
+    try:
+      value = json.loads(value)
+    except json.JSONDecodeError:
+      pass
+    config.update_from_flattened_dict({key: value})
+  return config
 
 
 def flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:

@@ -83,6 +83,23 @@ def _drop_torn_line(path: epath.Path) -> None:
     path.write_bytes(data[:data.rfind(b"\n") + 1])
 
 
+def _summary_writer_class():
+  """tensorboardX's SummaryWriter, imported without torch. tensorboardX's writer module imports torch, where it is
+  installed, only to accept torch tensors; we log Python floats, and importing torch costs a process start over a
+  second (torch is in the test extra for the transformers reference, so every run in the suite paid it). While
+  tensorboardX is imported for the first time, ``import torch`` fails as if it were absent, unless the program
+  already imported torch itself."""
+  if "tensorboardX" in sys.modules or "torch" in sys.modules:
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+  sys.modules["torch"] = None  # the import system's marker for "not importable": `import torch` raises ImportError
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    del sys.modules["torch"]
+  return SummaryWriter
+
+
 class MetricWriter:
   """Console (a tqdm bar on a TTY, plain log lines otherwise), ``metrics.jsonl``, TensorBoard and W&B."""
 
@@ -95,7 +112,7 @@ class MetricWriter:
       return
     _drop_torn_line(self.path)
     if metrics_cfg.tensorboard:
-      from tensorboardX import SummaryWriter
+      SummaryWriter = _summary_writer_class()
       # A resumed run re-logs the steps after its checkpoint: TensorBoard hides the earlier run's copies.
       self.tb = SummaryWriter(str(epath.Path(workdir) / "tensorboard"),
                               purge_step=start_step + 1 if start_step else None)

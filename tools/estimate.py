@@ -48,7 +48,6 @@ then arithmetic over the mesh (no arrays are created, no program is compiled). A
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -75,21 +74,7 @@ _PLATFORM = flags.DEFINE_enum("platform", "tpu", ["tpu", "gpu", "cpu"], "Where i
                               "resolves to.")
 
 
-def load_config(path: str, overrides: list[str]):
-  """``configs/x.py[:variant]`` plus ``key=value`` overrides, as on the jaxtrain.main command line."""
-  path, _, variant = path.partition(":")
-  spec = importlib.util.spec_from_file_location("cfg", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config(variant) if variant else module.get_config()
-  for item in overrides:
-    key, value = item.split("=", 1)
-    try:
-      value = json.loads(value)
-    except json.JSONDecodeError:
-      pass
-    config.update_from_flattened_dict({key: value})
-  return config
+load_config = config_lib.load_file  # (the name the tests and tools/bench_* call it by)
 
 
 def _nbytes(tree) -> int:

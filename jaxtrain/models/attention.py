@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.errors import ConfigError
+from jaxtrain.models import scans
 from jaxtrain.registry import Registry
 from jaxtrain.sharding import constrain
 
@@ -123,7 +124,8 @@ def _blockwise_fwd(q, k, v, segment_ids, positions, block):
 
   stats = jnp.full((b, kvh, n // kvh, t), -jnp.inf, jnp.float32)
   init = (stats, jnp.zeros_like(stats), jnp.zeros((b, t, kvh, n // kvh, h), jnp.float32))
-  (m, l, acc), _ = jax.lax.scan(step, init, _key_blocks(k, v, segment_ids, positions, block))
+  (m, l, acc), _ = jax.lax.scan(step, init, _key_blocks(k, v, segment_ids, positions, block),
+                                unroll=scans.unroll())
   # Every query sees at least itself (same segment, same position), so l > 0 and m is finite.
   out = (acc / jnp.moveaxis(l, 3, 1)[..., None]).reshape(b, t, n, h).astype(q.dtype)
   lse = m + jnp.log(l)
@@ -153,7 +155,7 @@ def _blockwise_bwd(block, residuals, d_out):
     return dq, (dk, dv)
 
   dq, (dk, dv) = jax.lax.scan(step, jnp.zeros((b, t, kvh, g, h), jnp.float32),
-                              _key_blocks(k, v, segment_ids, positions, block))
+                              _key_blocks(k, v, segment_ids, positions, block), unroll=scans.unroll())
 
   def unblock(x):  # [blocks, b, block, kvh, h] -> [b, s, kvh, h]
     return jnp.moveaxis(x, 0, 1).reshape(b, -1, kvh, h)[:, :s]

@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxtrain import models
 from jaxtrain.errors import ConfigError, check_positive
-from jaxtrain.models import attention
+from jaxtrain.models import attention, scans
 from jaxtrain.models.attention import KV_AXES, KVCache, attend, attend_cached, write_kv
 from jaxtrain.sharding import constrain
 
@@ -260,7 +260,7 @@ class Llama(nnx.Module):
     graphdef = nnx.graphdef(self.layers)
     layer = lambda w, h, side: nnx.merge(graphdef, w)(h, *side)  # noqa: E731
     if self.remat != "none":
-      layer = jax.checkpoint(layer, policy=models.REMAT.get(self.remat), prevent_cse=False)
+      layer = jax.checkpoint(layer, policy=models.REMAT.get(self.remat), prevent_cse=scans.prevent_cse())
     return layer(weights, x, side)
 
   def head(self, x):
@@ -275,7 +275,8 @@ class Llama(nnx.Module):
       return self._decode(tokens, positions, segment_ids, cache)
     x = self.embed_tokens(tokens, positions)
     stacked = nnx.state(self.layers)
-    x, _ = jax.lax.scan(lambda h, w: (self.apply_layer(w, h, (positions, segment_ids)), None), x, stacked)
+    x, _ = jax.lax.scan(lambda h, w: (self.apply_layer(w, h, (positions, segment_ids)), None), x, stacked,
+                        unroll=scans.unroll())
     return self.head(x)
 
   @classmethod

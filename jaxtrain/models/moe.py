@@ -30,7 +30,7 @@ from flax import nnx
 
 from jaxtrain import models
 from jaxtrain.errors import ConfigError, check_positive
-from jaxtrain.models import llama
+from jaxtrain.models import llama, scans
 from jaxtrain.models.attention import KV_AXES, KVCache
 from jaxtrain.parallel import experts
 from jaxtrain.sharding import constrain
@@ -218,7 +218,7 @@ class MoeLM(nnx.Module):
   def _remat(self, fn):
     if self.remat == "none":
       return fn
-    return jax.checkpoint(fn, policy=models.REMAT.get(self.remat), prevent_cse=False)
+    return jax.checkpoint(fn, policy=models.REMAT.get(self.remat), prevent_cse=scans.prevent_cse())
 
   def _lookup(self, tokens):
     table = constrain(self.embed.embedding[...], ("vocab", None))
@@ -231,7 +231,8 @@ class MoeLM(nnx.Module):
       return x
     graphdef = nnx.graphdef(self.dense_layers)
     layer = self._remat(lambda w, h, side: nnx.merge(graphdef, w)(h, *side))
-    x, _ = jax.lax.scan(lambda h, w: (layer(w, h, (positions, segment_ids)), None), x, nnx.state(self.dense_layers))
+    x, _ = jax.lax.scan(lambda h, w: (layer(w, h, (positions, segment_ids)), None), x, nnx.state(self.dense_layers),
+                        unroll=scans.unroll())
     return x
 
   def apply_layer(self, weights, x, side):
@@ -266,7 +267,7 @@ class MoeLM(nnx.Module):
       h, new = self.apply_layer(w, h, side)
       return (h, jax.tree.map(jnp.add, extras, new)), None
 
-    (x, extras), _ = jax.lax.scan(body, (x, zero), nnx.state(self.layers))
+    (x, extras), _ = jax.lax.scan(body, (x, zero), nnx.state(self.layers), unroll=scans.unroll())
     return models.Output(self.head(x), extras["aux_losses"], extras["metrics"])
 
 

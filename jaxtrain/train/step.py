@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxtrain import integrity
-from jaxtrain.models import Model, Output
+from jaxtrain.models import Model, Output, scans
 from jaxtrain.parallel import context as context_lib
 from jaxtrain.parallel import pipeline as pipeline_lib
 from jaxtrain.parallel.pipeline import split_microbatches
@@ -120,7 +120,8 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
       zero_aux, zero_by_source = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32),
                                               ((shapes["aux"], shapes["metrics"]), shapes.get("by_source")))
       init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero_aux, zero_grads, zero_by_source)
-      (loss_sum, tokens, aux, grads, by_source), _ = jax.lax.scan(accumulate, init, micro)
+      (loss_sum, tokens, aux, grads, by_source), _ = jax.lax.scan(accumulate, init, micro,
+                                                                   unroll=scans.unroll())
       aux = jax.tree.map(lambda v: v / microbatches, aux)
       out = {"loss_sum": loss_sum, "tokens": tokens, "by_source": by_source}
     denom = jnp.maximum(out["tokens"], 1.0)
