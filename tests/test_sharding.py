@@ -140,3 +140,43 @@ def test_hybrid_mesh_puts_dcn_axis_across_processes(make_config):
   config.mesh.dcn_data = 4
   with pytest.raises(ConfigError, match="DCN mesh .* = 4 slices \\(or processes\\), but there are 2"):
     mesh_lib.device_grid(config.mesh, devices)
+
+
+@pytest.mark.parametrize("preset,sizes", [("fsdp", dict(fsdp=8)), ("fsdp_tp", dict(data=2, fsdp=2, tensor=2)),
+                                          ("fsdp", dict(data=2, fsdp=2, expert=2)), ("dp", dict(data=4, fsdp=2))])
+def test_embedding_lookup_and_its_gradient_equal_a_plain_take_under_every_layout(preset, sizes):
+  """llama.lookup looks rows up where an FSDP-split table is (ids all-gathered, one all-to-all back; vocab-parallel
+  under tensor; what TPU and GPU compile), or from the gathered table (CPU's choice, and the dp preset's): the rows
+  and the float32 table gradient equal ``table[tokens]``'s."""
+  import types
+
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding
+
+  from jaxtrain import sharding
+  from jaxtrain.models import llama
+
+  shape = [sizes.get(a, 1) for a in mesh_lib.MESH_AXES]
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), mesh_lib.MESH_AXES,
+              axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+  rules = sharding.PRESETS[preset]
+  table = jax.random.normal(jax.random.key(0), (64, 16), jnp.float32)
+  tokens = jax.random.randint(jax.random.key(1), (8, 6), 0, 64).at[0, :3].set(7)  # a token seen several times
+  weights = jax.random.normal(jax.random.key(2), (8, 6, 16), jnp.float32)
+
+  def objective(table, tokens, dtype, where_the_table_is):
+    rows = llama.lookup(types.SimpleNamespace(embedding=table, dtype=dtype), tokens, where_the_table_is)
+    return jnp.sum(rows.astype(jnp.float32) * weights), rows
+
+  reference_rows = table[tokens]
+  layout = lambda *names: NamedSharding(mesh, sharding.logical_to_mesh_spec(P(*names), rules))  # noqa: E731
+  for dtype, where_the_table_is in ((jnp.float32, True), (jnp.bfloat16, True), (jnp.bfloat16, False)):
+    with jax.set_mesh(mesh), sharding.axis_rules(rules):
+      (_, rows), grad = jax.jit(jax.value_and_grad(objective, has_aux=True), static_argnums=(2, 3))(
+          jax.device_put(table, layout("vocab", "embed")), jax.device_put(tokens, layout("batch", "length")), dtype,
+          where_the_table_is)
+    assert rows.dtype == dtype and grad.dtype == jnp.float32
+    np.testing.assert_array_equal(rows, reference_rows.astype(dtype))
+    # The rows' gradient arrives in their dtype; the table's is summed in float32 (token 7's four rows included).
+    expected = jnp.zeros_like(table).at[tokens].add(weights.astype(dtype).astype(jnp.float32))
+    np.testing.assert_allclose(grad, expected, rtol=1e-6, atol=1e-6)

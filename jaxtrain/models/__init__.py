@@ -7,8 +7,9 @@ line: ``--config.model.name=F`` gives family F's keys and defaults). A family ma
 registering it before ``trainer.build`` (or importing its module from a config file) is all it takes.
 
 The module contract: ``Module(cfg, *, rngs)`` where ``cfg`` is the ``model`` config group; calling it with
-``(tokens, positions, segment_ids)`` (int32, ``[batch, length]``) returns float32 logits ``[batch, length, vocab]``
-or an :class:`Output` (logits plus auxiliary losses, added to the objective weighted by the config key
+``(tokens, positions, segment_ids)`` (int32, ``[batch, length]``) returns logits ``[batch, length, vocab]`` (in
+its compute dtype: the loss reads them as float32 in one pass, jaxtrain.train.losses; :meth:`Model.apply` returns
+them as float32) or an :class:`Output` (logits plus auxiliary losses, added to the objective weighted by the config key
 ``model.<name>_weight``, and metrics, logged). Parameters are ``nnx.Param`` annotated with logical axis names only.
 A module can be split into pipeline stages (jaxtrain/parallel/pipeline.py) when it also has the parts of that call
 as methods: ``embed_tokens(tokens, positions, segment_ids) -> x``, a stacked layer module ``layers`` (leading
@@ -37,6 +38,7 @@ import math
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
@@ -294,8 +296,8 @@ class Model:
     return Output.of(self.bind(params)(tokens, positions, segment_ids))
 
   def apply(self, params: dict, tokens, positions, segment_ids) -> jax.Array:
-    """The logits alone."""
-    return self.forward(params, tokens, positions, segment_ids).logits
+    """The logits alone, in float32 (the model computes them in its compute dtype: ``forward(...).logits``)."""
+    return self.forward(params, tokens, positions, segment_ids).logits.astype(jnp.float32)
 
   def bind(self, params: dict) -> nnx.Module:
     """The module with these parameter values (inside a traced function: tracers)."""
@@ -338,6 +340,7 @@ class Model:
     return self.cls.init_cache(self.cfg, batch, max_len)
 
   def decode(self, params: dict, tokens, positions, segment_ids, cache):
-    """``(logits, cache)``: the tokens' logits with the cache's keys and values in view, and the updated cache."""
+    """``(logits, cache)``: the tokens' logits (float32) with the cache's keys and values in view, and the updated
+    cache."""
     logits, cache = self.bind(params)(tokens, positions, segment_ids, cache)
-    return Output.of(logits).logits, cache
+    return Output.of(logits).logits.astype(jnp.float32), cache

@@ -94,11 +94,13 @@ def activation_estimate(cfg, rows: int, seq_len: int, tensor: int, context: int 
   if cfg.remat == "none":  # and every elementwise intermediate, and what the attention backend keeps
     per_layer += b * seq * (4 * d + 3 * f // tensor) + attention.saved_bytes(backend, b, heads, seq, full,
                                                                           act_bytes) // act_bytes
-  # On top of them, the larger of two phases' transients. The head's, first in the backward pass: the float32
-  # logits (their gradient takes their place) and the full float32 gradients of the output projection and the
-  # embedding table before they are reduce-scattered. Then one layer at a time: its attention backend's transient
-  # and its weights gathered in the compute dtype (and the next layer's, prefetched).
-  head = b * seq * cfg.vocab_size // tensor * 4 + 2 * cfg.vocab_size * d // tensor * 4  # two even when tied
+  # On top of them, the larger of two phases' transients. The head's, first in the backward pass: the logits and
+  # their gradient (jaxtrain.train.losses: both in the compute dtype, 4 bytes a logit for bfloat16, read as float32
+  # in one pass) and the full float32 gradient of the output projection before it is reduce-scattered (the
+  # embedding's is summed into each device's own slice of the table under FSDP: llama.lookup). Then one layer at a
+  # time: its attention backend's transient and its weights gathered in the compute dtype (and the next layer's,
+  # prefetched).
+  head = b * seq * cfg.vocab_size // tensor * 2 * act_bytes + cfg.vocab_size * d // tensor * 4
   layer_weights = (d * (2 * h + 2 * kv) + 3 * d * f // tensor + 2 * d) * act_bytes
   layer = attention.transient_bytes(backend, b, heads, seq, full, cfg.attention_block_size, act_bytes)
   transient = max(head, layer + 2 * layer_weights)
@@ -149,10 +151,72 @@ def rope(x: jax.Array, positions: jax.Array, theta: float,
   is split in halves (x1, x2) rotated pairwise, the convention of Hugging Face's ``rotate_half`` (so HF Llama
   q/k weights need no permutation). ``scaling``: see :func:`rope_frequencies`."""
   freq = rope_frequencies(x.shape[-1], theta, scaling)
-  angle = positions[..., None].astype(jnp.float32) * freq  # [b, t, half]
-  sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+  angle = positions[..., None].astype(jnp.float32) * freq  # [b, t, half], float32: exact up to 2^24 positions
+  # The rotation itself in x's dtype, as transformers (and MaxText) compute it: for bfloat16 no float32 copies of
+  # q and k (forward, and their gradients backward) for XLA to write.
+  sin, cos = (f(angle)[:, :, None, :].astype(x.dtype) for f in (jnp.sin, jnp.cos))
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _take_rows(table, tokens, dtype):
+  """``table[tokens]`` in ``dtype``, the rows read from the float32 table (so that the table's gradient is summed
+  in float32: a token seen a thousand times in a batch adds a thousand rows, which bfloat16 would round)."""
+  return jnp.take(table, tokens, axis=0).astype(dtype)
+
+
+def lookup(embed: nnx.Embed, tokens, where_the_table_is: bool | None = None):
+  """The token embeddings ``[batch, length, embed]`` in the embedding's compute dtype.
+
+  With the table's embed dim split over mesh axes that also split the batch (FSDP), each device holds a slice of
+  every row, so the lookup is done where the table is: the token ids are all-gathered over those axes (4 bytes a
+  token), each device looks its slice up for all of them, and one all-to-all gives each device its own tokens' rows
+  whole (b x t x d bytes in the compute dtype). The gradient goes back the same way and is summed into each
+  device's own slice of the table: neither the table (Llama 3 8B: 1 GB in bfloat16) nor its float32 gradient is
+  ever gathered or all-reduced whole. A table split over ``vocab`` (tensor parallelism) looks up the ids in its
+  range and sums the parts over those axes. Otherwise (the table's embed dim whole: data parallelism) the local
+  tokens' rows are read from the table.
+
+  ``where_the_table_is``: None picks by the platform compiled for: off CPU as above (Llama 3 8B on v5p-128: 11.8 GB
+  and 4.9 ms less per step, docs/benchmarks.md; GPU not measured), on CPU the gathered table (its simulated devices
+  pay for the two extra collectives: the tiny config's step ~6% slower)."""
+  table = embed.embedding[...]
+  mesh = jax.sharding.get_abstract_mesh()
+  if where_the_table_is is None:
+    where_the_table_is = attention.target_platform() != "cpu"
+  if where_the_table_is and not mesh.empty:
+    from flax import linen as nn  # the rules context's resolver, as jaxtrain.sharding.constrain uses
+    vocab_axes, embed_axes = (_mesh_axes(e) for e in nn.logical_to_mesh_axes(("vocab", "embed")))
+    batch_axes, length_axes = (_mesh_axes(e) for e in nn.logical_to_mesh_axes(("batch", "length")))
+    if embed_axes and all(a in batch_axes for a in embed_axes) and any(mesh.shape[a] > 1 for a in embed_axes):
+      return _lookup_where_the_table_is(table, tokens, embed.dtype, embed_axes, vocab_axes, batch_axes, length_axes)
+  return constrain(_take_rows(constrain(table, ("vocab", None)), tokens, embed.dtype), ("batch", "length", "embed"))
+
+
+def _mesh_axes(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _lookup_where_the_table_is(table, tokens, dtype, shared, vocab_axes, batch_axes, length_axes):
+  from jax.sharding import PartitionSpec as P
+
+  def spec(*entries):
+    return P(*[(e if len(e) > 1 else e[0]) if e else None for e in entries])
+
+  def local(table, tokens):
+    ids = jax.lax.all_gather(tokens, shared, axis=0, tiled=True)  # [b x n, t]: every token of the n devices
+    if vocab_axes:  # this device's rows are [first, first + rows) of the vocabulary
+      rows = table.shape[0]
+      first = jax.lax.axis_index(vocab_axes) * rows
+      mine = (ids >= first) & (ids < first + rows)
+      found = jnp.where(mine[..., None], _take_rows(table, jnp.where(mine, ids - first, 0), dtype), 0)
+      found = jax.lax.psum(found, vocab_axes)
+    else:
+      found = _take_rows(table, ids, dtype)  # [b x n, t, d / n]
+    return jax.lax.all_to_all(found, shared, split_axis=0, concat_axis=2, tiled=True)  # [b, t, d]
+
+  return jax.shard_map(local, in_specs=(spec(vocab_axes, shared), spec(batch_axes, length_axes)),
+                       out_specs=spec(batch_axes, length_axes, ()))(table, tokens)
 
 
 class RMSNorm(nnx.Module):
@@ -249,10 +313,7 @@ class Llama(nnx.Module):
 
   def embed_tokens(self, tokens, positions=None, segment_ids=None):
     del positions, segment_ids  # RoPE: positions enter in attention
-    # FSDP: gather the table's embed dim before the lookup (its gradient is then reduce-scattered), instead
-    # of gathering from an embed-sharded table, which XLA can only reshard by replicating the activations.
-    table = constrain(self.embed.embedding[...], ("vocab", None))
-    return constrain(jnp.take(table, tokens, axis=0).astype(self.embed.dtype), ("batch", "length", "embed"))
+    return lookup(self.embed, tokens)
 
   def apply_layer(self, weights, x, side):
     """One layer of the stack ``self.layers`` (``weights``: its slice of the stacked state) on x, with
@@ -266,7 +327,7 @@ class Llama(nnx.Module):
   def head(self, x):
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-    return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+    return constrain(logits, ("batch", "length", "vocab"))  # in the compute dtype: see jaxtrain.train.losses
 
   def __call__(self, tokens, positions, segment_ids, cache: KVCache | None = None):
     """Logits ``[batch, length, vocab]``; with a ``cache`` (decoding, see jaxtrain/models), ``(logits, cache)``:

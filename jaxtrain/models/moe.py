@@ -220,13 +220,9 @@ class MoeLM(nnx.Module):
       return fn
     return jax.checkpoint(fn, policy=models.REMAT.get(self.remat), prevent_cse=scans.prevent_cse())
 
-  def _lookup(self, tokens):
-    table = constrain(self.embed.embedding[...], ("vocab", None))
-    return constrain(jnp.take(table, tokens, axis=0).astype(self.embed.dtype), ("batch", "length", "embed"))
-
   def embed_tokens(self, tokens, positions, segment_ids):
     """The embedding and the dense first layers (so a pipeline splits only the MoE stack)."""
-    x = self._lookup(tokens)
+    x = llama.lookup(self.embed, tokens)
     if self.dense_layers is None:
       return x
     graphdef = nnx.graphdef(self.dense_layers)
@@ -249,7 +245,7 @@ class MoeLM(nnx.Module):
   def head(self, x):
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-    return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+    return constrain(logits, ("batch", "length", "vocab"))  # in the compute dtype: see jaxtrain.train.losses
 
   def __call__(self, tokens, positions, segment_ids, cache: KVCache | None = None):
     """An Output (logits, the router losses, the load metrics); with a ``cache`` (decoding, see jaxtrain/models)
@@ -280,7 +276,7 @@ class MoeLM(nnx.Module):
     slots = cache.write_slots(segment_ids, positions)
     stacked_axes = (None, *KV_AXES)
     k, v = constrain(cache.k, stacked_axes), constrain(cache.v, stacked_axes)
-    x, start, ks, vs = self._lookup(tokens), 0, [], []
+    x, start, ks, vs = llama.lookup(self.embed, tokens), 0, [], []
     for stack in (self.dense_layers, self.layers):
       if stack is None:
         continue

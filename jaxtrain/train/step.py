@@ -15,6 +15,7 @@ from jaxtrain.models import Model, Output, scans
 from jaxtrain.parallel import context as context_lib
 from jaxtrain.parallel import pipeline as pipeline_lib
 from jaxtrain.parallel.pipeline import split_microbatches
+from jaxtrain.train import losses as losses_lib
 from jaxtrain.train.state import TrainState
 
 
@@ -23,7 +24,7 @@ def _losses(out, batch, sources: int = 0) -> dict:
   ``sources`` > 0 (a data mixture's components: ``batch["sources"]``), also each component's summed token losses
   and real target tokens (``by_source``: two [sources] arrays)."""
   out = Output.of(out)
-  losses = optax.softmax_cross_entropy_with_integer_labels(out.logits, batch["targets"])
+  losses = losses_lib.cross_entropy(out.logits, batch["targets"])
   mask = batch["loss_mask"].astype(jnp.float32)
   result = {"loss_sum": jnp.sum(losses * mask), "tokens": jnp.sum(mask), "aux": out.aux_losses,
             "metrics": out.metrics, "forwards": 1.0}
