@@ -112,20 +112,21 @@ def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:
                                                     *([None] * (ndim - 2))), rules))
 
 
-def _axes(entry) -> tuple[str, ...]:
+def mesh_axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, a name, or a tuple of names), as a tuple."""
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def batch_shards(mesh_sizes: dict[str, int], rules: Rules) -> tuple[tuple[str, ...], int]:
   """The mesh axes the batch is split over, and the product of their sizes."""
-  axes = _axes(logical_to_mesh_spec(P("batch"), rules)[0])
+  axes = mesh_axes(logical_to_mesh_spec(P("batch"), rules)[0])
   return axes, math.prod(mesh_sizes[a] for a in axes)
 
 
 def shard_shape(shape: tuple[int, ...], logical: P, rules: Rules, mesh_sizes: dict[str, int]) -> tuple[int, ...]:
   """One device's shape of an array with these logical axes, by arithmetic (no devices needed)."""
   spec = tuple(logical_to_mesh_spec(logical, rules)) + (None,) * len(shape)
-  return tuple(d // math.prod(mesh_sizes[a] for a in _axes(s)) for d, s in zip(shape, spec))
+  return tuple(d // math.prod(mesh_sizes[a] for a in mesh_axes(s)) for d, s in zip(shape, spec))
 
 
 def check_shardable(abstract: Any, specs: Any, mesh: Mesh, rules: Rules,
@@ -138,7 +139,7 @@ def check_shardable(abstract: Any, specs: Any, mesh: Mesh, rules: Rules,
     for size, logical, axes in zip(leaf.shape, spec, mesh_spec, strict=True):
       if axes is None:
         continue
-      mesh_lib.check_divisible(axis_key(logical), size, _axes(axes),
+      mesh_lib.check_divisible(axis_key(logical), size, mesh_axes(axes),
                                  dict(mesh.shape), f"'{logical}' of {jax.tree_util.keystr(path)}")
 
 

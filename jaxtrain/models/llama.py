@@ -16,7 +16,7 @@ from jaxtrain import models
 from jaxtrain.errors import ConfigError, check_positive
 from jaxtrain.models import attention, scans
 from jaxtrain.models.attention import KV_AXES, KVCache, attend, attend_cached, write_kv
-from jaxtrain.sharding import constrain
+from jaxtrain.sharding import constrain, mesh_axes
 
 _INIT = nnx.initializers.normal(0.02)
 
@@ -186,15 +186,11 @@ def lookup(embed: nnx.Embed, tokens, where_the_table_is: bool | None = None):
     where_the_table_is = attention.target_platform() != "cpu"
   if where_the_table_is and not mesh.empty:
     from flax import linen as nn  # the rules context's resolver, as jaxtrain.sharding.constrain uses
-    vocab_axes, embed_axes = (_mesh_axes(e) for e in nn.logical_to_mesh_axes(("vocab", "embed")))
-    batch_axes, length_axes = (_mesh_axes(e) for e in nn.logical_to_mesh_axes(("batch", "length")))
+    vocab_axes, embed_axes = (mesh_axes(e) for e in nn.logical_to_mesh_axes(("vocab", "embed")))
+    batch_axes, length_axes = (mesh_axes(e) for e in nn.logical_to_mesh_axes(("batch", "length")))
     if embed_axes and all(a in batch_axes for a in embed_axes) and any(mesh.shape[a] > 1 for a in embed_axes):
       return _lookup_where_the_table_is(table, tokens, embed.dtype, embed_axes, vocab_axes, batch_axes, length_axes)
   return constrain(_take_rows(constrain(table, ("vocab", None)), tokens, embed.dtype), ("batch", "length", "embed"))
-
-
-def _mesh_axes(entry) -> tuple[str, ...]:
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _lookup_where_the_table_is(table, tokens, dtype, shared, vocab_axes, batch_axes, length_axes):

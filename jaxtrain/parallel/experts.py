@@ -33,16 +33,14 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.sharding import mesh_axes
+
 MODES = ("dropless", "capacity")
 
 
 def capacity(assignments: int, num_experts: int, factor: float) -> int:
   """Slots per expert per device for ``assignments`` local (token, expert) pairs."""
   return max(1, math.ceil(factor * assignments / num_experts))
-
-
-def _axes(entry) -> tuple[str, ...]:
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _swiglu_grouped(x, gate, up, down, group_sizes):
@@ -141,8 +139,8 @@ def moe_ffn(x, expert_ids, expert_weights, valid, gate, up, down, *, mode: str =
   x_spec = nn.logical_to_mesh_axes(("batch", "length", None))  # also the routing's [batch, length, k]
   gate_up_spec = nn.logical_to_mesh_axes(("experts", None, "expert_mlp"))  # embed gathered at the boundary
   down_spec = nn.logical_to_mesh_axes(("experts", "expert_mlp", None))
-  expert_axes, tensor_axes = _axes(gate_up_spec[0]), _axes(gate_up_spec[2])
-  batch_axes = tuple(a for entry in x_spec for a in _axes(entry))
+  expert_axes, tensor_axes = mesh_axes(gate_up_spec[0]), mesh_axes(gate_up_spec[2])
+  batch_axes = tuple(a for entry in x_spec for a in mesh_axes(entry))
   ep = math.prod(mesh.shape[a] for a in expert_axes)
   if num_experts % ep:
     raise ValueError(f"{num_experts} experts do not split over {expert_axes} of size {ep}")
