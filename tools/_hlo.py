@@ -69,3 +69,11 @@ def figures(compiled) -> dict[str, float]:
           "collective_bytes": sum(by_kind.values()),
           "mosaic_calls": float(hlo.count('custom_call_target="tpu_custom_call"')),
           **{f"collective_bytes/{k}": v for k, v in by_kind.items()}}
+
+
+def extrapolate(small: dict, bigger: dict, n: int, layers: int) -> tuple[dict, dict, dict]:
+  """(per layer, rest, whole step) from the figures of the step compiled unrolled at ``n`` and ``n + 1`` layers: per
+  layer = c(n + 1) - c(n), rest = c(n) - n x per layer, whole = rest + ``layers`` x per layer."""
+  per_layer = {k: bigger[k] - small[k] for k in small}
+  rest = {k: small[k] - n * per_layer[k] for k in small}
+  return per_layer, rest, {k: rest[k] + layers * per_layer[k] for k in rest}

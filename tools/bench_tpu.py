@@ -44,14 +44,14 @@ from jaxtrain.train import trainer  # noqa: E402
 _CONFIG = flags.DEFINE_string("config", "configs/llama3_8b.py", "Config file (configs/x.py[:variant]).")
 _TOPOS = flags.DEFINE_list("topologies", ["v5p:4x4x4"], "TPU topologies (jaxtrain.topology names).")
 _SET = flags.DEFINE_multi_string("set", [], "key=value overrides, e.g. model.remat=save_qkv_proj.")
-_BASE = flags.DEFINE_integer("base_layers", 0, "Compile at n = this and n + 1 layers (0: the fewest the family "
-                             "allows).")
 _VALIDATE = flags.DEFINE_integer("validate", 0, "Also compile this many layers unrolled and compare (0: no).")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/tpu.json", "Where to write the JSON results.")
 
 FIGURES = ("flops", "bytes", "seconds", "collective_bytes")
+
+
 def compile_figures(config, topo: str, layers: int, unrolled: bool):
-  """(figures, compiled) of the train step of ``config`` with ``layers`` layers compiled for ``topo``."""
+  """(figures, compiled, run) of the train step of ``config`` with ``layers`` layers compiled for ``topo``."""
   c = config.copy_and_resolve_references()
   c.model.num_layers = layers
   c.dry_run, c.dry_run_topology = True, topo
@@ -63,22 +63,16 @@ def compile_figures(config, topo: str, layers: int, unrolled: bool):
   return figures, compiled, run
 
 
-def _combine(a: dict, b: dict, wa: float, wb: float) -> dict:
-  return {k: wa * a[k] + wb * b[k] for k in a}
-
-
-def estimate(config, topo: str, validate: int = 0, base: int = 0) -> dict:
+def estimate(config, topo: str, validate: int = 0) -> dict:
   layers = int(config.model.num_layers)
-  first = max(base, int(config.model.get("first_dense_layers", 0)) + 1)  # at least the fewest the family builds
+  first = int(config.model.get("first_dense_layers", 0)) + 1  # the fewest layers the family builds
   if config.mesh.pipeline > 1:
     raise ConfigError("mesh.pipeline", "the whole-step estimate unrolls the layer stack, which a pipeline splits",
                       "estimate without --set=mesh.pipeline")
   t = time.perf_counter()
   small, _, _ = compile_figures(config, topo, first, unrolled=True)
   bigger, _, _ = compile_figures(config, topo, first + 1, unrolled=True)
-  per_layer = _combine(bigger, small, 1, -1)
-  rest = _combine(small, per_layer, 1, -first)
-  whole = _combine(rest, per_layer, 1, layers)
+  per_layer, rest, whole = _hlo.extrapolate(small, bigger, first, layers)
   _, real, run = compile_figures(config, topo, layers, unrolled=False)
   mem = real.memory_analysis()
   chips = run.mesh.size
@@ -96,7 +90,7 @@ def estimate(config, topo: str, validate: int = 0, base: int = 0) -> dict:
       "host_bytes": int(getattr(mem, "host_temp_size_in_bytes", 0) or 0)}
   if validate:
     compiled, _, _ = compile_figures(config, topo, validate, unrolled=True)
-    extrapolated = _combine(rest, per_layer, 1, validate)
+    extrapolated = {k: rest[k] + validate * per_layer[k] for k in rest}
     result["validation"] = {"layers": validate, "compiled": compiled, "extrapolated": extrapolated,
                             "ratio": {k: extrapolated[k] / compiled[k] if compiled[k] else None for k in FIGURES}}
   result["compile_s"] = time.perf_counter() - t
@@ -113,7 +107,7 @@ def main(argv):
         "validation (extrapolated/compiled)")
   try:
     for topo in _TOPOS.value:
-      r = estimate(config, topo, _VALIDATE.value, _BASE.value)
+      r = estimate(config, topo, _VALIDATE.value)
       results.append(r)
       w = r["whole"]
       check = "" if "validation" not in r else "  " + " ".join(

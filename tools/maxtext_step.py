@@ -57,9 +57,7 @@ def main():
   t = time.perf_counter()
   unrolled = [_hlo.figures(_compile([*args.overrides, f"base_num_decoder_layers={n}", "scan_layers=false"]))
               for n in (args.first, args.first + 1)]
-  per_layer = {k: unrolled[1][k] - unrolled[0][k] for k in unrolled[0]}
-  rest = {k: unrolled[0][k] - args.first * per_layer[k] for k in unrolled[0]}
-  whole = {k: rest[k] + args.layers * per_layer[k] for k in rest}
+  per_layer, rest, whole = _hlo.extrapolate(*unrolled, args.first, args.layers)
   real = _compile([*args.overrides, f"base_num_decoder_layers={args.layers}", "scan_layers=true"])
   mem = real.memory_analysis()
   result = {"maxtext_overrides": args.overrides, "layers": args.layers, "whole": whole, "per_layer": per_layer,
