@@ -119,7 +119,8 @@ def main(argv):
             f"{r['peak_bytes'] / 2**30:>8.2f} {r['temp_bytes'] / 2**30:>8.2f}{check}", flush=True)
   except ConfigError as e:
     sys.exit(f"bench_tpu: error: {e}")
-  print(f"wrote {_bench.write_json(_OUT.value, {'config': _CONFIG.value, 'overrides': _SET.value, 'results': results})}")
+  summary = {"config": _CONFIG.value, "overrides": _SET.value, "results": results}
+  print(f"wrote {_bench.write_json(_OUT.value, summary)}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ then arithmetic over the mesh (no arrays are created, no program is compiled). A
   none: + the elementwise intermediates ~ b*t*(4 d + 3 f) and what the attention backend saves (xla: the
   probabilities heads*b*t*T). The transient on top is the larger of two phases': the head's (the logits and their
   gradient, b*t*vocab each in the compute dtype, and the full float32 gradient of the output projection, vocab*d,
-  before its reduce-scatter; under FSDP the embedding's gradient stays in each device's slice of the table) and one layer's backward (the attention backend's transient, jaxtrain/models/attention.py
+  before its reduce-scatter; under FSDP the embedding's gradient stays in each device's slice of the table) and
+  one layer's backward (the attention backend's transient, jaxtrain/models/attention.py
   MEMORY: xla heads*b*t*T*(4 + 2 x itemsize), blockwise 16*heads*b*t*block, splash ~0; plus two layers' weights
   gathered in the compute dtype).
   Activations shrink with tensor parallelism for h, kv, f, vocab, and with context parallelism for t.

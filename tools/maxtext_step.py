@@ -67,7 +67,8 @@ def main():
   result["jax"] = jax.__version__
   print(f"MaxText: step {whole['seconds']:.4f} s (estimated), {whole['flops'] / 1e12:.2f} TFLOP, "
         f"{whole['bytes'] / 1e9:.1f} GB HBM, {whole['collective_bytes'] / 1e9:.2f} GB collectives per chip; per layer "
-        f"{per_layer['bytes'] / 1e9:.2f} GB, rest {rest['bytes'] / 1e9:.2f} GB; peak {result['peak_bytes'] / 2**30:.2f} "
+        f"{per_layer['bytes'] / 1e9:.2f} GB, rest {rest['bytes'] / 1e9:.2f} GB; "
+        f"peak {result['peak_bytes'] / 2**30:.2f} "
         f"GiB, temporaries {result['temp_bytes'] / 2**30:.2f} GiB")
   if args.out:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -9,8 +9,8 @@ registering it before ``trainer.build`` (or importing its module from a config f
 The module contract: ``Module(cfg, *, rngs)`` where ``cfg`` is the ``model`` config group; calling it with
 ``(tokens, positions, segment_ids)`` (int32, ``[batch, length]``) returns logits ``[batch, length, vocab]`` (in
 its compute dtype: the loss reads them as float32 in one pass, jaxtrain.train.losses; :meth:`Model.apply` returns
-them as float32) or an :class:`Output` (logits plus auxiliary losses, added to the objective weighted by the config key
-``model.<name>_weight``, and metrics, logged). Parameters are ``nnx.Param`` annotated with logical axis names only.
+them as float32) or an :class:`Output` (logits plus auxiliary losses, added to the objective weighted by the config
+key ``model.<name>_weight``, and metrics, logged). Parameters are ``nnx.Param`` annotated with logical axis names only.
 A module can be split into pipeline stages (jaxtrain/parallel/pipeline.py) when it also has the parts of that call
 as methods: ``embed_tokens(tokens, positions, segment_ids) -> x``, a stacked layer module ``layers`` (leading
 ``layers`` axis), ``apply_layer(weights, x, (positions, segment_ids)) -> x`` for one layer's slice of
