@@ -156,3 +156,88 @@ def test_auto_chooses_by_platform_length_and_layout(monkeypatch):
   monkeypatch.setattr(attention, "AUTO_XLA_MAX_LEN", 44)  # the rows are 45 tokens long: now "long"
   assert np.array_equal(attention.attend("auto", q, k, v, seg, pos, 16),
                         attention.attend("blockwise", q, k, v, seg, pos, 16))
+
+
+# Attention variants: sliding window, soft-cap, query scale ---------------------------------------------------------
+
+VARIANTS = {
+    "window": attention.Variant(window=5),
+    "window_softcap_scale": attention.Variant(window=9, softcap=2.0, scale=0.5),
+    "softcap": attention.Variant(softcap=1.5),
+}
+
+
+def _brute_force(q, k, v, seg, pos, variant):
+  """The variant written out per query in numpy (float64): the oracle for the reference backend itself."""
+  q, k, v, seg, pos = (np.asarray(x, np.float64) for x in (q, k, v, seg, pos))
+  b, t, n, h = q.shape
+  group = n // k.shape[2]
+  out = np.zeros_like(q)
+  for r in range(b):
+    for i in range(t):
+      seen = (seg[r] == seg[r, i]) & (pos[r] <= pos[r, i])
+      if variant.window:
+        seen &= pos[r, i] - pos[r] < variant.window
+      for head in range(n):
+        s = k[r, :, head // group] @ q[r, i, head] * variant.scale_for(h)
+        if variant.softcap:
+          s = variant.softcap * np.tanh(s / variant.softcap)
+        p = np.where(seen, np.exp(s - s[seen].max()), 0.0)
+        out[r, i, head] = (p / p.sum()) @ v[r, :, head // group]
+  return out
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_attention_variants_equal_the_written_out_definition_in_every_backend(name):
+  """Window (by position: ``positions[i] - positions[j] < window``), soft-cap and scale: the reference equals a
+  per-query numpy definition; blockwise (its windowed path, which skips key blocks, at block sizes that do and do
+  not divide the length, and its masked path) and xla equal the reference in outputs and q/k/v gradients, on packed
+  rows with padding and grouped-query heads."""
+  variant = VARIANTS[name]
+  q, k, v, seg, pos = _packed(seed=5)
+  want = attention.attend("reference", q, k, v, seg, pos, variant=variant)
+  real = np.asarray(seg) != 0
+  np.testing.assert_allclose(np.asarray(want)[real], _brute_force(q, k, v, seg, pos, variant)[real],
+                             rtol=1e-5, atol=1e-5)
+  # Padding (segment 0, all at position 0) sees other padding by position but not always by index (the windowed
+  # path): its outputs are meaningless and masked out of the loss, as the trainer's loss masks them.
+  w = jnp.cos(jnp.arange(8.0)) * real[..., None, None]
+
+  def loss(backend, block):
+    return lambda q, k, v: (attention.attend(backend, q, k, v, seg, pos, block, variant) * w).sum()
+  ref_grads = jax.grad(loss("reference", 0), argnums=(0, 1, 2))(q, k, v)
+  for backend, block in (("blockwise", 4), ("blockwise", 7), ("blockwise", 64), ("xla", 0)):
+    got = attention.attend(backend, q, k, v, seg, pos, block, variant)
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5, atol=1e-5,
+                               err_msg=f"{backend} {block}")
+    for g, r, x in zip(jax.grad(loss(backend, block), argnums=(0, 1, 2))(q, k, v), ref_grads, "qkv"):
+      np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(jnp.abs(r).max()),
+                                 err_msg=f"{backend} {block} d{x}")
+
+
+def test_a_window_changes_what_a_query_sees_exactly_at_its_edge():
+  """Window w: the query at position p sees positions p - w + 1 .. p. Its output moves when the key at p - w + 1
+  changes and not when the one at p - w does (transformers' sliding_window convention)."""
+  q, k, v = (jax.random.normal(r, (1, 20, 2, 8)) for r in jax.random.split(jax.random.key(6), 3))
+  seg, pos = jnp.ones((1, 20), jnp.int32), jnp.arange(20)[None]
+  variant = attention.Variant(window=6)
+  for backend in ("reference", "blockwise", "xla"):
+    base = attention.attend(backend, q, k, v, seg, pos, 4, variant)[0, 15]
+    inside = attention.attend(backend, q, k, v.at[0, 10].add(1.0), seg, pos, 4, variant)[0, 15]
+    outside = attention.attend(backend, q, k, v.at[0, 9].add(1.0), seg, pos, 4, variant)[0, 15]
+    assert not np.allclose(inside, base) and np.array_equal(outside, base), backend
+
+
+def test_a_backend_without_variants_is_refused_in_one_line():
+  @attention.BACKENDS.register("plain_only_test")
+  def plain_only(q, k, v, segment_ids, positions, block_size=None):
+    return attention.xla(q, k, v, segment_ids, positions)
+  try:
+    c = base_config(model="mistral")
+    c.model.attention = "plain_only_test"
+    with pytest.raises(ConfigError, match="model.attention.*takes no attention variants.*model.sliding_window"):
+      models.validate(c)
+    c.model.sliding_window = 0
+    models.validate(c)  # plain attention: fine
+  finally:
+    attention.BACKENDS._entries.pop("plain_only_test")

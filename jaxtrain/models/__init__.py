@@ -117,8 +117,9 @@ class Family:
   activation_estimate: Callable[[Any, int, int, int, int], dict[str, int]] | None = None
 
 
-FAMILIES: Registry[Family] = Registry("model.name", "model", builtin=("jaxtrain.models.llama", "jaxtrain.models.moe"),
-                                      how="jaxtrain.models.register")
+FAMILIES: Registry[Family] = Registry(
+    "model.name", "model", builtin=("jaxtrain.models.llama", "jaxtrain.models.moe", "jaxtrain.models.families"),
+    how="jaxtrain.models.register")
 # The activations a layer tags with jax.ad_checkpoint.checkpoint_name, which remat policies can keep by name
 # (the names MaxText's policies use for the same tensors): the q, k, v projections (before RoPE), the attention
 # output projection, the MLP's gate, up and down projections.
@@ -323,6 +324,8 @@ class Model:
       return f"it has no {', '.join(missing)} method{'s' if len(missing) > 1 else ''}"
     if "layers" not in self.abstract_params:
       return "it has no stacked 'layers' parameters"
+    if attention.mixed_layers(self.cfg):
+      return "its layers interleave local and global attention (model.global_every)"
     return None
 
   def num_layers(self) -> int:

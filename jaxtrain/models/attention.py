@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -40,32 +41,97 @@ BACKENDS: Registry = Registry("model.attention", "attention backend",
                               how="jaxtrain.models.attention.BACKENDS.register")
 
 
-def document_mask(segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
-  """``[batch, 1, length, length]`` bool: query i sees key j iff same segment and ``positions[j] <= positions[i]``
-  (the ``xla`` and ``reference`` backends' mask; the others never build it)."""
-  same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
-  return (same_doc & (positions[:, None, :] <= positions[:, :, None]))[:, None]
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """How a layer's scores are formed and masked beyond "causal by position within a document" (every backend takes
+  it as ``variant=``; the defaults are plain attention).
+
+  window: sliding-window (local) attention, 0 = off: query i sees key j only if ``positions[i] - positions[j] <
+    window`` (``window`` keys, itself included: transformers' ``sliding_window``).
+  softcap: attention-logit soft-capping, 0 = off: scores become ``softcap * tanh(scores / softcap)`` (Gemma 2).
+  scale: the scores' scale, None = ``1 / sqrt(head_dim)`` (Gemma's ``query_pre_attn_scalar ** -0.5``).
+  """
+  window: int = 0
+  softcap: float = 0.0
+  scale: float | None = None
+
+  def scale_for(self, head_dim: int) -> float:
+    return self.scale if self.scale is not None else 1.0 / head_dim ** 0.5
+
+
+PLAIN = Variant()
+VARIANT_KEYS = ("sliding_window", "attn_softcap", "query_scale")  # the model keys that make a Variant
+
+
+def layer_windows(cfg) -> list[int]:
+  """Each layer's sliding window (0: global attention), from ``sliding_window`` and ``global_every``."""
+  w, every = cfg.get("sliding_window", 0), cfg.get("global_every", 0)
+  return [0 if not w or (every and (i + 1) % every == 0) else w for i in range(cfg.num_layers)]
+
+
+def mixed_layers(cfg) -> bool:
+  """Whether the stack interleaves local and global layers (then a layer's kind is an input of its scan step)."""
+  return len(set(layer_windows(cfg))) > 1
+
+
+def variant(cfg, window: int = 0) -> Variant:
+  """The attention variant of a layer with this ``window``."""
+  return Variant(window=window, softcap=float(cfg.get("attn_softcap", 0.0)),
+                 scale=float(cfg.query_scale) if cfg.get("query_scale") else None)
+
+
+def visible(q_segment_ids, q_positions, k_segment_ids, k_positions, window=0) -> jax.Array:
+  """``[batch, q_len, k_len]`` bool: query i sees key j iff same segment, ``positions[j] <= positions[i]``, and
+  (``window`` > 0) ``positions[i] - positions[j] < window``. ``window`` may be traced (a per-layer value)."""
+  delta = q_positions[:, :, None] - k_positions[:, None, :]
+  seen = (q_segment_ids[:, :, None] == k_segment_ids[:, None, :]) & (delta >= 0)
+  if isinstance(window, int) and window == 0:
+    return seen
+  return seen & ((window <= 0) | (delta < window))
+
+
+def document_mask(segment_ids: jax.Array, positions: jax.Array, window=0) -> jax.Array:
+  """``[batch, 1, length, length]`` bool: :func:`visible` for a sequence against itself (the ``xla`` and
+  ``reference`` backends' mask; the others never build it)."""
+  return visible(segment_ids, positions, segment_ids, positions, window)[:, None]
+
+
+def _cap(scores, softcap: float):
+  return scores if not softcap else softcap * jnp.tanh(scores / softcap)
+
+
+def dense(q, k, v, mask, variant: Variant = PLAIN, dtype=None):
+  """Attention written out: float32 scores (scaled, soft-capped), ``mask`` ``[batch, 1, q_len, k_len]``, softmax,
+  the values in ``dtype`` (default q's; float32 for the reference). Grouped-query heads."""
+  b, t, n, h = q.shape
+  kvh = k.shape[2]
+  dtype = dtype or q.dtype
+  qg = q.astype(dtype).reshape(b, t, kvh, n // kvh, h)
+  scores = jnp.einsum("bqkgh,bskh->bkgqs", qg, k.astype(dtype), preferred_element_type=jnp.float32)
+  scores = _cap(scores * variant.scale_for(h), variant.softcap)
+  # A finite mask value, as jax.nn.dot_product_attention's: a query that sees no key (a cache's padding slot)
+  # gets a finite, meaningless output instead of NaN.
+  probs = jax.nn.softmax(jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min), axis=-1)
+  out = jnp.einsum("bkgqs,bskh->bqkgh", probs.astype(dtype), v.astype(dtype), preferred_element_type=jnp.float32)
+  return out.reshape(b, t, n, h).astype(q.dtype)
 
 
 @BACKENDS.register("xla")
-def xla(q, k, v, segment_ids, positions, block_size=None):
-  """``jax.nn.dot_product_attention`` with an explicit mask: XLA's fused attention, any backend."""
+def xla(q, k, v, segment_ids, positions, block_size=None, variant: Variant = PLAIN):
+  """``jax.nn.dot_product_attention`` with an explicit mask: XLA's fused attention, any backend (soft-capped
+  scores, which it has no option for: :func:`dense` in the compute dtype)."""
   del block_size
-  return jax.nn.dot_product_attention(q, k, v, mask=document_mask(segment_ids, positions))
+  mask = document_mask(segment_ids, positions, variant.window)
+  if variant.softcap:
+    return dense(q, k, v, mask, variant)
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=variant.scale)
 
 
 @BACKENDS.register("reference")
-def reference(q, k, v, segment_ids, positions, block_size=None):
+def reference(q, k, v, segment_ids, positions, block_size=None, variant: Variant = PLAIN):
   """Softmax attention written out in float32: the oracle the other backends are tested against."""
   del block_size
-  b, t, n, h = q.shape
-  groups = n // k.shape[2]
-  qg = q.astype(jnp.float32).reshape(b, t, k.shape[2], groups, h)
-  scores = jnp.einsum("bqkgh,bskh->bkgqs", qg, k.astype(jnp.float32)) / jnp.sqrt(h)
-  mask = document_mask(segment_ids, positions)[:, :, None]  # [b, 1, 1, t, t]
-  probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
-  out = jnp.einsum("bkgqs,bskh->bqkgh", probs, v.astype(jnp.float32))
-  return out.reshape(b, t, n, h).astype(q.dtype)
+  return dense(q, k, v, document_mask(segment_ids, positions, variant.window), variant, jnp.float32)
 
 
 # Blockwise (flash-style) attention in pure JAX ------------------------------------------------------------------
@@ -91,29 +157,31 @@ def _barrier(block):
   return jax.lax.optimization_barrier(block)
 
 
-def _block_scores(qg, kb, qseg, qpos, kseg, kpos):
-  """Scaled scores of all queries against one key block, ``[batch, kv_heads, groups, length, block]`` float32,
-  -inf where masked, and the mask."""
-  scores = jnp.einsum("bqkgh,bskh->bkgqs", qg, kb, preferred_element_type=jnp.float32)
-  mask = ((qseg[:, :, None] == kseg[:, None, :]) & (kpos[:, None, :] <= qpos[:, :, None]))[:, None, None]
-  scores = jnp.where(mask, scores, -jnp.inf)
-  return scores, mask
+def _block_scores(qg, kb, qseg, qpos, kseg, kpos, variant):
+  """Scaled (and soft-capped) scores of all queries against one key block, ``[batch, kv_heads, groups, length,
+  block]`` float32, -inf where masked; the mask; and the raw scaled scores (the soft-cap's backward reads them)."""
+  raw = jnp.einsum("bqkgh,bskh->bkgqs", qg, kb, preferred_element_type=jnp.float32)
+  mask = visible(qseg, qpos, kseg, kpos, variant.window)[:, None, None]
+  scores = jnp.where(mask, _cap(raw, variant.softcap), -jnp.inf)
+  return scores, mask, raw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _blockwise(q, k, v, segment_ids, positions, block):
-  return _blockwise_fwd(q, k, v, segment_ids, positions, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _blockwise(q, k, v, segment_ids, positions, k_segment_ids, k_positions, block, variant):
+  """Queries with their ``segment_ids`` and ``positions`` against keys with theirs (the same arrays unless
+  :func:`_windowed` hands a window of keys)."""
+  return _blockwise_fwd(q, k, v, segment_ids, positions, k_segment_ids, k_positions, block, variant)[0]
 
 
-def _blockwise_fwd(q, k, v, segment_ids, positions, block):
+def _blockwise_fwd(q, k, v, segment_ids, positions, k_segment_ids, k_positions, block, variant):
   b, t, n, h = q.shape
   kvh = k.shape[2]
-  qg = (q * (1.0 / h ** 0.5)).astype(q.dtype).reshape(b, t, kvh, n // kvh, h)
+  qg = (q * variant.scale_for(h)).astype(q.dtype).reshape(b, t, kvh, n // kvh, h)
 
   def step(carry, blk):
     m, l, acc = carry  # running max [b,k,g,q], running sum [b,k,g,q], output accumulator [b,q,k,g,h] (float32)
     kb, vb, kseg, kpos = _barrier(blk)
-    scores, mask = _block_scores(qg, kb, segment_ids, positions, kseg, kpos)
+    scores, mask, _ = _block_scores(qg, kb, segment_ids, positions, kseg, kpos, variant)
     m_new = jnp.maximum(m, scores.max(-1))
     p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
     correction = jnp.exp(jnp.where(jnp.isneginf(m_new), 0.0, m - m_new))  # no key seen yet: nothing to rescale
@@ -124,19 +192,19 @@ def _blockwise_fwd(q, k, v, segment_ids, positions, block):
 
   stats = jnp.full((b, kvh, n // kvh, t), -jnp.inf, jnp.float32)
   init = (stats, jnp.zeros_like(stats), jnp.zeros((b, t, kvh, n // kvh, h), jnp.float32))
-  (m, l, acc), _ = jax.lax.scan(step, init, _key_blocks(k, v, segment_ids, positions, block),
+  (m, l, acc), _ = jax.lax.scan(step, init, _key_blocks(k, v, k_segment_ids, k_positions, block),
                                 unroll=scans.unroll())
   # Every query sees at least itself (same segment, same position), so l > 0 and m is finite.
   out = (acc / jnp.moveaxis(l, 3, 1)[..., None]).reshape(b, t, n, h).astype(q.dtype)
   lse = m + jnp.log(l)
-  return out, (q, k, v, segment_ids, positions, out, lse)
+  return out, (q, k, v, segment_ids, positions, k_segment_ids, k_positions, out, lse)
 
 
-def _blockwise_bwd(block, residuals, d_out):
-  q, k, v, segment_ids, positions, out, lse = residuals
+def _blockwise_bwd(block, variant, residuals, d_out):
+  q, k, v, segment_ids, positions, k_segment_ids, k_positions, out, lse = residuals
   b, t, n, h = q.shape
   s, kvh = k.shape[1], k.shape[2]
-  g, scale = n // kvh, 1.0 / h ** 0.5
+  g, scale = n // kvh, variant.scale_for(h)
   qg = (q * scale).astype(q.dtype).reshape(b, t, kvh, g, h)
   do = d_out.reshape(b, t, kvh, g, h)
   # D_i = sum_h dO_i . O_i: the softmax backward's per-query term, [b, k, g, q].
@@ -145,36 +213,85 @@ def _blockwise_bwd(block, residuals, d_out):
 
   def step(dq, blk):
     kb, vb, kseg, kpos = _barrier(blk)
-    scores, mask = _block_scores(qg, kb, segment_ids, positions, kseg, kpos)
+    scores, mask, raw = _block_scores(qg, kb, segment_ids, positions, kseg, kpos, variant)
     p = jnp.where(mask, jnp.exp(scores - lse[..., None]), 0.0)  # the forward's probabilities, recomputed
     dv = jnp.einsum("bkgqs,bqkgh->bskh", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
     dp = jnp.einsum("bqkgh,bskh->bkgqs", do, vb, preferred_element_type=jnp.float32)
     ds = p * (dp - delta[..., None])
+    if variant.softcap:  # d/dx c tanh(x / c) = 1 - tanh(x / c)^2
+      ds = ds * (1.0 - jnp.square(jnp.tanh(raw / variant.softcap)))
     dq = dq + jnp.einsum("bkgqs,bskh->bqkgh", ds.astype(kb.dtype), kb, preferred_element_type=jnp.float32)
     dk = jnp.einsum("bkgqs,bqkgh->bskh", ds.astype(qg.dtype), qg, preferred_element_type=jnp.float32)
     return dq, (dk, dv)
 
   dq, (dk, dv) = jax.lax.scan(step, jnp.zeros((b, t, kvh, g, h), jnp.float32),
-                              _key_blocks(k, v, segment_ids, positions, block), unroll=scans.unroll())
+                              _key_blocks(k, v, k_segment_ids, k_positions, block), unroll=scans.unroll())
 
   def unblock(x):  # [blocks, b, block, kvh, h] -> [b, s, kvh, h]
     return jnp.moveaxis(x, 0, 1).reshape(b, -1, kvh, h)[:, :s]
 
   return ((dq * scale).reshape(b, t, n, h).astype(q.dtype), unblock(dk).astype(k.dtype),
-          unblock(dv).astype(v.dtype), None, None)
+          unblock(dv).astype(v.dtype), None, None, None, None)
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
+def _context_parallel() -> bool:
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and dict(mesh.shape).get("context", 1) > 1
+
+
 @BACKENDS.register("blockwise")
-def blockwise(q, k, v, segment_ids, positions, block_size=512):
+def blockwise(q, k, v, segment_ids, positions, block_size=512, variant: Variant = PLAIN):
   """Memory-efficient attention in pure JAX: online softmax over blocks of ``block_size`` keys (FlashAttention's
   recurrence, all queries at once), and a backward that recomputes each block's probabilities from the saved
   log-sum-exp instead of storing them. Peak memory O(length x block_size) per layer; any length (the last block
-  is padded), any backend."""
-  return _blockwise(q, k, v, segment_ids.astype(jnp.int32), positions.astype(jnp.int32),
-                    min(block_size, k.shape[1]))
+  is padded), any backend. With a sliding window shorter than the sequence: :func:`_windowed` (a window's work
+  per query, not the causal triangle's)."""
+  segment_ids, positions = segment_ids.astype(jnp.int32), positions.astype(jnp.int32)
+  block = min(block_size, k.shape[1])
+  if variant.window and variant.window - 1 + block < k.shape[1] and q.shape[1] == k.shape[1] \
+      and not _context_parallel():
+    return _windowed(q, k, v, segment_ids, positions, block, variant)
+  return _blockwise(q, k, v, segment_ids, positions, segment_ids, positions, block, variant)
+
+
+def _windowed(q, k, v, segment_ids, positions, block, variant):
+  """Sliding-window attention that skips the keys a window excludes: the queries in blocks of ``block``, each
+  block attending (:func:`_blockwise`) to the ``window - 1`` keys before it (rounded up to whole blocks) and its
+  own block. Per query ``window + block`` keys' work and memory instead of ``length``'s.
+
+  Keys are picked by index, so this needs what the loader's rows are: a document's tokens contiguous in the row
+  with positions counting up by one (then a key within the window by position is within it by index). Context
+  parallelism reorders the tokens: :func:`blockwise` then takes the masked path over all keys. Each query block is
+  rematerialized in the backward pass (``jax.checkpoint``): what is kept between the passes is the queries and the
+  block index, not the key windows (window / block copies of the keys)."""
+  b, t, n, h = q.shape
+  back = -(-(variant.window - 1) // block) * block  # keys before a query block, whole blocks
+  blocks = -(-t // block)
+  tail = blocks * block - t
+
+  def pad(x, before, after, fill):
+    return jnp.pad(x, [(0, 0), (before, after)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+
+  # Padding has segment id -1 (no real token's), position 0: a padded query sees itself, so its softmax is defined.
+  qp, qseg, qpos = pad(q, 0, tail, 0), pad(segment_ids, 0, tail, -1), pad(positions, 0, tail, 0)
+  kp, vp, kseg, kpos = (pad(x, back, tail, f) for x, f in ((k, 0), (v, 0), (segment_ids, -1), (positions, 0)))
+
+  def one(q_block, i):
+    start = i * block  # query block i is [start, start + block); its keys [start - back, start + block)
+    keys = [jax.lax.dynamic_slice_in_dim(x, start, back + block, axis=1) for x in (kp, vp, kseg, kpos)]
+    mine = [jax.lax.dynamic_slice_in_dim(x, start, block, axis=1) for x in (qseg, qpos)]
+    return _blockwise(q_block, keys[0], keys[1], *mine, keys[2], keys[3], block, variant)
+
+  def step(_, xs):
+    q_block, i = xs
+    return None, jax.checkpoint(one, prevent_cse=scans.prevent_cse())(q_block, i)
+
+  q_blocks = jnp.moveaxis(qp.reshape(b, blocks, block, n, h), 1, 0)
+  _, out = jax.lax.scan(step, None, (q_blocks, jnp.arange(blocks)), unroll=scans.unroll())
+  return jnp.moveaxis(out, 0, 1).reshape(b, blocks * block, n, h)[:, :t]
 
 
 # Splash attention: the TPU Pallas kernel ---------------------------------------------------------------------------
@@ -200,11 +317,12 @@ SPLASH_MIN_BLOCK = 128  # the kernel's tiles: the sequence must be a multiple of
 
 
 @BACKENDS.register("splash")
-def splash(q, k, v, segment_ids, positions, block_size=512):
+def splash(q, k, v, segment_ids, positions, block_size=512, variant: Variant = PLAIN):
   """The TPU splash-attention Pallas kernel (``jax.experimental.pallas.ops.tpu.splash_attention``) with segment ids:
   a causal mask by token index and'ed with "same segment", which is this module's mask for the loader's rows
   (positions count up within a document); skips fully masked blocks. Grouped-query heads: the kernel's MQA form per
-  KV head (vmapped), and per row. Run in ``jax.shard_map`` over the mesh with the rules' layouts (rows over the
+  KV head (vmapped), and per row. A sliding window is the kernel's ``LocalMask`` (by token index, as its causal
+  mask; it skips the blocks outside the window) and soft-capping its ``attn_logits_soft_cap``. Run in ``jax.shard_map`` over the mesh with the rules' layouts (rows over the
   batch axes, heads over tensor); not with context parallelism (its static causal mask is by index). Off TPU it
   runs in Pallas' interpret mode (slow; the tests' correctness check)."""
   del positions
@@ -216,12 +334,14 @@ def splash(q, k, v, segment_ids, positions, block_size=512):
     b, t, n, h = q.shape
     kvh = k.shape[2]
     block = min(block_size, t)
+    causal = (sm.LocalMask((t, t), window_size=(variant.window - 1, 0), offset=0) if variant.window
+              else sm.CausalMask((t, t)))
     kernel = sk.make_splash_mqa_single_device(
-        mask=sm.MultiHeadMask([sm.CausalMask((t, t))] * (n // kvh)),
+        mask=sm.MultiHeadMask([causal] * (n // kvh)), attn_logits_soft_cap=variant.softcap or None,
         block_sizes=sk.BlockSizes(block_q=block, block_kv=block, block_q_dkv=block, block_kv_dkv=block,
                                   block_q_dq=block, block_kv_dq=block),
         interpret=interpret)
-    qs = jnp.moveaxis((q * (1.0 / h ** 0.5)).astype(q.dtype), 1, 2).reshape(b, kvh, n // kvh, t, h)
+    qs = jnp.moveaxis((q * variant.scale_for(h)).astype(q.dtype), 1, 2).reshape(b, kvh, n // kvh, t, h)
     ks, vs = (jnp.moveaxis(x, 1, 2) for x in (k, v))  # [b, kv_heads, t, h]
     per_kv_head = jax.vmap(lambda qq, kk, vv, ids: kernel(qq, kk, vv, segment_ids=ids), in_axes=(0, 0, 0, None))
     out = jax.vmap(per_kv_head)(qs, ks, vs, sk.SegmentIds(q=seg, kv=seg))  # [b, kv_heads, groups, t, h]
@@ -257,19 +377,23 @@ def resolve(backend: str, platform: str, seq_len: int, context: int = 1) -> str:
 
 
 @BACKENDS.register("auto")
-def auto(q, k, v, segment_ids, positions, block_size=512):
+def auto(q, k, v, segment_ids, positions, block_size=512, variant: Variant = PLAIN):
   """The best backend available where the program is compiled (:func:`choose`; logged at the start of a run)."""
   mesh = jax.sharding.get_abstract_mesh()
   context = 1 if mesh.empty else dict(mesh.shape).get("context", 1)
   in_shard_map = not mesh.empty and any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
   name = choose(target_platform(), k.shape[1], context, in_shard_map)
-  return BACKENDS.get(name)(q, k, v, segment_ids, positions, block_size=block_size)
+  return BACKENDS.get(name)(q, k, v, segment_ids, positions, block_size=block_size, variant=variant)
 
 
 def check_available(config) -> None:
   """A backend that cannot run here (splash off TPU, unless compiling for a TPU topology) or with this layout: one
   ConfigError line at validation."""
   name, on = config.model.attention, config.get("dry_run_topology") and "tpu" or jax.default_backend()
+  used = [f"model.{k}" for k in VARIANT_KEYS if config.model.get(k)]
+  if used and not takes_variants(name):
+    raise ConfigError("model.attention", f"the backend '{name}' takes no attention variants and {used[0]} is set",
+                      "use xla, blockwise or splash, or give the backend a variant= parameter")
   if name != "splash":
     return
   if on != "tpu":
@@ -328,16 +452,25 @@ def transient_bytes(backend, rows, heads, q_len, kv_len, block_size, itemsize) -
   return MEMORY.get(backend, _xla_memory)(rows, heads, q_len, kv_len, block_size, itemsize)["transient"]
 
 
-def attend(backend: str, q, k, v, segment_ids, positions=None, block_size: int = 512):
+def takes_variants(backend: str) -> bool:
+  """Whether the registered backend takes ``variant=`` (sliding window, soft-cap, query scale)."""
+  return "variant" in inspect.signature(BACKENDS.get(backend)).parameters
+
+
+def attend(backend: str, q, k, v, segment_ids, positions=None, block_size: int = 512, variant: Variant = PLAIN):
   """Causal, document-masked attention with the registered backend ``backend`` (``positions`` default to the
-  token's index: causal by order). Queries keep their sharding; keys and values (and the ids a backend reads for
-  them) are constrained to an unsplit ``length``: with context parallelism (``length`` -> ``context``) XLA
-  all-gathers them over ``context``, otherwise the constraint changes nothing."""
+  token's index: causal by order), with ``variant``'s window, soft-cap and scale. Queries keep their sharding;
+  keys and values (and the ids a backend reads for them) are constrained to an unsplit ``length``: with context
+  parallelism (``length`` -> ``context``) XLA all-gathers them over ``context``, otherwise the constraint changes
+  nothing. A backend registered without a ``variant`` parameter runs plain attention only (validation refuses
+  the variants for it: :func:`check_available`)."""
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), segment_ids.shape)
   k, v = (constrain(x, ("batch", None, "kv_heads", "head_dim")) for x in (k, v))
   q = constrain(q, ("batch", "length", "heads", "head_dim"))
-  return BACKENDS.get(backend)(q, k, v, segment_ids, positions, block_size=block_size)
+  if variant == PLAIN and not takes_variants(backend):
+    return BACKENDS.get(backend)(q, k, v, segment_ids, positions, block_size=block_size)
+  return BACKENDS.get(backend)(q, k, v, segment_ids, positions, block_size=block_size, variant=variant)
 
 
 # Decoding with a key/value cache --------------------------------------------------------------------------------
@@ -386,17 +519,20 @@ def write_kv(cached: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
   return constrain(jax.lax.dynamic_update_slice(cached, new.astype(cached.dtype), (zero, index, zero, zero)), KV_AXES)
 
 
-def cached_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions) -> jax.Array:
+def cached_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions, window=0) -> jax.Array:
   """``[batch, 1, q_len, kv_len]`` bool: key j is visible to query i iff both are of the same nonzero segment and
-  ``kv_positions[j] <= q_positions[i]`` (causal by position, not by slot)."""
-  same = (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]) & (kv_segment_ids[:, None, :] != 0)
-  causal = kv_positions[:, None, :] <= q_positions[:, :, None]
-  return (same & causal)[:, None]
+  ``kv_positions[j] <= q_positions[i]`` (causal by position, not by slot), within ``window`` positions if set."""
+  seen = visible(q_segment_ids, q_positions, kv_segment_ids, kv_positions, window)
+  return (seen & (kv_segment_ids[:, None, :] != 0))[:, None]
 
 
-def attend_cached(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions):
+def attend_cached(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions, variant: Variant = PLAIN):
   """Attention of new queries ``q`` ``[batch, q_len, heads, head_dim]`` over a cache's keys and values ``[batch,
-  kv_len, kv_heads, head_dim]`` (grouped-query heads allowed) under :func:`cached_mask`. A query that sees no key
-  (a padding slot) gets a finite, meaningless output."""
-  mask = cached_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions)
-  return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask)
+  kv_len, kv_heads, head_dim]`` (grouped-query heads allowed) under :func:`cached_mask`. A sliding window masks
+  the full cache (it keeps every slot: simple, and a prompt's packed rows stay exact; a window-sized ring buffer
+  would save memory on long generations). A query that sees no key (a padding slot) gets a finite, meaningless
+  output."""
+  mask = cached_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions, variant.window)
+  if variant.softcap:
+    return dense(q, k, v, mask, variant)
+  return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask, scale=variant.scale)

@@ -40,10 +40,27 @@ def defaults() -> dict:
       rope_high_freq_factor=4.0,
       rope_original_max_positions=8192,
       norm_eps=1e-5,
+      # Attention variants (off by default; the Qwen, Mistral and Gemma families set them: docs/models.md).
+      qkv_bias=False,  # biases on the q, k, v projections (Qwen 2 / 2.5)
+      qk_norm="",  # RMSNorm of queries and keys before RoPE: "" off | head (each head: Qwen 3, Gemma 3) | full
+      # (the whole q and k projections: OLMoE, OLMo 2)
+      sliding_window=0,  # local attention: a query sees the keys less than this many positions back; 0 = off
+      global_every=0,  # with a window: every Nth layer (N-1, 2N-1, ...) global, the others local; 0 = all local
+      attn_softcap=0.0,  # attention-logit soft-cap: scores -> c tanh(scores / c); 0 = off (Gemma 2)
+      final_softcap=0.0,  # the same on the output logits; 0 = off (Gemma 2)
+      query_scale=0.0,  # the scores' scale; 0 = 1 / sqrt(head_dim)
+      rope_local_theta=0.0,  # the local layers' RoPE theta, unscaled (Gemma 3: 10000); 0 = rope_theta as global
+      # Gemma's block (Gemma 2 / 3)
+      norm_plus_one=False,  # RMSNorm scales by 1 + w (w initialized to 0) instead of w
+      mlp_activation="silu",  # the gated MLP's activation: silu (SwiGLU) | gelu_tanh (GeGLU, tanh-approximate)
+      embed_scale=False,  # the embeddings (not the tied head) multiplied by sqrt(d_model)
+      sandwich_norms=False,  # an RMSNorm on the attention's and the MLP's outputs too, before the residual add
   )
 
 
-ROPE_SCALINGS = ("", "llama3")
+ROPE_SCALINGS = ("", "llama3", "linear")
+QK_NORMS = ("", "head", "full")
+MLP_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 def validate(cfg) -> None:
@@ -52,9 +69,23 @@ def validate(cfg) -> None:
   if cfg.num_heads % cfg.num_kv_heads:
     raise ConfigError("model.num_kv_heads", f"{cfg.num_kv_heads} does not divide model.num_heads={cfg.num_heads}",
                       "grouped-query attention needs num_heads to be a multiple of num_kv_heads")
+  check_positive({"model": cfg}, [f"model.{k}" for k in ("sliding_window", "global_every", "attn_softcap",
+                                                          "final_softcap", "query_scale")], allow_zero=True)
+  if cfg.global_every and not cfg.sliding_window:
+    raise ConfigError("model.global_every", f"is {cfg.global_every} but model.sliding_window is 0 (no local layers)",
+                      "set model.sliding_window, or global_every=0")
+  check_positive({"model": cfg}, ["model.rope_local_theta"], allow_zero=True)
+  if cfg.qk_norm not in QK_NORMS:
+    raise ConfigError("model.qk_norm", f"'{cfg.qk_norm}' is not one of '' (off), head, full",
+                      "set model.qk_norm to '', head or full")
+  if cfg.mlp_activation not in MLP_ACTIVATIONS:
+    raise ConfigError("model.mlp_activation", f"'{cfg.mlp_activation}' is not one of {', '.join(MLP_ACTIVATIONS)}",
+                      "set model.mlp_activation to silu or gelu_tanh")
   if cfg.rope_scaling not in ROPE_SCALINGS:
-    raise ConfigError("model.rope_scaling", f"'{cfg.rope_scaling}' is not one of '' (none), llama3",
-                      "set model.rope_scaling to '' or llama3")
+    raise ConfigError("model.rope_scaling", f"'{cfg.rope_scaling}' is not one of '' (none), llama3, linear",
+                      "set model.rope_scaling to '', llama3 or linear")
+  if cfg.rope_scaling == "linear":
+    check_positive({"model": cfg}, ["model.rope_scaling_factor"])
   if cfg.rope_scaling == "llama3":
     check_positive({"model": cfg}, [f"model.{k}" for k in ("rope_scaling_factor", "rope_low_freq_factor",
                                                             "rope_high_freq_factor", "rope_original_max_positions")])
@@ -65,9 +96,12 @@ def validate(cfg) -> None:
 
 
 def flops_per_token(cfg, seq_len: int, abstract_params) -> float:
-  return models.dense_flops_per_token(abstract_params, seq_len, num_layers=cfg.num_layers,
-                                      attention_width=cfg.num_heads * cfg.head_dim,
-                                      tied_embeddings=cfg.tie_embeddings)
+  """PaLM's formula (:func:`jaxtrain.models.dense_flops_per_token`), a local layer's attention term over its window
+  of keys instead of the whole sequence."""
+  weights = models.dense_flops_per_token(abstract_params, 0, num_layers=0, attention_width=0,
+                                         tied_embeddings=cfg.tie_embeddings)
+  keys = sum(min(seq_len, w) if w else seq_len for w in attention.layer_windows(cfg))
+  return weights + 12 * cfg.num_heads * cfg.head_dim * keys
 
 
 def activation_estimate(cfg, rows: int, seq_len: int, tensor: int, context: int = 1) -> dict[str, int]:
@@ -128,6 +162,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: tuple[float, float, f
   freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
   if scaling is None:
     return freq
+  if isinstance(scaling, float):  # linear: every frequency divided by the factor (position interpolation)
+    return freq / scaling
   factor, low, high, original = scaling
   wavelen = 2 * jnp.pi / freq
   scaled = jnp.where(wavelen > original / low, freq / factor, freq)
@@ -137,20 +173,24 @@ def rope_frequencies(head_dim: int, theta: float, scaling: tuple[float, float, f
   return jnp.where(medium, smoothed, scaled)
 
 
-def rope_scaling(cfg) -> tuple[float, float, float, int] | None:
-  """The ``scaling`` argument of :func:`rope` for the model group ``cfg`` (None without RoPE scaling)."""
+def rope_scaling(cfg) -> tuple[float, float, float, int] | float | None:
+  """The ``scaling`` argument of :func:`rope` for the model group ``cfg`` (None without RoPE scaling; linear
+  scaling: its factor)."""
   if not cfg.get("rope_scaling"):
     return None
+  if cfg.rope_scaling == "linear":
+    return float(cfg.rope_scaling_factor)
   return (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
           cfg.rope_original_max_positions)
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float,
-         scaling: tuple[float, float, float, int] | None = None) -> jax.Array:
+         scaling: tuple[float, float, float, int] | float | None = None, freq: jax.Array | None = None) -> jax.Array:
   """Rotary embedding of x [batch, length, heads, head_dim] at integer positions [batch, length]: the head_dim
   is split in halves (x1, x2) rotated pairwise, the convention of Hugging Face's ``rotate_half`` (so HF Llama
-  q/k weights need no permutation). ``scaling``: see :func:`rope_frequencies`."""
-  freq = rope_frequencies(x.shape[-1], theta, scaling)
+  q/k weights need no permutation). ``scaling``: see :func:`rope_frequencies`; ``freq``: the frequencies
+  themselves, instead of ``theta`` and ``scaling``."""
+  freq = rope_frequencies(x.shape[-1], theta, scaling) if freq is None else freq
   angle = positions[..., None].astype(jnp.float32) * freq  # [b, t, half], float32: exact up to 2^24 positions
   # The rotation itself in x's dtype, as transformers (and MaxText) compute it: for bfloat16 no float32 copies of
   # q and k (forward, and their gradients backward) for XLA to write.
@@ -216,44 +256,89 @@ def _lookup_where_the_table_is(table, tokens, dtype, shared, vocab_axes, batch_a
 
 
 class RMSNorm(nnx.Module):
-  def __init__(self, dim: int, eps: float, dtype):
-    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("embed",))
-    self.eps, self.dtype = eps, dtype
+  """RMSNorm in float32 over the trailing ``dim`` (an int, or a shape: several trailing axes normalized together),
+  scaled by ``w`` (or by ``1 + w``, Gemma's, with ``w`` initialized to 0). ``axis``: the logical name(s) of ``w``."""
+
+  def __init__(self, dim: int | tuple[int, ...], eps: float, dtype, axis: str | tuple[str, ...] = "embed",
+               plus_one: bool = False):
+    shape, names = (dim, axis) if isinstance(dim, tuple) else ((dim,), (axis,))
+    init = jnp.zeros if plus_one else jnp.ones
+    self.scale = nnx.Param(init(shape, jnp.float32), out_sharding=names)
+    self.eps, self.dtype, self.plus_one = eps, dtype, plus_one
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (y * self.scale[...]).astype(self.dtype)
+    axes = tuple(range(-self.scale.ndim, 0))
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + self.eps)
+    return (y * (1.0 + self.scale[...] if self.plus_one else self.scale[...])).astype(self.dtype)
+
+
+def norm(cfg, dtype, dim: int | tuple[int, ...] | None = None, axis: str | tuple[str, ...] = "embed") -> RMSNorm:
+  """The family's RMSNorm over ``dim`` (default d_model)."""
+  return RMSNorm(dim or cfg.d_model, cfg.norm_eps, dtype, axis, bool(cfg.get("norm_plus_one")))
 
 
 class Attention(nnx.Module):
   def __init__(self, cfg, dtype, rngs: nnx.Rngs):
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-    self.q = nnx.Einsum("btd,dnh->btnh", (d, n, h), kernel_init=_param(("embed", "heads", "head_dim")), **kw)
-    self.k = nnx.Einsum("btd,dnh->btnh", (d, k, h), kernel_init=_param(("embed", "kv_heads", "head_dim")), **kw)
-    self.v = nnx.Einsum("btd,dnh->btnh", (d, k, h), kernel_init=_param(("embed", "kv_heads", "head_dim")), **kw)
-    self.o = nnx.Einsum("btnh,nhd->btd", (n, h, d), kernel_init=_param(("heads", "head_dim", "embed")), **kw)
-    self.theta, self.scaling, self.backend = cfg.rope_theta, rope_scaling(cfg), cfg.attention
-    self.block_size = cfg.attention_block_size
 
-  def __call__(self, x, positions, segment_ids, cache=None):
+    def proj(heads, names):
+      bias = dict(bias_shape=(heads, h), bias_init=nnx.with_partitioning(nnx.initializers.zeros, names[1:]))
+      return nnx.Einsum("btd,dnh->btnh", (d, heads, h), kernel_init=_param(names),
+                        **(bias if cfg.get("qkv_bias") else {}), **kw)
+    self.q = proj(n, ("embed", "heads", "head_dim"))
+    self.k = proj(k, ("embed", "kv_heads", "head_dim"))
+    self.v = proj(k, ("embed", "kv_heads", "head_dim"))
+    self.o = nnx.Einsum("btnh,nhd->btd", (n, h, d), kernel_init=_param(("heads", "head_dim", "embed")), **kw)
+    self.q_norm, self.k_norm = {
+        "head": lambda: (norm(cfg, dtype, h, "head_dim"), norm(cfg, dtype, h, "head_dim")),
+        "full": lambda: (norm(cfg, dtype, (n, h), ("heads", "head_dim")),
+                         norm(cfg, dtype, (k, h), ("kv_heads", "head_dim"))),
+    }.get(cfg.get("qk_norm") or "", lambda: (None, None))()
+    self.theta, self.scaling, self.backend = cfg.rope_theta, rope_scaling(cfg), cfg.attention
+    self.local_theta = cfg.get("rope_local_theta", 0.0)  # local layers: this theta, unscaled (0: as global ones)
+    self.block_size = cfg.attention_block_size
+    windows = sorted(set(attention.layer_windows(cfg)))
+    self.window = windows[-1]  # the local layers' window (0: none)
+    self.mixed = len(windows) > 1
+    self.softcap, self.scale = attention.variant(cfg).softcap, attention.variant(cfg).scale
+
+  def __call__(self, x, positions, segment_ids, cache=None, local=None):
     """``cache``: None (training), or ``(k, v, slots)`` for decoding: this layer's cached keys and values ``[batch,
     max_len, kv_heads, head_dim]`` and the KVCache whose segment ids and positions already hold the new tokens;
-    the new keys and values are written at ``slots.index`` and the queries attend over the cache. Returns the
-    output, and with a cache also the updated ``(k, v)``."""
+    the new keys and values are written at ``slots.index`` and the queries attend over the cache. ``local``: in a
+    stack that interleaves local and global layers, whether this one is local (a traced bool: the layer scan's
+    input); otherwise every layer is the same kind and it is None. Returns the output, and with a cache also the
+    updated ``(k, v)``."""
     # The projections are tagged for remat policies that keep them by name (models.ACTIVATION_NAMES).
-    q = rope(checkpoint_name(self.q(x), "query_proj"), positions, self.theta, self.scaling)
-    k = rope(checkpoint_name(self.k(x), "key_proj"), positions, self.theta, self.scaling)
+    q, k = checkpoint_name(self.q(x), "query_proj"), checkpoint_name(self.k(x), "key_proj")
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    freq = rope_frequencies(q.shape[-1], self.theta, self.scaling)
+    if self.local_theta and self.window:  # local layers rotate at their own theta
+      local_freq = rope_frequencies(q.shape[-1], self.local_theta)
+      freq = local_freq if not self.mixed else jnp.where(local, local_freq, freq)
+    q, k = rope(q, positions, 0, freq=freq), rope(k, positions, 0, freq=freq)
     q = constrain(q, ("batch", "length", "heads", "head_dim"))
     k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
     v = constrain(checkpoint_name(self.v(x), "value_proj"), ("batch", "length", "kv_heads", "head_dim"))
     if cache is not None:
       k_cache, v_cache, slots = cache
       k, v = write_kv(k_cache, k, slots.index), write_kv(v_cache, v, slots.index)
-      out = attend_cached(q, k, v, segment_ids, positions, slots.segment_ids, slots.positions)
+      window = self.window if local is None else jnp.where(local, self.window, 0)
+      out = attend_cached(q, k, v, segment_ids, positions, slots.segment_ids, slots.positions,
+                          attention.Variant(window, self.softcap, self.scale))
       return self.o(constrain(out, ("batch", "length", "heads", "head_dim"))), (k, v)
-    out = attend(self.backend, q, k, v, segment_ids, positions, self.block_size)  # causal, never across documents
+
+    def run(window):  # causal, never across documents
+      return attend(self.backend, q, k, v, segment_ids, positions, self.block_size,
+                    attention.Variant(window, self.softcap, self.scale))
+    if self.mixed and local is None:
+      raise ValueError("a stack of local and global layers passes each layer's kind (local=) to its attention")
+    # Interleaved local and global layers: both kinds compiled, one run per layer (each keeps its own shape of
+    # work: a local layer's blockwise or splash attention skips the keys outside its window).
+    out = jax.lax.cond(local, lambda: run(self.window), lambda: run(0)) if self.mixed else run(self.window)
     return checkpoint_name(self.o(constrain(out, ("batch", "length", "heads", "head_dim"))), "out_proj")
 
 
@@ -263,29 +348,36 @@ class MLP(nnx.Module):
     self.gate = nnx.Linear(cfg.d_model, cfg.mlp_dim, kernel_init=_param(("embed", "mlp")), **kw)
     self.up = nnx.Linear(cfg.d_model, cfg.mlp_dim, kernel_init=_param(("embed", "mlp")), **kw)
     self.down = nnx.Linear(cfg.mlp_dim, cfg.d_model, kernel_init=_param(("mlp", "embed")), **kw)
+    self.activation = MLP_ACTIVATIONS[getattr(cfg, "mlp_activation", "silu")]
 
   def __call__(self, x):
     gate, up = checkpoint_name(self.gate(x), "mlp_gate"), checkpoint_name(self.up(x), "mlp_up")
-    h = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+    h = constrain(self.activation(gate) * up, ("batch", "length", "mlp"))
     return checkpoint_name(self.down(h), "mlp_down")
 
 
 class Block(nnx.Module):
   def __init__(self, cfg, dtype, rngs: nnx.Rngs):
-    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+    self.attn_norm = norm(cfg, dtype)
     self.attn = Attention(cfg, dtype, rngs)
-    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+    self.mlp_norm = norm(cfg, dtype)
     self.mlp = MLP(cfg, dtype, rngs)
+    # Gemma's sandwich: the attention's and the MLP's outputs normalized too, before the residual add.
+    self.post_attn_norm, self.post_mlp_norm = ((norm(cfg, dtype), norm(cfg, dtype)) if cfg.get("sandwich_norms")
+                                               else (None, None))
 
-  def __call__(self, x, positions, segment_ids, cache=None):
-    """With a ``cache`` (see Attention) returns ``(x, (k, v))``."""
+  def _post(self, norm_, y):
+    return y if norm_ is None else norm_(y)
+
+  def __call__(self, x, positions, segment_ids, cache=None, local=None):
+    """With a ``cache`` (see Attention) returns ``(x, (k, v))``. ``local``: see Attention."""
     if cache is not None:
-      attn, kv = self.attn(self.attn_norm(x), positions, segment_ids, cache)
-      x = x + attn
-      x = x + self.mlp(self.mlp_norm(x))
+      attn, kv = self.attn(self.attn_norm(x), positions, segment_ids, cache, local)
+      x = x + self._post(self.post_attn_norm, attn)
+      x = x + self._post(self.post_mlp_norm, self.mlp(self.mlp_norm(x)))
       return constrain(x, ("batch", "length", "embed")), kv
-    x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-    x = x + self.mlp(self.mlp_norm(x))
+    x = x + self._post(self.post_attn_norm, self.attn(self.attn_norm(x), positions, segment_ids, local=local))
+    x = x + self._post(self.post_mlp_norm, self.mlp(self.mlp_norm(x)))
     return constrain(x, ("batch", "length", "embed"))
 
 
@@ -301,29 +393,43 @@ class Llama(nnx.Module):
       return Block(cfg, dtype, rngs)
 
     self.layers = make_layers(rngs)
-    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+    self.final_norm = norm(cfg, dtype)
     self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
         cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
         kernel_init=_param(("embed", "vocab")), rngs=rngs)
     self.remat = cfg.remat
+    self.embed_scale = cfg.d_model ** 0.5 if cfg.get("embed_scale") else None
+    self.final_softcap = float(cfg.get("final_softcap", 0.0))
+    # Interleaved local and global layers: each layer's kind is an input of the layer scan (None: all alike).
+    self.local = (tuple(bool(w) for w in attention.layer_windows(cfg)) if attention.mixed_layers(cfg) else None)
 
   def embed_tokens(self, tokens, positions=None, segment_ids=None):
     del positions, segment_ids  # RoPE: positions enter in attention
-    return lookup(self.embed, tokens)
+    x = lookup(self.embed, tokens)
+    if self.embed_scale is not None:  # Gemma: sqrt(d_model), rounded to the compute dtype as transformers does
+      x = x * jnp.asarray(self.embed_scale, x.dtype)
+    return x
 
-  def apply_layer(self, weights, x, side):
+  def apply_layer(self, weights, x, side, local=None):
     """One layer of the stack ``self.layers`` (``weights``: its slice of the stacked state) on x, with
-    side = (positions, segment_ids). Rematerialized per ``model.remat``."""
+    side = (positions, segment_ids) and ``local`` (see Attention). Rematerialized per ``model.remat``."""
     graphdef = nnx.graphdef(self.layers)
-    layer = lambda w, h, side: nnx.merge(graphdef, w)(h, *side)  # noqa: E731
+    layer = lambda w, h, side, local: nnx.merge(graphdef, w)(h, *side, local=local)  # noqa: E731
     if self.remat != "none":
       layer = jax.checkpoint(layer, policy=models.REMAT.get(self.remat), prevent_cse=scans.prevent_cse())
-    return layer(weights, x, side)
+    return layer(weights, x, side, local)
 
   def head(self, x):
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+    if self.final_softcap:  # Gemma 2: c tanh(logits / c), in float32
+      logits = (self.final_softcap * jnp.tanh(logits.astype(jnp.float32) / self.final_softcap)).astype(logits.dtype)
     return constrain(logits, ("batch", "length", "vocab"))  # in the compute dtype: see jaxtrain.train.losses
+
+  def layer_kinds(self):
+    """The layer scan's per-layer input besides the weights: each layer's ``local`` flag (a bool array), or None
+    when all layers are alike."""
+    return None if self.local is None else jnp.asarray(self.local)
 
   def __call__(self, tokens, positions, segment_ids, cache: KVCache | None = None):
     """Logits ``[batch, length, vocab]``; with a ``cache`` (decoding, see jaxtrain/models), ``(logits, cache)``:
@@ -332,8 +438,8 @@ class Llama(nnx.Module):
       return self._decode(tokens, positions, segment_ids, cache)
     x = self.embed_tokens(tokens, positions)
     stacked = nnx.state(self.layers)
-    x, _ = jax.lax.scan(lambda h, w: (self.apply_layer(w, h, (positions, segment_ids)), None), x, stacked,
-                        unroll=scans.unroll())
+    x, _ = jax.lax.scan(lambda h, xs: (self.apply_layer(xs[0], h, (positions, segment_ids), xs[1]), None), x,
+                        (stacked, self.layer_kinds()), unroll=scans.unroll())
     return self.head(x)
 
   @classmethod
@@ -347,13 +453,13 @@ class Llama(nnx.Module):
     stacked_axes = (None, *KV_AXES)  # the layer stack of keys or values: never split over pipeline stages here
 
     def layer(h, xs):
-      weights, k, v = xs
-      h, (k, v) = nnx.merge(graphdef, weights)(h, positions, segment_ids, (k, v, slots))
+      weights, k, v, local = xs
+      h, (k, v) = nnx.merge(graphdef, weights)(h, positions, segment_ids, (k, v, slots), local)
       return h, (k, v)
 
     x = self.embed_tokens(tokens, positions)
     k, v = constrain(cache.k, stacked_axes), constrain(cache.v, stacked_axes)
-    x, (k, v) = jax.lax.scan(layer, x, (nnx.state(self.layers), k, v))
+    x, (k, v) = jax.lax.scan(layer, x, (nnx.state(self.layers), k, v, self.layer_kinds()))
     cache = dataclasses.replace(slots, k=constrain(k, stacked_axes), v=constrain(v, stacked_axes),
                                 index=slots.index + tokens.shape[1])
     return self.head(x), cache

@@ -30,7 +30,7 @@ from flax import nnx
 
 from jaxtrain import models
 from jaxtrain.errors import ConfigError, check_positive
-from jaxtrain.models import llama, scans
+from jaxtrain.models import attention, llama, scans
 from jaxtrain.models.attention import KV_AXES, KVCache
 from jaxtrain.parallel import experts
 from jaxtrain.sharding import constrain
@@ -71,6 +71,14 @@ def validate(cfg) -> None:
   if cfg.router_scores not in ROUTER_SCORES:
     raise ConfigError("model.router_scores", f"'{cfg.router_scores}' is not one of {', '.join(ROUTER_SCORES)}",
                       "set model.router_scores=softmax or sigmoid")
+  dense_only = [k for k in ("sandwich_norms", "embed_scale", "final_softcap") if cfg.get(k)]
+  if dense_only or cfg.mlp_activation != "silu":
+    key = f"model.{dense_only[0]}" if dense_only else "model.mlp_activation"
+    raise ConfigError(key, "is a dense-family option (Gemma's block); the MoE family's experts are SwiGLU blocks "
+                      "without it", f"leave {key} at its default with model.name={cfg.name}")
+  if attention.mixed_layers(cfg):
+    raise ConfigError("model.global_every", "interleaved local and global layers are a dense-family feature",
+                      "use model.global_every=0 (every layer local) or a dense family")
   if cfg.moe_impl not in experts.MODES:
     raise ConfigError("model.moe_impl", f"'{cfg.moe_impl}' is not one of {', '.join(experts.MODES)}",
                       "set model.moe_impl=dropless or capacity")
@@ -171,9 +179,9 @@ class MoE(nnx.Module):
 
 class Block(nnx.Module):
   def __init__(self, cfg, dtype, rngs: nnx.Rngs):
-    self.attn_norm = llama.RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+    self.attn_norm = llama.norm(cfg, dtype)
     self.attn = llama.Attention(cfg, dtype, rngs)
-    self.mlp_norm = llama.RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+    self.mlp_norm = llama.norm(cfg, dtype)
     self.moe = MoE(cfg, dtype, rngs)
 
   def __call__(self, x, positions, segment_ids, cache=None):
@@ -208,7 +216,7 @@ class MoeLM(nnx.Module):
     self.dense_layers = (_stack(cfg, dtype, rngs, llama.Block, cfg.first_dense_layers, "dense_layers")
                          if cfg.first_dense_layers else None)
     self.layers = _stack(cfg, dtype, rngs, Block, cfg.num_layers - cfg.first_dense_layers, "layers")
-    self.final_norm = llama.RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+    self.final_norm = llama.norm(cfg, dtype)
     self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
         cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
         kernel_init=_param(("embed", "vocab")), rngs=rngs)

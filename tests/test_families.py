@@ -1,0 +1,234 @@
+"""The open families beyond Llama and Mixtral (jaxtrain/models/families.py): Qwen 2.5, Qwen 3, Qwen 3 MoE, Mistral.
+
+For each, a random small model built by transformers itself (no download), with its attention variants switched on
+(a window smaller than the documents, local and global layers interleaved): imported, its logits equal
+transformers' on a padded batch and a packed row; greedy generation equals transformers' token for token; import
+-> export is bitwise and loads with no missing or unexpected keys; a deliberate mis-mapping of the family's
+difference fails the comparison. Every family trains sharded (fsdp x tensor, and pipeline where its layer pattern
+allows) equal to one device."""
+
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain import generate, hf
+from jaxtrain import models
+from jaxtrain import sampling as sampling_lib
+from tests.test_hf import TOL, _exported_equals_source, _hf_logits, _rel_err, _restore
+from tests.test_pipeline import _loss_and_grads, _packed_batch
+from tests.conftest import small_config
+
+torch = pytest.importorskip("torch", reason="torch (test-only, in setup.cfg's test extra) is not installed: the "
+                            "Hugging Face comparisons need it")
+transformers = pytest.importorskip("transformers", reason="transformers (test-only) is not installed: the "
+                                   "Hugging Face comparisons need it")
+
+BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=128, rope_theta=1e6)
+
+
+def _zero_biases(params, cfg):
+  for x in "qkv":
+    params["layers"]["attn"][x]["bias"] = np.zeros_like(params["layers"]["attn"][x]["bias"])
+
+
+def _unit_qk_norm(params, cfg):
+  for x in "qk":
+    params["layers"]["attn"][f"{x}_norm"]["scale"] = np.ones_like(params["layers"]["attn"][f"{x}_norm"]["scale"])
+
+
+def _window_plus_one(params, cfg):
+  cfg.sliding_window += 1
+
+
+def _drop_plus_one(params, cfg):
+  cfg.norm_plus_one = False
+
+
+def _window_minus_one(params, cfg):
+  cfg.sliding_window -= 1
+
+
+def _attn_softcap_off(params, cfg):
+  cfg.attn_softcap = 0.0
+
+
+def _final_softcap_off(params, cfg):
+  cfg.final_softcap = 0.0
+
+
+def _one_rope_theta(params, cfg):
+  cfg.rope_local_theta = 0.0
+
+
+def _flip_topk_normalization(params, cfg):
+  cfg.normalize_topk = not cfg.normalize_topk
+
+
+# name -> (transformers classes, config overrides, jaxtrain family, what the import must set, a mis-mapping)
+FAMILIES = {
+    # Qwen 2.5 with its optional window: layer 0 local (6 keys), layer 1 global.
+    "qwen2": ("Qwen2", dict(use_sliding_window=True, sliding_window=6, layer_types=["sliding_attention",
+                                                                                   "full_attention"]),
+              "qwen2", dict(qkv_bias=True, sliding_window=6, global_every=2), _zero_biases),
+    "qwen3": ("Qwen3", dict(tie_word_embeddings=True), "qwen3", dict(qk_norm="head", tie_embeddings=True),
+              _unit_qk_norm),
+    "mistral": ("Mistral", dict(sliding_window=5), "mistral", dict(sliding_window=5, global_every=0),
+                _window_plus_one),
+    "qwen3_moe": ("Qwen3Moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                   norm_topk_prob=True), "qwen3_moe",
+                  dict(qk_norm="head", num_experts=4, experts_per_token=2, expert_mlp_dim=48, normalize_topk=True),
+                  _flip_topk_normalization),
+    # OLMoE: QK-norm over the whole q and k projections, top-k weights not renormalized.
+    "olmoe": ("Olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=48, norm_topk_prob=False,
+                            num_key_value_heads=4), "olmoe",
+              dict(qk_norm="full", num_experts=4, experts_per_token=2, expert_mlp_dim=48, normalize_topk=False),
+              (_unit_qk_norm, _flip_topk_normalization)),
+    # Gemma 2: layers alternate local (window 6) and global; both soft-caps active at these scales (scores reach
+    # tens with these weights; the caps are set low so that tanh bends them); query_pre_attn_scalar != head_dim.
+    "gemma2": ("Gemma2", dict(sliding_window=6, attn_logit_softcapping=0.5, final_logit_softcapping=2.0,
+                              query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh", num_hidden_layers=4),
+               "gemma2", dict(norm_plus_one=True, sandwich_norms=True, embed_scale=True, sliding_window=6,
+                              global_every=2, attn_softcap=0.5, final_softcap=2.0, mlp_activation="gelu_tanh"),
+               (_drop_plus_one, _attn_softcap_off, _final_softcap_off)),
+    # Gemma 3 (text): 2 local layers to 1 global, local RoPE theta 10000, global 1e6 with linear scaling x 8.
+    "gemma3": ("Gemma3", dict(sliding_window=5, sliding_window_pattern=3, num_hidden_layers=4,
+                              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                  "rope_theta": 1e6},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+               "gemma3", dict(qk_norm="head", sliding_window=5, global_every=3, rope_local_theta=1e4,
+                              rope_scaling="linear", rope_scaling_factor=8.0), (_window_minus_one, _one_rope_theta)),
+}
+
+
+def _hf_family(folder, name, seed=0):
+  prefix, overrides = FAMILIES[name][:2]
+  torch.manual_seed(seed)
+  config_class = transformers.Gemma3TextConfig if prefix == "Gemma3" else getattr(transformers, f"{prefix}Config")
+  config = config_class(**{**BASE, **overrides})
+  model = getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
+  with torch.no_grad():
+    for p in model.parameters():  # norms, biases and QK-norms random too, so that they are tested
+      p.add_(torch.randn_like(p) * 0.05)
+  model.save_pretrained(folder, safe_serialization=True)
+  (pathlib.Path(folder) / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')
+  return model
+
+
+def _errors(model, params, ref):
+  """(padded batch, packed row) max relative logit errors against transformers."""
+  rng = np.random.default_rng(0)
+  t, real = 24, 7
+  tokens = rng.integers(0, 128, (2, t)).astype(np.int32)
+  mask = np.ones((2, t), np.int32)
+  mask[1, real:] = 0
+  positions = np.broadcast_to(np.arange(t, dtype=np.int32), (2, t))
+  ours = np.asarray(model.apply(params, tokens, positions, mask))
+  theirs = _hf_logits(ref, tokens, mask)
+  padded = max(_rel_err(ours[0], theirs[0]), _rel_err(ours[1, :real], theirs[1, :real]))
+  a, b = tokens[0, :9], tokens[1, :15]  # documents longer than the windows
+  row = np.concatenate([a, b])[None]
+  seg = np.array([[1] * 9 + [2] * 15], np.int32)
+  pos = np.array([list(range(9)) + list(range(15))], np.int32)
+  packed = np.asarray(model.apply(params, row, pos, seg))[0]
+  return padded, max(_rel_err(packed[:9], _hf_logits(ref, a[None])[0]),
+                     _rel_err(packed[9:], _hf_logits(ref, b[None])[0]))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_imported_family_equals_transformers_and_exports_bitwise(name, tmp_path):
+  ref = _hf_family(tmp_path / "src", name)
+  hf.import_llama(str(tmp_path / "src"), str(tmp_path / "out"))
+  cfg, model, params = _restore(tmp_path / "out")
+  family, expected, mis_maps = FAMILIES[name][2:]
+  assert cfg.model.name == family
+  assert {k: cfg.model[k] for k in expected} == expected
+  padded, packed = _errors(model, params, ref)
+  print(f"{name}: max relative logit error padded {padded:.2e}, packed {packed:.2e}")
+  assert padded < TOL and packed < TOL
+  # The family's own differences, each mapped wrong on purpose: the comparison must see it.
+  for mis_map in mis_maps if isinstance(mis_maps, tuple) else (mis_maps,):
+    wrong_cfg, wrong_params = cfg.model.copy_and_resolve_references(), jax.tree.map(np.asarray, params)
+    mis_map(wrong_params, wrong_cfg)
+    wrong = max(_errors(models.Model.from_config(wrong_cfg), wrong_params, ref))
+    print(f"{name}: mis-mapped ({mis_map.__name__}): {wrong:.2e}")
+    assert wrong > 100 * TOL, mis_map.__name__
+
+  # Greedy generation, left-padded prompts, KV cache: token for token transformers' generate.
+  prompts = [[5, 17, 33, 2, 90, 11, 64], [7, 8, 9], [100, 3, 55, 21]]
+  new = 10
+  loaded = generate.load(str(tmp_path / "out"))
+  gen = sampling_lib.Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings,
+                               rows=sampling_lib.padded_rows(len(prompts), loaded.mesh, loaded.rules), prompt_len=7,
+                               max_new_tokens=new, eos_ids=())
+  ours = gen.generate(loaded.params, prompts)
+  batch = gen.batch(prompts)
+  with torch.no_grad():
+    theirs = ref.generate(input_ids=torch.tensor(batch.tokens[:3]), attention_mask=torch.tensor(batch.segment_ids[:3]),
+                          do_sample=False, max_new_tokens=new, pad_token_id=0, eos_token_id=None).numpy()[:, 7:]
+  assert ours == theirs.tolist()
+
+  hf.export_llama(str(tmp_path / "out" / "checkpoints"), str(tmp_path / "exported"))
+  _exported_equals_source(tmp_path / "src", tmp_path / "exported")
+  config = json.loads((tmp_path / "exported" / "config.json").read_text())
+  assert config["model_type"] == ref.config.model_type
+  loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"),
+                                                                   output_loading_info=True)
+  assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+  assert type(loaded) is type(ref)
+  assert getattr(loaded.config, "layer_types", None) == getattr(ref.config, "layer_types", None)
+  assert getattr(loaded.config, "sliding_window", None) == getattr(ref.config, "sliding_window", None)
+  tokens = np.random.default_rng(1).integers(0, 128, (2, 20))
+  np.testing.assert_array_equal(_hf_logits(loaded.eval(), tokens), _hf_logits(ref, tokens))
+
+
+MIXED_NOT_ALLOWED = ("mistral", "qwen3_moe", "olmoe")  # Mistral's layers are all local; MoE stacks all alike
+
+
+def _family_config(tmp_path, name, **mesh):
+  c = small_config(tmp_path, **mesh)
+  m = models.defaults(name)
+  m.update(num_layers=4, d_model=64, num_heads=8, num_kv_heads=4, head_dim=16, mlp_dim=128, vocab_size=256)
+  if name == "qwen3_moe":
+    m.update(num_experts=4, experts_per_token=2, expert_mlp_dim=64)
+  if name in ("qwen3_moe", "olmoe"):
+    m.update(num_experts=4, experts_per_token=2, expert_mlp_dim=64)
+  # Windows shorter than the documents: local and global layers interleaved where the family can, else all local.
+  m.update(sliding_window=6, global_every=0 if name in MIXED_NOT_ALLOWED else 2)
+  c.model = m
+  c.pipeline.schedule = "gpipe"
+  return c
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "mistral", "qwen3_moe", "olmoe", "gemma2", "gemma3"])
+def test_every_family_trains_sharded_equal_to_one_device(name, tmp_path):
+  """fsdp 2 x tensor 2 x data 2, (where the layers are all alike) pipeline 2 x fsdp 2 x tensor 2, and for an
+  all-local and an interleaved family context 2 x fsdp 2 x tensor 2: the loss and every gradient equal one
+  device's within 1e-5 (packed rows, windows shorter than the documents)."""
+  batch = _packed_batch()
+  ref_loss, ref_tokens, ref_grads, _ = _loss_and_grads(_family_config(tmp_path / "one", name), batch,
+                                                       jax.devices()[:1])
+  layouts = [dict(data=2, fsdp=2, tensor=2)]
+  if name in ("mistral", "gemma2"):  # context parallelism: the window masked by position over gathered keys
+    layouts.append(dict(context=2, fsdp=2, tensor=2))
+  mixed = name not in MIXED_NOT_ALLOWED  # their configs here interleave local and global layers
+  if not mixed:
+    layouts.append(dict(pipeline=2, fsdp=2, tensor=2))
+  for mesh in layouts:
+    config = _family_config(tmp_path / "x".join(map(str, mesh.values())), name, **mesh)
+    config.train.microbatches = 2 if "pipeline" in mesh else 0
+    loss, tokens, grads, _ = _loss_and_grads(config, batch, jax.devices())
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=str(mesh))
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):
+      err = np.max(np.abs(g - r)) / np.max(np.abs(r))
+      assert err < 1e-5, f"{mesh} {jax.tree_util.keystr(path)}: relative gradient error {err:.2e}"
+  if mixed:
+    from jaxtrain.errors import ConfigError
+    config = _family_config(tmp_path / "pp", name, pipeline=2)
+    with pytest.raises(ConfigError, match="interleave local and global attention"):
+      _loss_and_grads(config, batch, jax.devices()[:2])
