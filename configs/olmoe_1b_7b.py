@@ -2,12 +2,11 @@
 remat of dots, dropless experts as in the paper, FSDP over all chips (``mesh.expert`` = 1: no all-to-all).
 
 Architecture from the released checkpoint (Muennighoff et al. 2024, arXiv:2409.02060): 16 layers, d_model 2048,
-16 heads x 128 (no GQA), each feed-forward 64 SwiGLU experts of hidden size 1024, softmax router, top-8 weights
-kept as they are (not renormalized); vocab 50304, untied head, rope_theta 10000, norm_eps 1e-5. Left out: OLMoE
-RMS-normalizes queries and keys (QK-norm over the 2048-wide q and k projections), which this family has not:
-2 x 2048 scales per layer, 65,536 parameters (0.001% of the total). ``jaxtrain.models.moe.param_counts`` on the
-abstract shapes: 6,919,096,320 total, 1,281,951,744 active (the published 6.9B / 1.3B to the rounding;
-+0.28% / -1.4%; with the QK-norm scales 6,919,161,856 / 1,282,017,280).
+16 heads x 128 (no GQA), QK-norm over the whole 2048-wide q and k projections, each feed-forward 64 SwiGLU experts of
+hidden size 1024, softmax router, top-8 weights kept as they are (not renormalized); vocab 50304, untied head,
+rope_theta 10000, norm_eps 1e-5 (the ``olmoe`` family: jaxtrain/models/families.py).
+``jaxtrain.models.moe.param_counts`` on the abstract shapes: 6,919,161,856 total (transformers' count of the same
+shapes), 1,282,017,280 active (the published 6.9B / 1.3B to the rounding).
 
 Training as the paper's: 4M-token batches (1024 x 4096), AdamW lr 4e-4, 10k warmup steps, cosine, weight decay
 0.1, load-balance loss 0.01, router z-loss 0.001, dropless (5T tokens would be ~1.2M steps). Expert parallelism
@@ -22,7 +21,7 @@ from jaxtrain.config import base_config
 
 
 def get_config():
-  c = base_config(model="moe")
+  c = base_config(model="olmoe")
   c.workdir = "runs/olmoe_1b_7b"
   c.model.update(num_layers=16, d_model=2048, num_heads=16, num_kv_heads=16, head_dim=128, vocab_size=50304,
                  num_experts=64, experts_per_token=8, expert_mlp_dim=1024, router_scores="softmax",

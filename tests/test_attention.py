@@ -88,9 +88,12 @@ def test_a_model_with_blockwise_attention_has_xla_attention_s_logits_and_gradien
 
 
 @pytest.mark.slow
-def test_splash_kernel_equals_the_reference_in_interpret_mode():
+@pytest.mark.parametrize("variant", [attention.PLAIN, attention.Variant(window=100, softcap=0.5, scale=0.05)],
+                         ids=["plain", "window_softcap_scale"])
+def test_splash_kernel_equals_the_reference_in_interpret_mode(variant):
   """The TPU kernel's own code, run by Pallas' interpreter on CPU (tests/test_tpu_compile.py compiles it for TPU):
-  outputs and gradients of the real tokens equal the reference on packed rows with GQA and padding."""
+  outputs and gradients of the real tokens equal the reference on packed rows with GQA and padding, plain and with
+  a window shorter than the documents (its LocalMask), soft-capped scores and another scale."""
   k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
   q, k, v = jax.random.normal(k1, (2, 256, 4, 128)), *(jax.random.normal(r, (2, 256, 2, 128)) for r in (k2, k3))
   seg = jnp.asarray(np.array([[1] * 100 + [2] * 120 + [0] * 36, [1] * 256], np.int32))
@@ -98,9 +101,9 @@ def test_splash_kernel_equals_the_reference_in_interpret_mode():
   real = (seg != 0)[..., None, None]
 
   def loss(backend):
-    return lambda q, k, v: (attention.attend(backend, q, k, v, seg, pos, 128) * real).sum()
-  want = attention.attend("reference", q, k, v, seg, pos)
-  got = attention.attend("splash", q, k, v, seg, pos, 128)
+    return lambda q, k, v: (attention.attend(backend, q, k, v, seg, pos, 128, variant) * real).sum()
+  want = attention.attend("reference", q, k, v, seg, pos, variant=variant)
+  got = attention.attend("splash", q, k, v, seg, pos, 128, variant)
   np.testing.assert_allclose(np.asarray(got)[np.asarray(seg) != 0], np.asarray(want)[np.asarray(seg) != 0],
                              rtol=1e-5, atol=1e-5)
   for g, r in zip(jax.grad(loss("splash"), argnums=(0, 1, 2))(q, k, v),

@@ -68,9 +68,10 @@ def test_user_mistake_gives_one_line_and_exit_2(args, message, tmp_path):
 
 # Every shipped config, by whether a CPU can train it (a new config must be added to one list).
 CPU_CONFIGS = ["configs/tiny.py", "configs/tiny.py:dp", "configs/tiny.py:tp", "configs/cpu_50m.py",
-               "configs/moe_tiny.py"]
+               "configs/moe_tiny.py", "configs/tiny_family.py:gemma2", "configs/tiny_family.py:qwen3_moe"]
 POD_CONFIGS = ["configs/llama3_1b.py", "configs/llama3_8b.py", "configs/llama3_70b.py", "configs/mixtral_8x7b.py",
-               "configs/olmoe_1b_7b.py"]
+               "configs/olmoe_1b_7b.py", "configs/qwen2_5_7b.py", "configs/qwen3_8b.py", "configs/qwen3_30b_a3b.py",
+               "configs/mistral_7b.py", "configs/gemma2_9b.py", "configs/gemma3_1b.py"]
 
 
 def test_every_config_is_listed():

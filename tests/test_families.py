@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch", reason="torch (test-only, in setup.cfg's te
 transformers = pytest.importorskip("transformers", reason="transformers (test-only) is not installed: the "
                                    "Hugging Face comparisons need it")
 
-BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=128, rope_theta=1e6)
 
 
@@ -122,7 +122,7 @@ def _errors(model, params, ref):
   """(padded batch, packed row) max relative logit errors against transformers."""
   rng = np.random.default_rng(0)
   t, real = 24, 7
-  tokens = rng.integers(0, 128, (2, t)).astype(np.int32)
+  tokens = rng.integers(0, 256, (2, t)).astype(np.int32)
   mask = np.ones((2, t), np.int32)
   mask[1, real:] = 0
   positions = np.broadcast_to(np.arange(t, dtype=np.int32), (2, t))
@@ -181,7 +181,7 @@ def test_imported_family_equals_transformers_and_exports_bitwise(name, tmp_path)
   assert type(loaded) is type(ref)
   assert getattr(loaded.config, "layer_types", None) == getattr(ref.config, "layer_types", None)
   assert getattr(loaded.config, "sliding_window", None) == getattr(ref.config, "sliding_window", None)
-  tokens = np.random.default_rng(1).integers(0, 128, (2, 20))
+  tokens = np.random.default_rng(1).integers(0, 256, (2, 20))
   np.testing.assert_array_equal(_hf_logits(loaded.eval(), tokens), _hf_logits(ref, tokens))
 
 
@@ -232,3 +232,66 @@ def test_every_family_trains_sharded_equal_to_one_device(name, tmp_path):
     config = _family_config(tmp_path / "pp", name, pipeline=2)
     with pytest.raises(ConfigError, match="interleave local and global attention"):
       _loss_and_grads(config, batch, jax.devices()[:2])
+
+
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory):
+  """Prompt/response and chat records prepared with the byte tokenizer (vocab 256, the test models')."""
+  from jaxtrain.data import prepare
+  from tests.test_sft import _sft_records, _write_jsonl
+  tmp = tmp_path_factory.mktemp("sft")
+  src = _write_jsonl(tmp / "in" / "sft.jsonl", _sft_records(40))
+  manifest = prepare.prepare(prepare.Options(inputs=[str(src)], output=str(tmp / "out"), eval_fraction=0.0,
+                                             progress=False))
+  assert manifest["format"] == prepare.FORMAT_SFT
+  return str(tmp / "out")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_lora_sft_fine_tune_of_an_import_exports_what_jaxtrain_computes(name, tmp_path, sft_data):
+  """Import, LoRA (rank 4 on q, v, o) on SFT data (prompt tokens masked) for 2 steps from OUT/config.py, export:
+  the base weights stay as imported, transformers loads the merged export with no missing or unexpected keys, and
+  its logits are those of jaxtrain's adapted model."""
+  from jaxtrain.train import trainer
+  from tests.test_hf import _load_config
+  _hf_family(tmp_path / "src", name)
+  hf.import_llama(str(tmp_path / "src"), str(tmp_path / "out"))
+  cfg = _load_config(tmp_path / "out" / "config.py")
+  cfg.workdir = str(tmp_path / "run")
+  cfg.model.lora.update(rank=4, alpha=8.0, targets="q,v,o")
+  cfg.data.update(path=sft_data, seq_len=32)
+  cfg.train.update(steps=2, global_batch_size=8, log_every=1)
+  cfg.optim.update(lr=1e-2, warmup_steps=1)
+  state, _ = trainer.train(cfg)
+  params = jax.device_get(state.params)
+  _, _, imported = _restore(tmp_path / "out")
+  base = {k: v for k, v in params.items() if k != "lora"}
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(jax.device_get(imported))))
+  assert any(np.any(b != 0) for b in jax.tree.leaves(params["lora"]))  # B left zero: the adapters trained
+  hf.export_llama(str(tmp_path / "run"), str(tmp_path / "exported"))
+  loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"),
+                                                                   output_loading_info=True)
+  assert not any(info.values()), info
+  tokens = np.random.default_rng(2).integers(0, 256, (2, 16)).astype(np.int32)
+  ours = np.asarray(models.Model.from_config(cfg.model).apply(
+      params, tokens, np.broadcast_to(np.arange(16, dtype=np.int32), (2, 16)), np.ones((2, 16), np.int32)))
+  assert _rel_err(ours, _hf_logits(loaded.eval(), tokens)) < TOL
+
+
+# The shipped configs of the published sizes: jaxtrain's parameter count is the published one, and transformers'
+# count for the config.json jaxtrain would export (the same shapes, built on the meta device: no memory).
+PUBLISHED = {"qwen2_5_7b": 7_615_616_512, "qwen3_8b": 8_190_735_360, "qwen3_30b_a3b": 30_532_122_624,
+             "mistral_7b": 7_241_732_096, "gemma2_9b": 9_241_705_984, "gemma3_1b": 999_885_952,
+             "olmoe_1b_7b": 6_919_161_856}
+
+
+@pytest.mark.parametrize("config", list(PUBLISHED))
+def test_published_sizes_have_the_published_parameter_counts(config):
+  import importlib
+  model_cfg = importlib.import_module(f"configs.{config}").get_config().model
+  ours = models.Model.from_config(model_cfg).num_params()
+  hf_cfg = transformers.AutoConfig.for_model(**hf.hf_config(model_cfg))
+  with torch.device("meta"):
+    theirs = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf_cfg).parameters())
+  assert ours == theirs == PUBLISHED[config]
