@@ -1,10 +1,12 @@
-"""Hugging Face Llama and Mixtral checkpoints in and out (``tools/convert_hf.py``).
+"""Hugging Face checkpoints in and out (``tools/convert_hf.py``): Llama, Mixtral, Qwen 2.5, Qwen 3 (dense and MoE),
+Mistral, Gemma 2, Gemma 3 (text) and OLMoE, by the ``model_type`` of their ``config.json`` (:data:`ARCHITECTURES`:
+each is a jaxtrain family, docs/models.md).
 
-:func:`import_llama` turns a Hugging Face ``LlamaForCausalLM`` folder (``config.json``, ``*.safetensors`` with or
+:func:`import_model` turns a Hugging Face folder (``config.json``, ``*.safetensors`` with or
 without ``model.safetensors.index.json``, tokenizer files) into ``OUT/checkpoints/0`` (a jaxtrain checkpoint that
 ``checkpoint.restore_from`` with ``restore_mode=params`` starts from), ``OUT/config.py`` (a config file for
 ``python -m jaxtrain.main``) and ``OUT/hf/`` (the source's config.json, tokenizer and generation files, which
-:func:`export_llama` writes back). :func:`export_llama` writes a jaxtrain checkpoint (imported or trained) as such
+:func:`export_model` writes back). :func:`export_model` writes a jaxtrain checkpoint (imported or trained) as such
 a folder. Tensors are read and written one at a time (peak host memory: import about 1.5 x the float32 model,
 export one param);
 params are float32 (a bfloat16 or float16 source converts exactly, and exports back bitwise with that ``dtype``).
@@ -12,10 +14,14 @@ params are float32 (a bfloat16 or float16 source converts exactly, and exports b
 Layouts: HF Linear weights are ``[out, in]``; jaxtrain kernels are ``[in, ...out]`` (q/k/v ``[d, heads,
 head_dim]``, o ``[heads, head_dim, d]``, MLP ``[in, out]``), stacked over a leading layers axis. A Mixtral
 (``MixtralForCausalLM``, the hub's per-expert ``block_sparse_moe.experts.E.w1/w2/w3`` tensors) is the ``moe``
-family: router ``[d, E]``, experts stacked ``[layers, E, in, out]``. jaxtrain's RoPE
+family: router ``[d, E]``, experts stacked ``[layers, E, in, out]`` (Qwen 3 MoE's and OLMoE's ``mlp.experts.E.
+{gate,up,down}_proj`` alike). Gemma's four norms per layer: ``input_layernorm`` -> ``attn_norm``,
+``post_attention_layernorm`` -> ``post_attn_norm`` (on the attention's output, unlike Llama's, which is the MLP's
+input norm), ``pre_feedforward_layernorm`` -> ``mlp_norm``, ``post_feedforward_layernorm`` -> ``post_mlp_norm``;
+their ``1 + w`` weights are stored as they are (jaxtrain's RMSNorm adds the 1: ``model.norm_plus_one``). jaxtrain's RoPE
 rotates the two halves of head_dim, which is HF's ``rotate_half`` convention: q and k need no permutation.
 
-Every mistake in the input (another architecture, biases, an unknown RoPE type, missing or truncated files,
+Every mistake in the input (another architecture, biases it has not, an unknown RoPE type, missing or truncated files,
 shapes that disagree with the config, an existing output) is a :class:`HFError` (a UserError), raised before
 anything is written; outputs are built in a temporary folder next to the output and renamed into place.
 """
@@ -473,10 +479,10 @@ def read_params(hf_dir: str, model: Any) -> tuple[dict, str]:
                  and not (model.tie_embeddings and n == "lm_head.weight"))
   missing = sorted(known - set(entries))
   if missing or extra:
-    what = f"has no {missing[0]}" if missing else f"has {extra[0]}, which a Llama of this config does not"
+    what = f"has no {missing[0]}" if missing else f"has {extra[0]}, which a {model.name} model of this config has not"
     more = len(missing) + len(extra) - 1
     raise HFError(hf_dir, what + (f" (and {more} more)" if more else ""),
-                  "the weights do not belong to this config.json (or are not a Llama / Mixtral)")
+                  "the weights do not belong to this config.json")
   for name, _, _, shape, _ in expected:
     if entries[name].shape != shape:
       raise HFError(entries[name].file, f"{name} is {list(entries[name].shape)}, config.json says {list(shape)}",
@@ -532,8 +538,8 @@ def get_config():
 '''
 
 
-def import_llama(hf_dir: str, output: str) -> dict:
-  """Converts the HF Llama folder ``hf_dir`` into ``output`` (see the module docstring); returns a summary
+def import_model(hf_dir: str, output: str) -> dict:
+  """Converts the Hugging Face folder ``hf_dir`` into ``output`` (see the module docstring); returns a summary
   (params, bytes, source dtype)."""
   config_file = os.path.join(hf_dir, "config.json")
   if not os.path.isdir(hf_dir):
@@ -579,9 +585,9 @@ def import_llama(hf_dir: str, output: str) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # Export.
 
-def export_llama(checkpoint: str, output: str, step: int | None = None, max_shard_mb: float = 5000,
+def export_model(checkpoint: str, output: str, step: int | None = None, max_shard_mb: float = 5000,
                  dtype: str = "auto") -> dict:
-  """Writes the Llama checkpoint ``checkpoint`` (a workdir, its checkpoints folder or a step folder; the newest
+  """Writes the jaxtrain checkpoint ``checkpoint`` (a workdir, its checkpoints folder or a step folder; the newest
   step unless ``step``) as an HF folder ``output``: config.json, model.safetensors (shards of at most
   ``max_shard_mb`` MB plus model.safetensors.index.json when larger) and the imported source's tokenizer and
   generation files. ``dtype``: float32, bfloat16, float16 or auto (the imported source's dtype, else float32)."""

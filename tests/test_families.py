@@ -141,7 +141,7 @@ def _errors(model, params, ref):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_imported_family_equals_transformers_and_exports_bitwise(name, tmp_path):
   ref = _hf_family(tmp_path / "src", name)
-  hf.import_llama(str(tmp_path / "src"), str(tmp_path / "out"))
+  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
   cfg, model, params = _restore(tmp_path / "out")
   family, expected, mis_maps = FAMILIES[name][2:]
   assert cfg.model.name == family
@@ -171,7 +171,7 @@ def test_imported_family_equals_transformers_and_exports_bitwise(name, tmp_path)
                           do_sample=False, max_new_tokens=new, pad_token_id=0, eos_token_id=None).numpy()[:, 7:]
   assert ours == theirs.tolist()
 
-  hf.export_llama(str(tmp_path / "out" / "checkpoints"), str(tmp_path / "exported"))
+  hf.export_model(str(tmp_path / "out" / "checkpoints"), str(tmp_path / "exported"))
   _exported_equals_source(tmp_path / "src", tmp_path / "exported")
   config = json.loads((tmp_path / "exported" / "config.json").read_text())
   assert config["model_type"] == ref.config.model_type
@@ -256,7 +256,7 @@ def test_lora_sft_fine_tune_of_an_import_exports_what_jaxtrain_computes(name, tm
   from jaxtrain.train import trainer
   from tests.test_hf import _load_config
   _hf_family(tmp_path / "src", name)
-  hf.import_llama(str(tmp_path / "src"), str(tmp_path / "out"))
+  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
   cfg = _load_config(tmp_path / "out" / "config.py")
   cfg.workdir = str(tmp_path / "run")
   cfg.model.lora.update(rank=4, alpha=8.0, targets="q,v,o")
@@ -269,7 +269,7 @@ def test_lora_sft_fine_tune_of_an_import_exports_what_jaxtrain_computes(name, tm
   base = {k: v for k, v in params.items() if k != "lora"}
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(jax.device_get(imported))))
   assert any(np.any(b != 0) for b in jax.tree.leaves(params["lora"]))  # B left zero: the adapters trained
-  hf.export_llama(str(tmp_path / "run"), str(tmp_path / "exported"))
+  hf.export_model(str(tmp_path / "run"), str(tmp_path / "exported"))
   loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"),
                                                                    output_loading_info=True)
   assert not any(info.values()), info

@@ -164,7 +164,7 @@ def test_greedy_equals_transformers_generate(tmp_path):
   from jaxtrain import hf
   from tests.test_hf import CONFIGS, _hf_model
   ref = _hf_model(tmp_path / "src", **CONFIGS["gqa_untied"])
-  hf.import_llama(str(tmp_path / "src"), str(tmp_path / "out"))
+  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
   loaded = generate.load(str(tmp_path / "out"))
   assert dict(loaded.mesh.shape)["fsdp"] == 8  # the import's config: fsdp=-1 over the 8 devices
   eos = ref.config.eos_token_id

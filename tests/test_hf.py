@@ -93,7 +93,7 @@ def _rel_err(a, b):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_imported_logits_equal_transformers(name, tmp_path):
   ref = _hf_model(tmp_path / "src", **CONFIGS[name])
-  hf.import_llama(str(tmp_path / "src"), str(tmp_path / "out"))
+  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
   cfg, model, params = _restore(tmp_path / "out")
   assert cfg.checkpoint.restore_mode == "params"
   assert (tmp_path / "out" / "hf" / "tokenizer.json").exists()
@@ -132,8 +132,8 @@ def _exported_equals_source(src, exported):
 @pytest.mark.parametrize("name", ["gqa_untied", "mha_tied", "llama3_rope", "mixtral"])
 def test_import_export_is_bitwise_and_loads_in_transformers(name, tmp_path):
   ref = _hf_model(tmp_path / "src", **CONFIGS[name])
-  hf.import_llama(str(tmp_path / "src"), str(tmp_path / "out"))
-  hf.export_llama(str(tmp_path / "out" / "checkpoints"), str(tmp_path / "exported"))
+  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
+  hf.export_model(str(tmp_path / "out" / "checkpoints"), str(tmp_path / "exported"))
   _exported_equals_source(tmp_path / "src", tmp_path / "exported")
   assert (tmp_path / "exported" / "tokenizer.json").read_text() == (tmp_path / "src" / "tokenizer.json").read_text()
   config = json.loads((tmp_path / "exported" / "config.json").read_text())
@@ -152,8 +152,8 @@ def test_sharded_source_and_sharded_export(tmp_path):
   ref = _hf_model(tmp_path / "one", **CONFIGS["gqa_untied"])
   ref.save_pretrained(tmp_path / "src", safe_serialization=True, max_shard_size="100KB")
   assert (tmp_path / "src" / "model.safetensors.index.json").exists()
-  hf.import_llama(str(tmp_path / "src"), str(tmp_path / "out"))
-  info = hf.export_llama(str(tmp_path / "out"), str(tmp_path / "exported"), max_shard_mb=0.1)
+  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
+  info = hf.export_model(str(tmp_path / "out"), str(tmp_path / "exported"), max_shard_mb=0.1)
   assert info["shards"] > 1
   index = json.loads((tmp_path / "exported" / "model.safetensors.index.json").read_text())
   tensors = {}
@@ -172,14 +172,14 @@ def test_fine_tune_from_import_then_export(tmp_path):
   import's tokenizer through restore_from, and transformers computes jaxtrain's logits of the trained params."""
   from jaxtrain.train import trainer
   _hf_model(tmp_path / "src", **CONFIGS["llama3_rope"])
-  hf.import_llama(str(tmp_path / "src"), str(tmp_path / "out"))
+  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
   cfg = _load_config(tmp_path / "out" / "config.py")
   cfg.workdir = str(tmp_path / "run")
   cfg.data.update(source="synthetic", seq_len=16)
   cfg.train.update(steps=2, global_batch_size=8, log_every=1)
   cfg.optim.update(lr=1e-2, warmup_steps=1)
   state, _ = trainer.train(cfg)
-  hf.export_llama(str(tmp_path / "run"), str(tmp_path / "exported"))
+  hf.export_model(str(tmp_path / "run"), str(tmp_path / "exported"))
   assert (tmp_path / "exported" / "tokenizer_config.json").exists()
   loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"),
                                                                    output_loading_info=True)
@@ -234,11 +234,11 @@ def test_bad_input_gives_one_line_and_exit_2(how, message, tmp_path):
 
 def test_export_refuses_existing_output_and_missing_step(tmp_path):
   _hf_model(tmp_path / "src", **CONFIGS["mha_tied"])
-  hf.import_llama(str(tmp_path / "src"), str(tmp_path / "out"))
+  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
   with pytest.raises(hf.HFError, match="already exists"):
-    hf.import_llama(str(tmp_path / "src"), str(tmp_path / "out"))
+    hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
   with pytest.raises(checkpoint_lib.CheckpointError, match="has no step 7"):
-    hf.export_llama(str(tmp_path / "out"), str(tmp_path / "exported"), step=7)
+    hf.export_model(str(tmp_path / "out"), str(tmp_path / "exported"), step=7)
   assert not (tmp_path / "exported").exists()
 
 

@@ -259,7 +259,7 @@ def test_fine_tune_imported_checkpoint_with_lora_then_export(tmp_path):
   from jaxtrain import hf
   from tests import test_hf
   test_hf._hf_model(tmp_path / "src", **test_hf.CONFIGS["gqa_untied"])
-  hf.import_llama(str(tmp_path / "src"), str(tmp_path / "out"))
+  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
   assert "# c.model.lora.update(rank=8" in (tmp_path / "out" / "config.py").read_text()
   cfg = test_hf._load_config(tmp_path / "out" / "config.py")
   cfg.workdir = str(tmp_path / "run")
@@ -283,7 +283,7 @@ def test_fine_tune_imported_checkpoint_with_lora_then_export(tmp_path):
   state, _ = trainer.train(cfg)
   params = jax.device_get(state.params)
   assert _bitwise_equal(_base(params), jax.device_get(imported))
-  hf.export_llama(str(tmp_path / "run"), str(tmp_path / "exported"))
+  hf.export_model(str(tmp_path / "run"), str(tmp_path / "exported"))
   loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"),
                                                                    output_loading_info=True)
   assert not any(info.values()), info

@@ -1,4 +1,4 @@
-"""Hugging Face Llama and Mixtral checkpoints in and out of jaxtrain.
+"""Hugging Face checkpoints (Llama, Mixtral, Qwen 2.5 / 3 / 3 MoE, Mistral, Gemma 2 / 3, OLMoE) in and out of jaxtrain.
 
   python tools/convert_hf.py import --hf=HF_DIR --output=OUT_DIR
   python tools/convert_hf.py export --checkpoint=CKPT_DIR [--step=N] --output=HF_DIR [--max_shard_mb=5000]
@@ -23,10 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="convert_hf", description=__doc__.split("\n\n")[0])
   sub = p.add_subparsers(dest="command", required=True)
-  imp = sub.add_parser("import", help="a Hugging Face Llama or Mixtral folder -> a jaxtrain checkpoint and config")
+  imp = sub.add_parser("import", help="a Hugging Face model folder -> a jaxtrain checkpoint and config")
   imp.add_argument("--hf", required=True, help="Hugging Face model folder (config.json, *.safetensors)")
   imp.add_argument("--output", required=True, help="new folder for the checkpoint, config.py and hf/")
-  exp = sub.add_parser("export", help="a jaxtrain Llama or Mixtral-shaped MoE checkpoint -> a Hugging Face folder")
+  exp = sub.add_parser("export", help="a jaxtrain checkpoint -> a Hugging Face folder")
   exp.add_argument("--checkpoint", required=True, help="a run's workdir, its checkpoints folder or a step folder")
   exp.add_argument("--step", type=int, default=None, help="the step to export (default: the newest)")
   exp.add_argument("--output", required=True, help="new folder for config.json and *.safetensors")
@@ -47,11 +47,11 @@ def main(argv: list[str] | None = None) -> int:
   t = time.perf_counter()
   try:
     if args.command == "import":
-      info = hf.import_llama(args.hf, args.output)
+      info = hf.import_model(args.hf, args.output)
       what = f"{info['params']:,} params ({info['source_dtype']} source)"
       nbytes = info["bytes"]
     else:
-      info = hf.export_llama(args.checkpoint, args.output, step=args.step, max_shard_mb=args.max_shard_mb,
+      info = hf.export_model(args.checkpoint, args.output, step=args.step, max_shard_mb=args.max_shard_mb,
                              dtype=args.dtype)
       what = f"{info['step_dir']} as {info['dtype']} in {info['shards']} file{'s' * (info['shards'] > 1)}"
       nbytes = info["bytes"]

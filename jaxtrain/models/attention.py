@@ -65,7 +65,7 @@ VARIANT_KEYS = ("sliding_window", "attn_softcap", "query_scale")  # the model ke
 
 def layer_windows(cfg) -> list[int]:
   """Each layer's sliding window (0: global attention), from ``sliding_window`` and ``global_every``."""
-  w, every = cfg.get("sliding_window", 0), cfg.get("global_every", 0)
+  w, every = getattr(cfg, "sliding_window", 0), getattr(cfg, "global_every", 0)  # (a ConfigDict or a namespace)
   return [0 if not w or (every and (i + 1) % every == 0) else w for i in range(cfg.num_layers)]
 
 
@@ -76,8 +76,8 @@ def mixed_layers(cfg) -> bool:
 
 def variant(cfg, window: int = 0) -> Variant:
   """The attention variant of a layer with this ``window``."""
-  return Variant(window=window, softcap=float(cfg.get("attn_softcap", 0.0)),
-                 scale=float(cfg.query_scale) if cfg.get("query_scale") else None)
+  scale = getattr(cfg, "query_scale", 0.0)
+  return Variant(window=window, softcap=float(getattr(cfg, "attn_softcap", 0.0)), scale=float(scale) if scale else None)
 
 
 def visible(q_segment_ids, q_positions, k_segment_ids, k_positions, window=0) -> jax.Array:
@@ -421,10 +421,13 @@ def _xla_memory(rows, heads, q_len, kv_len, block_size, itemsize):
   return {"saved": scores * itemsize, "transient": scores * (4 + 2 * itemsize)}
 
 
-def _blockwise_memory(rows, heads, q_len, kv_len, block_size, itemsize):
+def _blockwise_memory(rows, heads, q_len, kv_len, block_size, itemsize, window=0):
   # One key block at a time: float32 scores, probabilities, their gradient and the scores' gradient, all queries
-  # x ``block_size`` keys (the per-query float32 dq accumulator is small beside them and not counted).
+  # x ``block_size`` keys (the per-query float32 dq accumulator is small beside them and not counted). With a
+  # window shorter than the keys (its windowed path), one query block at a time against its window's key blocks.
   block = rows * heads * q_len * min(block_size, kv_len)
+  if window and window - 1 + min(block_size, kv_len) < kv_len and q_len == kv_len:
+    block = rows * heads * block_size * block_size
   return {"saved": rows * heads * q_len * 4, "transient": 4 * 4 * block}
 
 
@@ -447,9 +450,13 @@ def saved_bytes(backend, rows, heads, q_len, kv_len, itemsize) -> int:  # ``auto
   return MEMORY.get(backend, _xla_memory)(rows, heads, q_len, kv_len, 0, itemsize)["saved"]
 
 
-def transient_bytes(backend, rows, heads, q_len, kv_len, block_size, itemsize) -> int:
-  """The backend's largest transient in one layer's backward pass, per device."""
-  return MEMORY.get(backend, _xla_memory)(rows, heads, q_len, kv_len, block_size, itemsize)["transient"]
+def transient_bytes(backend, rows, heads, q_len, kv_len, block_size, itemsize, window: int = 0) -> int:
+  """The backend's largest transient in one layer's backward pass, per device (``window``: a local layer's; only
+  ``blockwise`` uses less memory for it)."""
+  memory = MEMORY.get(backend, _xla_memory)
+  if backend == "blockwise":
+    return memory(rows, heads, q_len, kv_len, block_size, itemsize, window)["transient"]
+  return memory(rows, heads, q_len, kv_len, block_size, itemsize)["transient"]
 
 
 def takes_variants(backend: str) -> bool:

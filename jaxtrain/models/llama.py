@@ -136,7 +136,8 @@ def activation_estimate(cfg, rows: int, seq_len: int, tensor: int, context: int 
   # prefetched).
   head = b * seq * cfg.vocab_size // tensor * 2 * act_bytes + cfg.vocab_size * d // tensor * 4
   layer_weights = (d * (2 * h + 2 * kv) + 3 * d * f // tensor + 2 * d) * act_bytes
-  layer = attention.transient_bytes(backend, b, heads, seq, full, cfg.attention_block_size, act_bytes)
+  layer = max(attention.transient_bytes(backend, b, heads, seq, full, cfg.attention_block_size, act_bytes, window)
+              for window in set(attention.layer_windows(cfg)))  # local and global layers: the larger
   transient = max(head, layer + 2 * layer_weights)
   kv_gathers = 3 if cfg.remat != "none" else 2  # forward, the backward's recompute, the gradients' reduce-scatter
   return {"activation_bytes": cfg.num_layers * per_layer * act_bytes, "transient_bytes": transient,
