@@ -185,8 +185,8 @@ def rope_scaling(cfg) -> tuple[float, float, float, int] | float | None:
           cfg.rope_original_max_positions)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float,
-         scaling: tuple[float, float, float, int] | float | None = None, freq: jax.Array | None = None) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, theta: float | None = None,
+         scaling: tuple[float, float, float, int] | float | None = None, *, freq: jax.Array | None = None) -> jax.Array:
   """Rotary embedding of x [batch, length, heads, head_dim] at integer positions [batch, length]: the head_dim
   is split in halves (x1, x2) rotated pairwise, the convention of Hugging Face's ``rotate_half`` (so HF Llama
   q/k weights need no permutation). ``scaling``: see :func:`rope_frequencies`; ``freq``: the frequencies
@@ -303,7 +303,8 @@ class Attention(nnx.Module):
     windows = sorted(set(attention.layer_windows(cfg)))
     self.window = windows[-1]  # the local layers' window (0: none)
     self.mixed = len(windows) > 1
-    self.softcap, self.scale = attention.variant(cfg).softcap, attention.variant(cfg).scale
+    variant = attention.variant(cfg)
+    self.softcap, self.scale = variant.softcap, variant.scale
 
   def __call__(self, x, positions, segment_ids, cache=None, local=None):
     """``cache``: None (training), or ``(k, v, slots)`` for decoding: this layer's cached keys and values ``[batch,
@@ -320,7 +321,7 @@ class Attention(nnx.Module):
     if self.local_theta and self.window:  # local layers rotate at their own theta
       local_freq = rope_frequencies(q.shape[-1], self.local_theta)
       freq = local_freq if not self.mixed else jnp.where(local, local_freq, freq)
-    q, k = rope(q, positions, 0, freq=freq), rope(k, positions, 0, freq=freq)
+    q, k = rope(q, positions, freq=freq), rope(k, positions, freq=freq)
     q = constrain(q, ("batch", "length", "heads", "head_dim"))
     k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
     v = constrain(checkpoint_name(self.v(x), "value_proj"), ("batch", "length", "kv_heads", "head_dim"))
