@@ -3,11 +3,12 @@
 import os
 import tempfile
 
-from tests.multiprocess import PATIENT_COLLECTIVES
+from tests.multiprocess import TEST_XLA_FLAGS
 
-# PATIENT_COLLECTIVES: no SIGABRT when a simulated device's thread runs late under load (tests/multiprocess.py).
+# TEST_XLA_FLAGS: no SIGABRT when a simulated device's thread runs late under load, and a faster compile of the
+# tests' tiny programs (tests/multiprocess.py).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 "
-                           + PATIENT_COLLECTIVES).strip()
+                           + TEST_XLA_FLAGS).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 # Tests compile the same small programs many times (and in subprocesses): share a persistent cache.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxtrain-test-cache"))

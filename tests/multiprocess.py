@@ -16,13 +16,19 @@ import portpicker
 # far behind with nothing wrong (the intermittent SIGABRT seen under load). Every test process (tests/conftest.py)
 # and every worker started here waits as long as the tests' own bounds instead.
 PATIENT_COLLECTIVES = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
+# The tests' programs are tiny: compiling them costs far more than running them, and most of the compile time is
+# LLVM optimizing the generated CPU code. Without its expensive passes and at optimization level 0 a test compiles
+# in about 60% of the time (tests/test_moe.py + tests/test_context.py: 260 s -> 184 s on 2 cores), computing the
+# same values (XLA's HLO passes, which decide what is computed, are unchanged).
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+TEST_XLA_FLAGS = f"{PATIENT_COLLECTIVES} {FAST_COMPILE}"
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _env(local_devices: int) -> dict[str, str]:
   return {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-          "XLA_FLAGS": f"--xla_force_host_platform_device_count={local_devices} {PATIENT_COLLECTIVES}"}
+          "XLA_FLAGS": f"--xla_force_host_platform_device_count={local_devices} {TEST_XLA_FLAGS}"}
 
 
 def run(script: str, args: list[str], num_processes: int = 2, local_devices: int = 4,

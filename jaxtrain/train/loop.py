@@ -261,6 +261,7 @@ class Loop:
     self.stragglers = monitor.Stragglers(
         process_hosts(), m.straggler_threshold, m.straggler_logs, m.slowdown_threshold,
         warn=logging.warning if jax.process_index() == 0 else lambda *_: None)  # the same verdict everywhere
+    self.judged_once = False  # the run's first logged interval is not judged (see _straggling)
     self.watchdog = monitor.Watchdog(m.watchdog_multiple, m.watchdog_min_s, m.watchdog_timeout_s,
                                      log_path=workdir_lib.log_path(c.workdir), describe=self._whereabouts).start()
     self.profile = _Profiler(c)
@@ -399,6 +400,12 @@ class Loop:
     job), judged by monitor.Stragglers."""
     if not (self.stragglers.threshold or self.stragglers.slowdown):
       return {}  # both off: no gather
+    if not self.judged_once:  # the same on every process: they all log the same steps
+      # The run's first interval holds its one-time costs (the first dispatch of the compiled step, buffers
+      # allocated, the input pipeline warming up): seconds on a loaded host that later intervals do not have and
+      # that would dilute a real straggler's share of the time. Judging starts with the second.
+      self.judged_once = True
+      return {}
     own = np.array([record["data_wait_s"], record["step_time"]], np.float32)
     every = np.asarray(multihost_utils.process_allgather(own)) if jax.process_count() > 1 else own[None]
     return self.stragglers(step, [float(t) for t in every[:, 0]], float(every[:, 1].max()))
