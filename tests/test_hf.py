@@ -97,27 +97,32 @@ def test_imported_logits_equal_transformers(name, tmp_path):
   cfg, model, params = _restore(tmp_path / "out")
   assert cfg.checkpoint.restore_mode == "params"
   assert (tmp_path / "out" / "hf" / "tokenizer.json").exists()
+  padded_err, packed_err = logit_errors(model, params, ref, vocab=128)
+  print(f"{name}: max relative logit error padded {padded_err:.2e}, packed {packed_err:.2e}")
+  assert padded_err < TOL and packed_err < TOL
+
+
+def logit_errors(model, params, ref, vocab=256):
+  """(padded batch, packed row): the largest relative logit error against the transformers model ``ref`` on a
+  right-padded batch (row 1 has 7 real tokens, then padding: segment 0 in jaxtrain, attention_mask 0 in HF) and on
+  a packed row of documents of 9 and 15 tokens (segment ids 1 and 2, positions restarting at 0), each document
+  against itself alone in transformers."""
   rng = np.random.default_rng(0)
-  # Right-padded batch: row 1 has 7 real tokens, then padding (segment 0 in jaxtrain, attention_mask 0 in HF).
   t, real = 24, 7
-  tokens = rng.integers(0, 128, (2, t)).astype(np.int32)
+  tokens = rng.integers(0, vocab, (2, t)).astype(np.int32)
   mask = np.ones((2, t), np.int32)
   mask[1, real:] = 0
   positions = np.broadcast_to(np.arange(t, dtype=np.int32), (2, t))
   ours = np.asarray(model.apply(params, tokens, positions, mask))
   theirs = _hf_logits(ref, tokens, mask)
-  padded_err = max(_rel_err(ours[0], theirs[0]), _rel_err(ours[1, :real], theirs[1, :real]))
-  # A packed row: documents of 9 and 15 tokens, segment ids 1 and 2, positions restarting at 0; each equals
-  # that document alone in transformers.
+  padded = max(_rel_err(ours[0], theirs[0]), _rel_err(ours[1, :real], theirs[1, :real]))
   a, b = tokens[0, :9], tokens[1, :15]
   row = np.concatenate([a, b])[None]
   seg = np.array([[1] * 9 + [2] * 15], np.int32)
   pos = np.array([list(range(9)) + list(range(15))], np.int32)
   packed = np.asarray(model.apply(params, row, pos, seg))[0]
-  packed_err = max(_rel_err(packed[:9], _hf_logits(ref, a[None])[0]),
-                   _rel_err(packed[9:], _hf_logits(ref, b[None])[0]))
-  print(f"{name}: max relative logit error padded {padded_err:.2e}, packed {packed_err:.2e}")
-  assert padded_err < TOL and packed_err < TOL
+  return padded, max(_rel_err(packed[:9], _hf_logits(ref, a[None])[0]),
+                     _rel_err(packed[9:], _hf_logits(ref, b[None])[0]))
 
 
 def _exported_equals_source(src, exported):

@@ -43,7 +43,7 @@ import ml_collections
 from flax import nnx
 
 from jaxtrain.errors import ConfigError, check_choice, check_positive
-from jaxtrain.models import attention, lora
+from jaxtrain.models import attention, lora, quantization
 from jaxtrain.registry import Registry
 
 _STAGE_METHODS = ("embed_tokens", "apply_layer", "head")
@@ -59,6 +59,8 @@ def _shared_defaults() -> dict:
       # save_qkv_proj | save_out_proj | minimal | offload_minimal | offload_dots; docs/parallelism.md)
       attention="auto",  # the attention backend, a name in models.attention.BACKENDS: auto | xla | blockwise | splash
       attention_block_size=512,  # keys per block of the blockwise backend (memory O(seq_len x this) per layer)
+      quantization="none",  # the layers' matmuls quantized in training: a name in models.quantization.QUANTIZATION
+      # (none | int8 | fp8; docs/parallelism.md#quantized-training-int8-and-fp8)
       lora=lora.defaults(),  # LoRA fine-tuning (rank 0 = off): jaxtrain/models/lora.py
   )
 
@@ -108,6 +110,7 @@ class Family:
   activation_estimate: ``(cfg, rows, seq_len, tensor, context) -> {activation_bytes, transient_bytes,
     tensor_allreduce_bytes, context_allgather_bytes}`` per device for ``rows`` local rows of one microbatch
     (tools/estimate.py); None: the estimator says it cannot.
+  quantizable: whether its layers honour ``model.quantization`` (validation refuses it otherwise).
   """
   module: type[nnx.Module]
   defaults: Callable[[], dict] = dict
@@ -115,6 +118,7 @@ class Family:
   validate: Callable[[Any], None] = _no_checks
   axis_keys: dict[str, str] = dataclasses.field(default_factory=dict)
   activation_estimate: Callable[[Any, int, int, int, int], dict[str, int]] | None = None
+  quantizable: bool = False  # its layers take their matmuls from jaxtrain.models.quantization (model.quantization)
 
 
 FAMILIES: Registry[Family] = Registry(
@@ -203,6 +207,11 @@ def validate(config) -> None:
   check_positive(config, ["model.attention_block_size"])
   attention.BACKENDS.check(config)
   attention.check_available(config)
+  quantization.QUANTIZATION.check(config)
+  if m.quantization != "none" and not family.quantizable:
+    raise ConfigError("model.quantization", f"the '{m.name}' model family does not take its matmuls from "
+                      "jaxtrain.models.quantization", "set model.quantization=none, or build the family's layers "
+                      "with quantization.dot_general / einsum and register it with quantizable=True")
   family.validate(m)
   lora.validate(m)
   if lora.active(m):

@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxtrain import models
 from jaxtrain.errors import ConfigError, check_positive
-from jaxtrain.models import attention, scans
+from jaxtrain.models import attention, quantization, scans
 from jaxtrain.models.attention import KV_AXES, KVCache, attend, attend_cached, write_kv
 from jaxtrain.sharding import constrain, mesh_axes
 
@@ -282,7 +282,7 @@ def norm(cfg, dtype, dim: int | tuple[int, ...] | None = None, axis: str | tuple
 class Attention(nnx.Module):
   def __init__(self, cfg, dtype, rngs: nnx.Rngs):
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    kw = dict(dtype=dtype, param_dtype=jnp.float32, einsum_op=quantization.einsum(cfg.quantization), rngs=rngs)
 
     def proj(heads, names):
       bias = dict(bias_shape=(heads, h), bias_init=nnx.with_partitioning(nnx.initializers.zeros, names[1:]))
@@ -346,7 +346,8 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
   def __init__(self, cfg, dtype, rngs: nnx.Rngs):
-    kw = dict(use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    kw = dict(use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
+              dot_general=quantization.dot_general(cfg.quantization))
     self.gate = nnx.Linear(cfg.d_model, cfg.mlp_dim, kernel_init=_param(("embed", "mlp")), **kw)
     self.up = nnx.Linear(cfg.d_model, cfg.mlp_dim, kernel_init=_param(("embed", "mlp")), **kw)
     self.down = nnx.Linear(cfg.mlp_dim, cfg.d_model, kernel_init=_param(("mlp", "embed")), **kw)
@@ -469,4 +470,4 @@ class Llama(nnx.Module):
 
 models.register("llama", models.Family(module=Llama, defaults=defaults, flops_per_token=flops_per_token,
                                        validate=validate, axis_keys=AXIS_KEYS,
-                                       activation_estimate=activation_estimate))
+                                       activation_estimate=activation_estimate, quantizable=True))

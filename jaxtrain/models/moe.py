@@ -30,7 +30,7 @@ from flax import nnx
 
 from jaxtrain import models
 from jaxtrain.errors import ConfigError, check_positive
-from jaxtrain.models import attention, llama, scans
+from jaxtrain.models import attention, llama, quantization, scans
 from jaxtrain.models.attention import KV_AXES, KVCache
 from jaxtrain.parallel import experts
 from jaxtrain.sharding import constrain
@@ -144,10 +144,13 @@ class MoE(nnx.Module):
     self.gate = nnx.Param(_param(("experts", "embed", "expert_mlp"))(rngs.params(), (e, d, f)))
     self.up = nnx.Param(_param(("experts", "embed", "expert_mlp"))(rngs.params(), (e, d, f)))
     self.down = nnx.Param(_param(("experts", "expert_mlp", "embed"))(rngs.params(), (e, f, d)))
-    self.shared = llama.MLP(types.SimpleNamespace(d_model=d, mlp_dim=cfg.num_shared_experts * f), dtype,
+    self.shared = llama.MLP(types.SimpleNamespace(d_model=d, mlp_dim=cfg.num_shared_experts * f,
+                                                  quantization=cfg.quantization), dtype,
                             rngs) if cfg.num_shared_experts else None
     self.k, self.scores, self.normalize = cfg.experts_per_token, cfg.router_scores, cfg.normalize_topk
     self.impl, self.capacity_factor = cfg.moe_impl, cfg.capacity_factor
+    # The experts' matmuls (quantized with model.quantization; the router's stays float32).
+    self.ragged_dot, self.einsum = quantization.ragged_dot(cfg.quantization), quantization.einsum(cfg.quantization)
 
   def route(self, x):
     """(router logits ``[b, t, E]`` float32, probabilities ``[b, t, E]`` (sum 1), top-k ids, top-k weights)."""
@@ -165,7 +168,8 @@ class MoE(nnx.Module):
     logits, probs, ids, weights = self.route(x)
     valid = segment_ids != 0
     y, dropped = experts.moe_ffn(x, ids, weights, valid, self.gate[...], self.up[...], self.down[...],
-                                 mode="dropless" if decoding else self.impl, capacity_factor=self.capacity_factor)
+                                 mode="dropless" if decoding else self.impl, capacity_factor=self.capacity_factor,
+                                 ragged_dot=self.ragged_dot, einsum=self.einsum)
     y = constrain(y, ("batch", "length", "embed"))
     if self.shared is not None:
       y = y + self.shared(x)
@@ -303,4 +307,4 @@ class MoeLM(nnx.Module):
 
 models.register("moe", models.Family(module=MoeLM, defaults=defaults, flops_per_token=flops_per_token,
                                      validate=validate, axis_keys=AXIS_KEYS,
-                                     activation_estimate=activation_estimate))
+                                     activation_estimate=activation_estimate, quantizable=True))

@@ -43,19 +43,19 @@ def capacity(assignments: int, num_experts: int, factor: float) -> int:
   return max(1, math.ceil(factor * assignments / num_experts))
 
 
-def _swiglu_grouped(x, gate, up, down, group_sizes):
+def _swiglu_grouped(x, gate, up, down, group_sizes, ragged_dot=jax.lax.ragged_dot):
   """Rows of ``x`` sorted by expert, ``group_sizes[e]`` of them for expert e (rows past the groups give 0)."""
-  h = jax.nn.silu(jax.lax.ragged_dot(x, gate, group_sizes)) * jax.lax.ragged_dot(x, up, group_sizes)
-  return jax.lax.ragged_dot(h, down, group_sizes)
+  h = jax.nn.silu(ragged_dot(x, gate, group_sizes)) * ragged_dot(x, up, group_sizes)
+  return ragged_dot(h, down, group_sizes)
 
 
-def _swiglu_batched(x, gate, up, down):
+def _swiglu_batched(x, gate, up, down, einsum=jnp.einsum):
   """``x`` ``[experts, rows, embed]``: each expert on its own rows."""
-  h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", x, gate)) * jnp.einsum("ecd,edf->ecf", x, up)
-  return jnp.einsum("ecf,efd->ecd", h, down)
+  h = jax.nn.silu(einsum("ecd,edf->ecf", x, gate)) * einsum("ecd,edf->ecf", x, up)
+  return einsum("ecf,efd->ecd", h, down)
 
 
-def _dropless(xs, e, gate, up, down, num_experts, expert_axes, ep):
+def _dropless(xs, e, gate, up, down, num_experts, expert_axes, ep, ragged_dot=jax.lax.ragged_dot):
   """Outputs ``[S, D]`` of the S assignments (token ``a // k`` to expert ``e[a]``; ``e = E`` marks one not to
   compute) in assignment order; local experts ``gate/up/down`` are those of this device's expert shard."""
   s, el = e.shape[0], num_experts // ep
@@ -63,7 +63,7 @@ def _dropless(xs, e, gate, up, down, num_experts, expert_axes, ep):
   sorted_e = e[order]
   rows = xs[order]
   if ep == 1:
-    out_sorted = _swiglu_grouped(rows, gate, up, down, jnp.bincount(e, length=num_experts))
+    out_sorted = _swiglu_grouped(rows, gate, up, down, jnp.bincount(e, length=num_experts), ragged_dot)
     return jnp.zeros_like(out_sorted).at[order].set(out_sorted)
   # To the devices holding the experts: destination d = e // el gets a block of up to S rows (the worst case).
   dest = sorted_e // el  # non-decreasing; ep for invalid assignments (dropped by the scatter)
@@ -74,14 +74,14 @@ def _dropless(xs, e, gate, up, down, num_experts, expert_axes, ep):
   recv = jax.lax.all_to_all(send, expert_axes, 0, 0, tiled=True).reshape(ep * s, -1)
   recv_e = jax.lax.all_to_all(send_e, expert_axes, 0, 0, tiled=True).reshape(ep * s)
   local_order = jnp.argsort(recv_e, stable=True)
-  computed = _swiglu_grouped(recv[local_order], gate, up, down, jnp.bincount(recv_e, length=el))
+  computed = _swiglu_grouped(recv[local_order], gate, up, down, jnp.bincount(recv_e, length=el), ragged_dot)
   done = jnp.zeros_like(computed).at[local_order].set(computed).reshape(ep, s, -1)
   back = jax.lax.all_to_all(done, expert_axes, 0, 0, tiled=True)  # back[d]: my rows that device d computed
   out_sorted = back.at[dest, slot].get(mode="fill", fill_value=0)
   return jnp.zeros_like(out_sorted).at[order].set(out_sorted)
 
 
-def _capacity(xs, e, gate, up, down, num_experts, expert_axes, ep, factor):
+def _capacity(xs, e, gate, up, down, num_experts, expert_axes, ep, factor, einsum=jnp.einsum):
   """As :func:`_dropless`, with at most ``capacity`` assignments per expert on this device; also returns how many
   valid assignments were dropped."""
   s, d = xs.shape
@@ -93,25 +93,26 @@ def _capacity(xs, e, gate, up, down, num_experts, expert_axes, ep, factor):
   slot = jnp.where(keep, e * c + position, num_experts * c)  # out of range: not dispatched
   buf = jnp.zeros((num_experts * c, d), xs.dtype).at[slot].set(xs, mode="drop").reshape(num_experts, c, d)
   if ep == 1:
-    out = _swiglu_batched(buf, gate, up, down)
+    out = _swiglu_batched(buf, gate, up, down, einsum)
   else:
     el = num_experts // ep
     recv = jax.lax.all_to_all(buf.reshape(ep, el, c, d), expert_axes, 0, 0, tiled=True)  # [source, el, c, d]
-    done = _swiglu_batched(recv.swapaxes(0, 1).reshape(el, ep * c, d), gate, up, down)
+    done = _swiglu_batched(recv.swapaxes(0, 1).reshape(el, ep * c, d), gate, up, down, einsum)
     out = jax.lax.all_to_all(done.reshape(el, ep, c, d).swapaxes(0, 1), expert_axes, 0, 0, tiled=True)
   out = out.reshape(num_experts * c, d).at[slot].get(mode="fill", fill_value=0)
   return out, jnp.sum(valid & ~keep)
 
 
 def moe_ffn(x, expert_ids, expert_weights, valid, gate, up, down, *, mode: str = "dropless",
-            capacity_factor: float = 1.25):
+            capacity_factor: float = 1.25, ragged_dot=jax.lax.ragged_dot, einsum=jnp.einsum):
   """``sum_j expert_weights[..., j] * expert_{expert_ids[..., j]}(x)`` per token, and the number of valid
   assignments dropped (0 when dropless).
 
   x: ``[batch, length, embed]``; expert_ids / expert_weights: ``[batch, length, k]``; valid: ``[batch, length]``
   bool (False: not dispatched, output 0); gate / up: ``[E, embed, expert_mlp]``; down: ``[E, expert_mlp, embed]``.
   Under a mesh (``jax.set_mesh``) and logical-axis rules it runs sharded as the module docstring says; otherwise
-  on the one device it is given.
+  on the one device it is given. ``ragged_dot`` / ``einsum``: the experts' matmuls (dropless / capacity), with
+  jax.lax.ragged_dot's and jnp.einsum's signatures (jaxtrain.models.quantization gives quantized ones).
   """
   num_experts, k = gate.shape[0], expert_ids.shape[-1]
   dtype = x.dtype
@@ -123,9 +124,10 @@ def moe_ffn(x, expert_ids, expert_weights, valid, gate, up, down, *, mode: str =
     xs = jnp.repeat(x.reshape(b * t, dm), k, axis=0)  # one row per assignment: token a // k
     flat_e = e.reshape(b * t * k)
     if mode == "dropless":
-      out, dropped = _dropless(xs, flat_e, gate, up, down, num_experts, expert_axes, ep), jnp.zeros((), jnp.int32)
+      out = _dropless(xs, flat_e, gate, up, down, num_experts, expert_axes, ep, ragged_dot)
+      dropped = jnp.zeros((), jnp.int32)
     else:
-      out, dropped = _capacity(xs, flat_e, gate, up, down, num_experts, expert_axes, ep, capacity_factor)
+      out, dropped = _capacity(xs, flat_e, gate, up, down, num_experts, expert_axes, ep, capacity_factor, einsum)
     y = jnp.sum(out.reshape(b, t, k, dm) * w[..., None].astype(out.dtype), axis=2)
     if tensor_axes:
       y = jax.lax.psum(y, tensor_axes)
