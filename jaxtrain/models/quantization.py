@@ -52,7 +52,7 @@ QUANTIZATION.register("fp8", Recipe(jnp.float8_e4m3fn, jnp.float8_e5m2))
 # so the model asks for its quantized matmuls explicitly and these call qwix's own quantized-training ops (a
 # private module path: setup.cfg pins the qwix release they were written against).
 def _qt():
-  from qwix._src.core import dot_general_qt, ragged_dot_qt  # noqa: PLC0415 (only a quantized model needs qwix)
+  from qwix._src.core import dot_general_qt, ragged_dot_qt  # noqa: PLC0415 (loaded by a quantized model only)
   return dot_general_qt, ragged_dot_qt
 
 
