@@ -18,7 +18,7 @@ import portpicker
 PATIENT_COLLECTIVES = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
 # The tests' programs are tiny: compiling them costs far more than running them, and most of the compile time is
 # LLVM optimizing the generated CPU code. Without its expensive passes and at optimization level 0 a test compiles
-# in about 60% of the time (tests/test_moe.py + tests/test_context.py: 260 s -> 184 s on 2 cores), computing the
+# in about 70% of the time (tests/test_moe.py + tests/test_context.py: 260 s -> 184 s on 2 cores), computing the
 # same values (XLA's HLO passes, which decide what is computed, are unchanged).
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 TEST_XLA_FLAGS = f"{PATIENT_COLLECTIVES} {FAST_COMPILE}"

@@ -1,6 +1,7 @@
 """Quantized training (model.quantization): the quantized matmul against its definition, which matmuls of a model
 are quantized, training that tracks the unquantized run, and the errors for values that cannot work."""
 
+import dataclasses
 import re
 
 import jax
@@ -9,9 +10,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jaxtrain import data as data_lib
 from jaxtrain import models
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import quantization
+from jaxtrain.train import step as step_lib
+from jaxtrain.train import trainer
 from tests.conftest import small_config
 from tests.test_pipeline import _loss_and_grads, _packed_batch
 
@@ -54,12 +58,10 @@ def test_quantized_matmul_equals_its_definition_and_none_is_jax_own(qtype):
 
 def _dot_operand_types(config) -> list[str]:
   """The element types of the operands of every dot_general in the lowered train step's loss and gradients."""
-  from jaxtrain.train import step as step_lib, trainer
   run = trainer.build(config, jax.devices()[:1])
   params = trainer.init_state(run).params
   fn = jax.jit(jax.value_and_grad(lambda p, b: step_lib.loss_fn(run.model, p, b, run.pipeline_schedule),
                                   has_aux=True))
-  from jaxtrain import data as data_lib
   text = fn.lower(params, data_lib.to_global(_packed_batch(rows=2, seq=16), run.batch_sharding)).as_text()
   return re.findall(r"stablehlo\.dot_general %\S+, %\S+,.*?: \(tensor<[0-9x]*x?(\w+)>", text)
 
@@ -82,7 +84,7 @@ def test_the_layers_projections_are_quantized_and_the_rest_is_not(tmp_path, qtyp
   assert {t: quantized.count(t) for t in set(quantized)} == {**QUANTIZED_DOTS[qtype], "bf16": 7, "f32": 2}
 
 
-def test_quantized_loss_tracks_the_unquantized_one_and_sharding_keeps_it():
+def test_quantized_loss_tracks_the_unquantized_one_and_sharding_keeps_it(tmp_path):
   """A small Llama and MoE in bfloat16 on packed rows, at initialization: int8's and fp8's gradients differ from
   the unquantized ones by what their formats round (relative to the gradient's norm, measured: int8 1.9% (Llama),
   2.1% (MoE); fp8 7.6%, its gradients in float8_e5m2's 2 mantissa bits); the losses agree within 1e-5 and 5e-4
@@ -96,7 +98,7 @@ def test_quantized_loss_tracks_the_unquantized_one_and_sharding_keeps_it():
   for name, runs in cases.items():
     losses, grad_sets = {}, {}
     for qtype, mesh in runs:
-      c = small_config("/tmp/unused", **mesh)
+      c = small_config(tmp_path / f"{name}-{qtype}-{len(mesh)}", **mesh)
       m = models.defaults(name)
       m.update({k: v for k, v in c.model.items() if k in m and k != "name"}, dtype="bfloat16", quantization=qtype)
       if name == "moe":
@@ -124,7 +126,6 @@ def test_unknown_recipe_and_a_family_without_quantized_layers_are_refused(tmp_pa
                                         r"fp8, int8, none"):
     models.validate(config)
   family = models.get("llama")
-  import dataclasses
   models.register("plain_matmuls", dataclasses.replace(family, quantizable=False))
   try:
     config.model.name, config.model.quantization = "plain_matmuls", "int8"
