@@ -36,6 +36,15 @@ ARGS = ["--config=configs/tiny.py", "--config.train.log_every=1", "--config.opti
 # optim.decay_steps is set, so the learning-rate schedule (and every loss) does not depend on train.steps: a job
 # may run with train.steps out of reach, to be stopped from outside, and still match a shorter reference run.
 SCHEDULED_STEPS = 16  # the steps of the uninterrupted 2-process reference run (fixture two_processes)
+# The jobs of this module: 2 processes of 1 simulated device each. A process and its peers are what these tests are
+# about (signals, exits, checkpoints, data positions, heartbeats); every collective of a step crosses processes
+# either way, and over 2 gloo ranks rather than 8 a tiny step takes a quarter of the time (0.2 s, not 0.8, on 2
+# cores).
+LOCAL_DEVICES = 1
+
+
+def _start_main(args: list[str], **kwargs):
+  return multiprocess.start_main(args, **{"local_devices": LOCAL_DEVICES, **kwargs})
 
 
 def _losses(workdir) -> dict[int, float]:
@@ -67,12 +76,12 @@ def _wait_for(condition, procs, timeout: float, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
-  """``run(steps)``: an uninterrupted 2-process x 4-device run of ``steps`` steps (one per ``steps``, shared):
+  """``run(steps)``: an uninterrupted 2-process x 1-device run of ``steps`` steps (one per ``steps``, shared):
   its workdir and its processes' stderr."""
   @functools.cache
   def run(steps: int) -> tuple[pathlib.Path, list[str]]:
     workdir = tmp_path_factory.mktemp("two_processes")
-    procs = multiprocess.start_main([*ARGS, f"--config.workdir={workdir}", f"--config.train.steps={steps}"])
+    procs = _start_main([*ARGS, f"--config.workdir={workdir}", f"--config.train.steps={steps}"])
     assert multiprocess.wait_all(procs, 300) == [0, 0], procs[0].err_path.read_text()[-3000:]
     return workdir, [p.err_path.read_text() for p in procs]
   return run
@@ -81,7 +90,7 @@ def two_processes(tmp_path_factory):
 def test_a_slow_process_is_named_as_a_straggler_within_its_bound_and_a_normal_run_names_none(tmp_path,
                                                                                              two_processes):
   steps = 8
-  procs = multiprocess.start_main([*ARGS, f"--config.workdir={tmp_path}", f"--config.train.steps={steps}"],
+  procs = _start_main([*ARGS, f"--config.workdir={tmp_path}", f"--config.train.steps={steps}"],
                                   entry=("tests/straggler_main.py", "1.0"))
   assert multiprocess.wait_all(procs, 300) == [0, 0], procs[0].err_path.read_text()[-3000:]
   err = procs[0].err_path.read_text()
@@ -101,31 +110,31 @@ def test_a_slow_process_is_named_as_a_straggler_within_its_bound_and_a_normal_ru
 def test_elastic_restarts_on_fewer_then_more_devices_keep_the_global_batch_and_the_losses(tmp_path, two_processes):
   workdir, end = tmp_path / "mp", SCHEDULED_STEPS
   run = [*ARGS, f"--config.workdir={workdir}", "--config.checkpoint.every_steps=2",
-         "--config.train.max_rows_per_device=1"]  # the global batch of 8: one row per device per pass
-  procs = multiprocess.start_main([*run, f"--config.train.steps={end}"])  # 2 processes x 4 devices: 1 microbatch
+         "--config.train.max_rows_per_device=4"]  # the global batch of 8: four rows per device per pass
+  procs = _start_main([*run, f"--config.train.steps={end}"])  # 2 processes x 1 device: 1 microbatch
   _wait_for(lambda: _committed(workdir), procs, 300, "a checkpoint")
   procs[1].send_signal(signal.SIGKILL)  # a host lost for good
   assert multiprocess.wait_all(procs, 120) == [exits.RESTART, -9], procs[0].err_path.read_text()[-3000:]
   first = procs[0].err_path.read_text()
-  assert "train.max_rows_per_device=1: 1 microbatch(es) of 8 rows, 1 per device over 8 batch shards" in first
-  # The job goes on as the one host left: 4 devices, the same global batch in 2 microbatches, for a few steps ...
+  assert "train.max_rows_per_device=4: 1 microbatch(es) of 8 rows, 4 per device over 2 batch shards" in first
+  # The job goes on as the one host left: 1 device, the same global batch in 2 microbatches, for a few steps ...
   resumed = _committed(workdir)[-1]
-  [alone] = multiprocess.start_main([*run, f"--config.train.steps={resumed + 3}"], num_processes=1)
+  [alone] = _start_main([*run, f"--config.train.steps={resumed + 3}"], num_processes=1)
   assert multiprocess.wait_all([alone], 300) == [0], alone.err_path.read_text()[-3000:]
   err = alone.err_path.read_text()
-  assert "2 microbatch(es) of 4 rows, 1 per device over 4 batch shards" in err, err[-3000:]
+  assert "2 microbatch(es) of 4 rows, 4 per device over 1 batch shards" in err, err[-3000:]
   assert "data position of 2 processes re-split over 1" in err, err[-3000:]
   assert re.search(rf"resumed from checkpoint step {resumed} \(.*\n.*resumed on another layout: processes 2 -> 1, "
-                   r"mesh \{[^}]*'fsdp': 8[^}]*\} -> \{[^}]*'fsdp': 4[^}]*\}, microbatches 1 -> 2; the global batch "
+                   r"mesh \{[^}]*'fsdp': 2[^}]*\} -> \{[^}]*'fsdp': 1[^}]*\}, microbatches 1 -> 2; the global batch "
                    r"stays 8 rows", err), err[-3000:]
-  # ... then a replacement host joins: 2 x 4 again, 1 microbatch, to the end.
-  procs = multiprocess.start_main([*run, f"--config.train.steps={end}"])
+  # ... then a replacement host joins: 2 x 1 again, 1 microbatch, to the end.
+  procs = _start_main([*run, f"--config.train.steps={end}"])
   assert multiprocess.wait_all(procs, 300) == [0, 0], procs[0].err_path.read_text()[-3000:]
   assert "processes 1 -> 2, mesh" in procs[0].err_path.read_text() and "microbatches 2 -> 1" in \
       procs[0].err_path.read_text()
   assert "data position of 1 processes re-split over 2" in procs[0].err_path.read_text()
   assert "resumed" not in procs[1].err_path.read_text()  # only process 0 prints info lines
-  # Every step's loss equals the uninterrupted 2 x 4 run's (token-weighted accumulation: equal but for the float
+  # Every step's loss equals the uninterrupted 2 x 1 run's (token-weighted accumulation: equal but for the float
   # summation order).
   losses, reference = _losses(workdir), _losses(two_processes(end)[0])
   np.testing.assert_allclose([losses[s] for s in range(1, end + 1)], [reference[s] for s in range(1, end + 1)],
@@ -153,7 +162,7 @@ def test_two_tiers_resume_from_the_newest_local_step_all_share_else_from_the_per
 
   def start_and_kill(after):
     """Starts the job, waits until ``after(procs)`` holds, kills both processes; process 0's stderr."""
-    procs = multiprocess.start_main(run)
+    procs = _start_main(run)
     _wait_for(lambda: after(procs), procs, 300, "the checkpoints to be written")
     for p in procs:
       p.send_signal(signal.SIGKILL)
@@ -186,7 +195,7 @@ def test_two_tiers_resume_from_the_newest_local_step_all_share_else_from_the_per
   data = bytearray(shards.read_bytes())
   data[len(data) // 2] ^= 0xFF
   shards.write_bytes(bytes(data))
-  procs = multiprocess.start_main(run)
+  procs = _start_main(run)
   assert multiprocess.wait_all(procs, 300) == [0, 0], procs[0].err_path.read_text()[-3000:]
   err = procs[0].err_path.read_text()
   assert f"local checkpoint step {common[-1]} in {local / 'process_0-of-2'} cannot be restored" in err, err[-3000:]
@@ -200,7 +209,7 @@ def test_preempted_two_process_job_stops_at_one_step_saves_exits_75_and_resumes_
   workdir = tmp_path / "mp"
   run = [*ARGS, f"--config.workdir={workdir}", "--config.checkpoint.every_steps=0"]  # only the preemption saves
   # Joined the way srun starts it (SLURM_* variables, no coordinator flags): auto-detection end to end.
-  procs = multiprocess.start_main([*run, "--config.train.steps=1000"], cluster="slurm")
+  procs = _start_main([*run, "--config.train.steps=1000"], cluster="slurm")
   _wait_for(lambda: _logged(workdir) >= 2, procs, 300, "2 logged steps")
   for p in procs:
     p.send_signal(signal.SIGSTOP)  # both frozen: the signal arrives after a known step, however loaded the machine
@@ -213,14 +222,14 @@ def test_preempted_two_process_job_stops_at_one_step_saves_exits_75_and_resumes_
   errs = [p.err_path.read_text() for p in procs]
   assert codes == [exits.RESTART] * 2, errs[0][-3000:] + errs[1][-3000:]
   for i, err in enumerate(errs):
-    assert f"joined a 2-process job as process {i} (4 local / 8 global devices)" in err, err[-3000:]
+    assert f"joined a 2-process job as process {i} (1 local / 2 global devices)" in err, err[-3000:]
   # One checkpoint, written by both processes at the step JAX's preemption sync point chose: not before the
   # step running when the signal came, and the last step logged.
   saved = _committed(workdir)
   assert len(saved) == 1 and saved[0] > logged and max(_losses(workdir)) == saved[0], (saved, logged)
   step = saved[0]
   assert f"preempted: saved step {step}, exiting" in errs[0]
-  procs = multiprocess.start_main([*run, f"--config.train.steps={step + 2}"])
+  procs = _start_main([*run, f"--config.train.steps={step + 2}"])
   codes = multiprocess.wait_all(procs, 300)
   err = procs[0].err_path.read_text()
   assert codes == [0, 0] and f"resumed from checkpoint step {step} (" in err, err[-3000:]
@@ -251,7 +260,7 @@ def test_a_scheduler_restarting_on_exit_75_drives_a_two_process_run_through_fail
   seen = []
   for start in range(len(TROUBLES) + 1):  # the stand-in scheduler: restart on 75, stop on anything else
     trouble, overrides, expected = TROUBLES[start] if start < len(TROUBLES) else (None, [], [exits.DONE] * 2)
-    procs = multiprocess.start_main([*run, *overrides])
+    procs = _start_main([*run, *overrides])
     if trouble:
       before = _committed(workdir)
       _wait_for(lambda: _committed(workdir) != before, procs, 300, "a new checkpoint")
@@ -296,7 +305,7 @@ HEARTBEAT_S = 5
 
 
 def test_a_frozen_process_ends_the_job_restartably_within_the_heartbeat_timeout(tmp_path):
-  procs = multiprocess.start_main([*ARGS, f"--config.workdir={tmp_path}", "--config.train.steps=100000",
+  procs = _start_main([*ARGS, f"--config.workdir={tmp_path}", "--config.train.steps=100000",
                                    f"--config.distributed.heartbeat_timeout_s={HEARTBEAT_S}"])
   _wait_for(lambda: _logged(tmp_path) >= 2, procs, 300, "2 logged steps")
   procs[1].send_signal(signal.SIGSTOP)  # a frozen host: its connections stay open, only silence tells
