@@ -607,11 +607,12 @@ def test_two_processes_save_restore_and_continue(tmp_path):
   args = ["--config=configs/tiny.py", "--out", os.fspath(tmp_path / "out.json"), "--",
           f"workdir={tmp_path / 'run'}", "train.global_batch_size=8", "data.seq_len=64", "train.log_every=1",
           "optim.decay_steps=40", "checkpoint.every_steps=3", "train.steps=6"]
-  for r in multiprocess.run("tests/train_worker.py", args, timeout=300):
+  # 2 processes of 1 device each: a tiny step's collectives over 2 gloo ranks, not 8 (test_distributed.py).
+  for r in multiprocess.run("tests/train_worker.py", args, local_devices=1, timeout=300):
     assert r.returncode == 0, r.stderr[-3000:]
   assert _committed(tmp_path / "run") == [3, 6]
   args[-1] = "train.steps=9"
-  results = multiprocess.run("tests/train_worker.py", args, timeout=300)
+  results = multiprocess.run("tests/train_worker.py", args, local_devices=1, timeout=300)
   for r in results:
     assert r.returncode == 0, r.stderr[-3000:]
   history = json.loads((tmp_path / "out.json").read_text())["history"]
