@@ -50,6 +50,11 @@ def base_config(model: str = "llama") -> ml_collections.ConfigDict:
   # With dry_run: compile for this TPU topology instead of the local devices, on any host (needs libtpu:
   # pip install -e '.[tpu]'), e.g. v5e:2x2, v5p:4x4x4, v6e:8x8; the memory is the TPU compiler's.
   c.dry_run_topology = ""
+  # XLA's compiled programs are kept here (JAX's persistent compilation cache), so that a restart after a
+  # preemption or a crash, a resume, or the same command again loads the step instead of compiling it (minutes for
+  # a large model on a pod). Local or gs://; one per host is fine. '' = off. An explicit JAX setting wins
+  # (JAX_COMPILATION_CACHE_DIR, or jax.config set by the caller).
+  c.compilation_cache_dir = "~/.cache/jaxtrain/xla"
   c.train = ml_collections.ConfigDict(dict(
       steps=1000,
       seed=0,

@@ -15,6 +15,7 @@ from jaxtrain import config as config_lib
 from jaxtrain import distributed
 from jaxtrain import exits
 from jaxtrain import models
+from jaxtrain import paths
 from jaxtrain.checkpoint import CheckpointError, SaveFailed, describe
 from jaxtrain.train import trainer
 
@@ -102,9 +103,19 @@ def _unknown_key(argv: list[str]) -> config_lib.ConfigError | None:
   return None
 
 
+def use_compilation_cache(config) -> str | None:
+  """Points JAX's persistent compilation cache at ``config.compilation_cache_dir`` unless JAX already has one
+  (JAX_COMPILATION_CACHE_DIR, or set by the caller) or the key is ''; returns the folder in use (None: off).
+  Programs that compile in under a second are not kept (JAX's own threshold)."""
+  if not jax.config.jax_compilation_cache_dir and config.compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", paths.resolve(config.compilation_cache_dir))
+  return jax.config.jax_compilation_cache_dir or None
+
+
 def main(argv: list[str]) -> None:
   del argv
   config = _CONFIG.value
+  use_compilation_cache(config)  # before the first compile
   try:
     distributed.initialize(config.distributed)  # before anything starts JAX's backends
   except config_lib.UserError as e:

@@ -119,3 +119,26 @@ def test_pipeline_command_trains_and_its_checkpoint_restores_without_pipeline(tm
   assert [r["tokens"] for r in records] == [r["tokens"] for r in expected]
   for key in ("loss", "grad_norm"):
     np.testing.assert_allclose([r[key] for r in records], [r[key] for r in expected], rtol=2e-5, err_msg=key)
+
+
+@pytest.mark.slow
+def test_the_same_command_again_loads_its_step_from_the_compilation_cache(tmp_path):
+  """compilation_cache_dir (default ~/.cache/jaxtrain/xla): the first run compiles the train step and keeps it; the
+  same step again (a restart, a resume, another workdir) is loaded, not compiled. Without the tests' own cache
+  folder, and JAX's debug log of its cache on. (The tests' JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 stays:
+  with their fast-compile flags this step compiles in under JAX's default threshold of a second.)"""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  env.update(HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), JAX_DEBUG_LOG_MODULES="jax._src.compiler")
+  cache = tmp_path / "home" / ".cache" / "jaxtrain" / "xla"
+  small = [TINY, "--config.train.steps=2", "--config.train.global_batch_size=8", "--config.data.seq_len=64"]
+  runs = []
+  for workdir in ("first", "again"):
+    runs.append(subprocess.run([sys.executable, "-m", "jaxtrain.main", *small, f"--config.workdir={tmp_path / workdir}"],
+                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300))
+    assert runs[-1].returncode == 0, runs[-1].stderr[-3000:]
+  assert "PERSISTENT COMPILATION CACHE MISS for 'jit_train_step'" in runs[0].stderr, runs[0].stderr[-3000:]
+  assert "Persistent compilation cache hit for 'jit_train_step'" in runs[1].stderr, runs[1].stderr[-3000:]
+  assert "COMPILATION CACHE MISS for 'jit_train_step'" not in runs[1].stderr
+  assert any(cache.iterdir())
+  resolved = json.loads((tmp_path / "first" / "config.json").read_text())
+  assert resolved["compilation_cache_dir"] == str(cache)
