@@ -330,7 +330,7 @@ def test_hugging_face_import_lora_fine_tune_generate_export(user):
 
 def test_local_launcher_starts_a_run_stopped_by_sigterm_again_and_it_resumes(user):
   command = readme.command(LOCAL)
-  p = subprocess.Popen(["bash", "-c", f"{command} --config.train.steps=40 --config.train.log_every=5"],
+  p = subprocess.Popen(["bash", "-c", f"{command} --config.train.steps=20 --config.train.log_every=5"],
                        cwd=user.repo, env=user.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   metrics = user.repo / "runs/long/metrics.jsonl"
   deadline = time.monotonic() + 600  # a bound for a loaded machine, not a wait for luck: the event ends it
@@ -343,7 +343,7 @@ def test_local_launcher_starts_a_run_stopped_by_sigterm_again_and_it_resumes(use
   assert p.returncode == 0, err[-3000:]
   saved = re.search(r"preempted: saved step (\d+), exiting", err).group(1)
   assert "jaxtrain exited 75 (restartable): starting it again (restart 1)" in err, err[-3000:]
-  assert f"resumed from checkpoint step {saved} (" in err and "done: step 40/40" in err, err[-3000:]
+  assert f"resumed from checkpoint step {saved} (" in err and "done: step 20/20" in err, err[-3000:]
 
   # Its goodput, over both runs: the table, the plot, and goodput.json equal to the tool's account.
   out = _ok_out(user.run(readme.command(GOODPUT)))
