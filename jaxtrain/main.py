@@ -103,13 +103,12 @@ def _unknown_key(argv: list[str]) -> config_lib.ConfigError | None:
   return None
 
 
-def use_compilation_cache(config) -> str | None:
+def use_compilation_cache(config) -> None:
   """Points JAX's persistent compilation cache at ``config.compilation_cache_dir`` unless JAX already has one
-  (JAX_COMPILATION_CACHE_DIR, or set by the caller) or the key is ''; returns the folder in use (None: off).
-  Programs that compile in under a second are not kept (JAX's own threshold)."""
+  (JAX_COMPILATION_CACHE_DIR, or set by the caller) or the key is ''. Programs that compile in under a second are
+  not kept (JAX's own threshold)."""
   if not jax.config.jax_compilation_cache_dir and config.compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", paths.resolve(config.compilation_cache_dir))
-  return jax.config.jax_compilation_cache_dir or None
 
 
 def main(argv: list[str]) -> None:

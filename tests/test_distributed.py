@@ -40,11 +40,7 @@ SCHEDULED_STEPS = 16  # the steps of the uninterrupted 2-process reference run (
 # about (signals, exits, checkpoints, data positions, heartbeats); every collective of a step crosses processes
 # either way, and over 2 gloo ranks rather than 8 a tiny step takes a quarter of the time (0.2 s, not 0.8, on 2
 # cores).
-LOCAL_DEVICES = 1
-
-
-def _start_main(args: list[str], **kwargs):
-  return multiprocess.start_main(args, **{"local_devices": LOCAL_DEVICES, **kwargs})
+_start_main = functools.partial(multiprocess.start_main, local_devices=1)
 
 
 def _losses(workdir) -> dict[int, float]:
@@ -91,7 +87,7 @@ def test_a_slow_process_is_named_as_a_straggler_within_its_bound_and_a_normal_ru
                                                                                              two_processes):
   steps = 8
   procs = _start_main([*ARGS, f"--config.workdir={tmp_path}", f"--config.train.steps={steps}"],
-                                  entry=("tests/straggler_main.py", "1.0"))
+                      entry=("tests/straggler_main.py", "1.0"))
   assert multiprocess.wait_all(procs, 300) == [0, 0], procs[0].err_path.read_text()[-3000:]
   err = procs[0].err_path.read_text()
   named = re.findall(r"step (\d+): process (\d) on host (\S+) is a straggler", err)
@@ -306,7 +302,7 @@ HEARTBEAT_S = 5
 
 def test_a_frozen_process_ends_the_job_restartably_within_the_heartbeat_timeout(tmp_path):
   procs = _start_main([*ARGS, f"--config.workdir={tmp_path}", "--config.train.steps=100000",
-                                   f"--config.distributed.heartbeat_timeout_s={HEARTBEAT_S}"])
+                      f"--config.distributed.heartbeat_timeout_s={HEARTBEAT_S}"])
   _wait_for(lambda: _logged(tmp_path) >= 2, procs, 300, "2 logged steps")
   procs[1].send_signal(signal.SIGSTOP)  # a frozen host: its connections stay open, only silence tells
   t = time.monotonic()
