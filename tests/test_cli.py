@@ -14,9 +14,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _run(*args, timeout=300):
-  """``python -m jaxtrain.main *args``."""
-  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _run(*args, timeout=300, env=None):
+  """``python -m jaxtrain.main *args``, in the tests' environment or ``env``."""
+  env = {**(os.environ if env is None else env), "PYTHONPATH": str(ROOT)}
   return subprocess.run([sys.executable, "-m", "jaxtrain.main", *args], cwd=ROOT, capture_output=True,
                         text=True, timeout=timeout, env=env)
 
@@ -87,7 +87,7 @@ def test_every_config_is_listed():
 @pytest.mark.parametrize("config", CPU_CONFIGS)
 def test_three_steps_of_every_cpu_config(config, tmp_path):
   """--config.train.steps=3 shortens any config (its warmup is clipped) and ends with a checkpoint. The 50M model
-  trains on 8 x 64 tokens a step, not its 16 x 256: at these a step computes 1.2 TFLOP, 20 s here."""
+  trains on 8 x 64 tokens a step, not its own 16 x 256 (1.2 TFLOP a step, about 20 s each here)."""
   shorter = ["--config.train.global_batch_size=8", "--config.data.seq_len=64"] if config == "configs/cpu_50m.py" else []
   result = _run(f"--config={config}", "--config.train.steps=3", "--config.train.log_every=1", *shorter,
                 f"--config.workdir={tmp_path}")
@@ -128,14 +128,12 @@ def test_the_same_command_again_loads_its_step_from_the_compilation_cache(tmp_pa
   folder, and JAX's debug log of its cache on. (The tests' JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 stays:
   with their fast-compile flags this step compiles in under JAX's default threshold of a second.)"""
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-  env.update(HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), JAX_DEBUG_LOG_MODULES="jax._src.compiler")
+  env.update(HOME=str(tmp_path / "home"), JAX_DEBUG_LOG_MODULES="jax._src.compiler")
   cache = tmp_path / "home" / ".cache" / "jaxtrain" / "xla"
   small = [TINY, "--config.train.steps=2", "--config.train.global_batch_size=8", "--config.data.seq_len=64"]
-  runs = []
-  for workdir in ("first", "again"):
-    runs.append(subprocess.run([sys.executable, "-m", "jaxtrain.main", *small, f"--config.workdir={tmp_path / workdir}"],
-                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300))
-    assert runs[-1].returncode == 0, runs[-1].stderr[-3000:]
+  runs = [_run(*small, f"--config.workdir={tmp_path / workdir}", env=env) for workdir in ("first", "again")]
+  for r in runs:
+    assert r.returncode == 0, r.stderr[-3000:]
   assert "PERSISTENT COMPILATION CACHE MISS for 'jit_train_step'" in runs[0].stderr, runs[0].stderr[-3000:]
   assert "Persistent compilation cache hit for 'jit_train_step'" in runs[1].stderr, runs[1].stderr[-3000:]
   assert "COMPILATION CACHE MISS for 'jit_train_step'" not in runs[1].stderr
