@@ -141,15 +141,18 @@ class Stragglers:
   collectives, so step times cannot tell the late one. Its own wait for its input can: a host whose data
   loading, storage or CPU is slow waits longer for its batches than the others. Over the last ``logs`` logged
   intervals, a process is a straggler when its data wait exceeds the median process's by more than ``threshold``
-  of the job's time (what it costs everyone); it is named when it becomes one, and again after it recovered. (A
+  of the job's time (what it costs everyone) and by more than ``min_excess_s`` per step (a few milliseconds apart
+  is the OS scheduler's doing, not a slow host: with steps of milliseconds, as in tests, those would pass any
+  fraction); it is named when it becomes one, and again after it recovered. (A
   slow chip delays every process alike: the profiler, not this, finds it.) The job slows down when its step time
   over the last ``logs`` intervals exceeds the median of its recent such figures by ``slowdown``. Judging windows,
   not single intervals, keeps one short interval (a log right after a checkpoint's) from breaking a verdict.
   """
 
   def __init__(self, hosts: list[str], threshold: float = 0.15, logs: int = 3, slowdown: float = 0.15,
-               history: int = 20, warn: Callable[..., None] = logging.warning):
+               history: int = 20, min_excess_s: float = 0.01, warn: Callable[..., None] = logging.warning):
     self.hosts, self.threshold, self.slowdown, self.warn = hosts, threshold, slowdown, warn
+    self.min_excess_s = min_excess_s
     self.window = collections.deque(maxlen=logs)  # (data waits by process, step time) of the last intervals
     self.recent = collections.deque(maxlen=history)  # the job's step time over earlier windows
     self.named, self.slow = [False] * len(hosts), False
@@ -164,7 +167,8 @@ class Stragglers:
     median = statistics.median(waits)
     for p, wait in enumerate(waits):
       excess = (wait - median) / spent if spent > 0 else 0.0
-      straggling = bool(self.threshold) and excess > self.threshold
+      straggling = bool(self.threshold) and excess > self.threshold and \
+          (wait - median) / len(self.window) > self.min_excess_s
       if straggling:
         found.update({"straggler/process": float(p), "straggler/excess": excess})
         if not self.named[p]:

@@ -632,6 +632,12 @@ def test_stragglers_name_a_process_whose_data_wait_costs_the_job_over_the_thresh
   assert found[3]["straggler/excess"] == pytest.approx(0.4 / 2.01)
   assert warnings == ["step 4: process 2 on host c is a straggler: over the last 3 logged steps it waited 0.133s "
                       "per step for its data, the median process 0.000s: 20% of the job's 0.670s per step"]
+  # Milliseconds of steps (a test's tiny model): 4 ms more than the median is 50% of a step, but under the 10 ms
+  # floor: the OS scheduler's noise, not a slow host. 12 ms more is named.
+  judge, warnings[:] = monitor.Stragglers(["a", "b", "c"], logs=1, slowdown=0.0,
+                                          warn=lambda *a: warnings.append(a)), []
+  assert judge(1, [0.0, 0.0, 0.004], 0.008) == {} and not warnings
+  assert judge(2, [0.0, 0.0, 0.012], 0.02)["straggler/process"] == 2.0 and len(warnings) == 1
   # A slowdown of the whole job: step time 1 s for a while, then 1.3 s (30% > 15%): warned once, when the window's
   # mean passes 1.15 s; each record while it lasts.
   judge, warnings[:] = monitor.Stragglers(["a"], logs=3, warn=lambda *args: warnings.append(args[0] % args[1:])), []

@@ -2,7 +2,10 @@
 cache folder and put on the subprocesses' PYTHONPATH only, so the rest of the suite never loads it): the real train
 step compiles for v5e:2x2, the splash kernel as Mosaic calls, the CLI's dry run reports the TPU compiler's memory
 against the chip's HBM, tools/bench_tpu.py's whole-step estimate equals an unrolled compile, tools/estimate.py's
-memory figure the compiler's peak; splash is refused on CPU without a topology."""
+memory figure the compiler's peak; splash is refused on CPU without a topology.
+
+A libtpu compile costs 20-40 CPU-seconds here even for a small program, so the tests share compiles: one process
+compiles the xla and splash steps that both the kernel and the memory-estimate tests read."""
 
 import importlib.metadata
 import json
@@ -43,14 +46,27 @@ def _env(libtpu):
   return env
 
 
-def test_train_step_and_splash_kernel_compile_for_a_tpu_topology(libtpu):
-  r = subprocess.run([sys.executable, "tests/tpu_compile_worker.py", "v5e:2x2", "2048", "xla", "splash"], cwd=ROOT,
-                     env=_env(libtpu), capture_output=True, text=True, timeout=600)
+# An 8-layer Llama (d_model 1024, vocab 32k, remat save_dots) at 1 x 4,096 tokens per chip on v5e:2x2.
+ESTIMATED = ("model.num_layers=8,model.d_model=1024,model.num_heads=16,model.num_kv_heads=8,model.head_dim=64,"
+             "model.mlp_dim=4096,model.vocab_size=32768,data.seq_len=4096,train.global_batch_size=4")
+
+
+@pytest.fixture(scope="module")
+def compiled(libtpu):
+  """Per attention backend, the real train step of ESTIMATED compiled for v5e:2x2, and tools/estimate.py's figures
+  for it (tests/tpu_compile_worker.py: one process, so libtpu starts once)."""
+  r = subprocess.run([sys.executable, "tests/tpu_compile_worker.py", "v5e:2x2", "configs/llama3_1b.py", ESTIMATED,
+                      "xla", "splash"], cwd=ROOT, env=_env(libtpu), capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
-  out = json.loads(r.stdout.strip().splitlines()[-1])
-  assert {b["device_kind"] for b in out.values()} == {"TPU v5 lite"} and out["xla"]["devices"] == 4
-  assert out["xla"]["mosaic_calls"] == 0 and out["splash"]["mosaic_calls"] == 3  # forward, dq, dk/dv
-  assert out["splash"]["temp_bytes"] * 10 < out["xla"]["temp_bytes"]  # no 2048 x 2048 scores in HBM
+  return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_train_step_and_splash_kernel_compile_for_a_tpu_topology(compiled):
+  assert {b["device_kind"] for b in compiled.values()} == {"TPU v5 lite"} and compiled["xla"]["devices"] == 4
+  # The scanned layer's forward, and in the backward scan its recomputed forward, dq and dk/dv.
+  assert compiled["xla"]["mosaic_calls"] == 0 and compiled["splash"]["mosaic_calls"] == 4
+  # No scores in HBM: the kernel's temporaries are smaller by more than one layer's float32 [16, 4096, 4096].
+  assert compiled["xla"]["temp_bytes"] - compiled["splash"]["temp_bytes"] > 16 * 4096 * 4096 * 4, compiled
 
 
 def test_cli_dry_run_for_a_topology_reports_tpu_memory(libtpu, tmp_path):
@@ -105,20 +121,12 @@ def test_whole_step_estimate_extrapolated_from_one_and_two_layers_equals_an_unro
   assert 0 < result["peak_bytes"] < 16 * 2**30 and r.stdout.count("v5e:2x2") == 1
 
 
-def test_estimate_is_within_15_percent_of_the_tpu_compilers_peak(libtpu):
+def test_estimate_is_within_15_percent_of_the_tpu_compilers_peak(compiled):
   """tools/estimate.py's per-device total (state, gradients, saved activations and the largest transient, per
-  attention backend) against the TPU compiler's peak for the same step: an 8-layer Llama (d_model 1024, vocab 32k)
-  on v5e:2x2 for three backends. Measured: within 4.1% (llama3_8b at 8k on v5p: docs/benchmarks.md)."""
-  model = ("model.num_layers=8,model.d_model=1024,model.num_heads=16,model.num_kv_heads=8,model.head_dim=64,"
-           "model.mlp_dim=4096,model.vocab_size=32768,train.global_batch_size=4")
-  cases = ["4096:xla", "4096:splash", "4096:blockwise"]
-  r = subprocess.run([sys.executable, "tests/tpu_estimate_worker.py", "v5e:2x2", "configs/llama3_1b.py", model, *cases],
-                     cwd=ROOT, env=_env(libtpu), capture_output=True, text=True, timeout=900)
-  assert r.returncode == 0, r.stderr[-3000:]
-  out = json.loads(r.stdout.strip().splitlines()[-1])
-  for case, figures in out.items():
-    assert figures["total"] == pytest.approx(figures["compiled_peak"], rel=0.15), (case, figures)
-  # The attention transient is what separates the backends: xla's T x T scores, none for the kernels.
-  assert out["4096:xla"]["compiled_peak"] > 1.4 * out["4096:splash"]["compiled_peak"]
-  assert out["4096:xla"]["transient"] > 2 * out["4096:splash"]["transient"]
-  assert out["4096:splash"]["transient"] == out["4096:blockwise"]["transient"]  # both below the head's phase
+  attention backend) against the TPU compiler's peak for the same step (ESTIMATED on v5e:2x2). Measured: within
+  9% here, 4.1% for llama3_8b at 8k on v5p (docs/benchmarks.md)."""
+  for backend, figures in compiled.items():
+    assert figures["total"] == pytest.approx(figures["compiled_peak"], rel=0.15), (backend, figures)
+  # The attention transient is what separates the backends: xla's T x T scores, none for the kernel.
+  assert compiled["xla"]["compiled_peak"] > 1.4 * compiled["splash"]["compiled_peak"]
+  assert compiled["xla"]["transient"] > 2 * compiled["splash"]["transient"]
