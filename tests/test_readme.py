@@ -2,10 +2,13 @@
 
 Each command is parsed from the pages (tests/readme.py), never copied here, and run with ``bash -c`` in a fresh
 copy of the repository as the current folder, with a fresh ``HOME``, none of the test suite's ``XLA_FLAGS`` /
-``JAX_*`` settings and the configs' default (relative) workdirs. The only change is ``--config.train.steps=N``
-appended to training commands, to keep them short. ``pip install`` runs too, in a new virtualenv that sees the
-already installed dependencies (a ``.pth`` file), so the editable install of the copy is real and the test
-environment's own install is left alone.
+``JAX_*`` settings and the configs' default (relative) workdirs. The only changes: ``--config.train.steps=N``
+appended to training commands, to keep them short, and, for every command after the quick start, XLA's quick CPU
+compile (``XLA_FLAGS`` = tests/multiprocess.py's FAST_COMPILE, optimization level 0): it changes how long XLA
+takes to compile a command's program (about a quarter less CPU time), not what the command does. The quick start
+runs exactly as typed, and its losses are checked to all digits. ``pip install`` runs too, in a new virtualenv
+that sees the already installed dependencies (a ``.pth`` file), so the editable install of the copy is real and
+the test environment's own install is left alone.
 """
 
 import json
@@ -24,6 +27,7 @@ import numpy as np
 import pytest
 
 from tests import readme
+from tests.multiprocess import FAST_COMPILE
 
 pytestmark = pytest.mark.slow  # every command of the docs, from a fresh install
 
@@ -105,12 +109,15 @@ class NewUser:
     # The new venv sees the packages installed for the tests, so `pip install` finds its dependencies there.
     outer = [p for p in site.getsitepackages() + [sysconfig.get_paths()["purelib"]] if os.path.isdir(p)]
     pathlib.Path(purelib, "_test_environment.pth").write_text("\n".join(dict.fromkeys(outer)) + "\n")
-    self.env = {"HOME": str(self.home), "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
-                "LANG": "C.UTF-8", "TMPDIR": os.environ.get("TMPDIR", "/tmp")}
+    self.exact_env = {"HOME": str(self.home), "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
+                      "LANG": "C.UTF-8", "TMPDIR": os.environ.get("TMPDIR", "/tmp")}
+    self.env = {**self.exact_env, "XLA_FLAGS": FAST_COMPILE}
 
-  def run(self, command: str, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    result = subprocess.run(["bash", "-c", " ".join([command, *extra])], cwd=self.repo, env=self.env,
-                            capture_output=True, text=True, timeout=timeout)
+  def run(self, command: str, *extra: str, timeout: float = 600, exact: bool = False) -> subprocess.CompletedProcess:
+    """``exact``: with no XLA_FLAGS at all, as the user typed it."""
+    result = subprocess.run(["bash", "-c", " ".join([command, *extra])], cwd=self.repo,
+                            env=self.exact_env if exact else self.env, capture_output=True, text=True,
+                            timeout=timeout)
     result.command = command
     return result
 
@@ -130,7 +137,7 @@ def _ok(result: subprocess.CompletedProcess) -> str:
 def user(tmp_path_factory):
   """The first quick-start command has run, shortened to 12 steps."""
   u = NewUser(tmp_path_factory.mktemp("new_user"))
-  u.first = u.run(QUICK_START, "--config.train.steps=12")
+  u.first = u.run(QUICK_START, "--config.train.steps=12", exact=True)
   return u
 
 
