@@ -87,7 +87,7 @@ def test_a_slow_process_is_named_as_a_straggler_within_its_bound_and_a_normal_ru
                                                                                              two_processes):
   steps = 8
   procs = _start_main([*ARGS, f"--config.workdir={tmp_path}", f"--config.train.steps={steps}"],
-                      entry=("tests/straggler_main.py", "1.0"))
+                      entry=("tests/straggler_main.py", "0.3"))
   assert multiprocess.wait_all(procs, 300) == [0, 0], procs[0].err_path.read_text()[-3000:]
   err = procs[0].err_path.read_text()
   named = re.findall(r"step (\d+): process (\d) on host (\S+) is a straggler", err)
