@@ -1,14 +1,31 @@
-"""Llama 3 8B (8.03B parameters). Pod-scale defaults: bf16 compute, FSDP over all chips, remat of dots."""
+"""Llama 3 8B (8.03B parameters). Pod-scale defaults: bf16 compute, FSDP over all chips, remat of dots.
+
+Variants for a TPU slice, each the fastest setting the TPU compiler's own estimate found that fits the chip
+(``tools/bench_tpu.py``, docs/benchmarks.md "Defaults per target"): ``configs/llama3_8b.py:v5p`` for v5p-128 (64
+chips: 2 sequences of 8,192 tokens per chip) and ``:v6e`` for v6e-64 (64 chips: 1 sequence per chip), both splash
+attention and remat ``save_dots``. On another slice size, scale ``train.global_batch_size`` with the chips. Each variant has its own
+workdir, ``runs/llama3_8b_<variant>``.
+"""
 
 from jaxtrain.config import base_config
 
+# Per target: (global batch for its 64 chips, remat, attention), from bench_tpu's estimates (jax 0.10.2, libtpu
+# 0.0.42; benchmarks/results/tpu_llama3_8b_<target>.json). v5p, per sequence of 8,192 tokens: remat full 1.296 s,
+# save_dots 1.089 s (peak 27.6 of 95 GiB per chip), save_dots x 2 sequences 1.025 s (49.8 GiB). v6e: full 0.723 s,
+# save_dots 0.625 s (26.7 of 32 GiB; 2 sequences would not fit).
+TARGETS = {"v5p": (128, "save_dots", "splash"), "v6e": (64, "save_dots", "splash")}
 
-def get_config():
+
+def get_config(variant: str = ""):
   c = base_config()
-  c.workdir = "runs/llama3_8b"
+  c.workdir = f"runs/llama3_8b_{variant}" if variant else "runs/llama3_8b"
   c.model.update(num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, head_dim=128, mlp_dim=14336,
                  vocab_size=128256, rope_theta=500_000.0, dtype="bfloat16", remat="save_dots")
   c.data.seq_len = 8192
   c.train.update(steps=100_000, global_batch_size=512, log_every=50)
   c.optim.update(lr=3e-4, warmup_steps=2000)
+  if variant:
+    if variant not in TARGETS:
+      raise ValueError(f"unknown variant '{variant}' of llama3_8b.py: use {' or '.join(TARGETS)}")
+    c.train.global_batch_size, c.model.remat, c.model.attention = TARGETS[variant]
   return c

@@ -682,3 +682,21 @@ def test_estimate_matches_compiled_memory(config_file, overrides):
   # parameter bytes): an upper bound. Measured: temporaries are 1.6-1.8 x the estimated activations.
   act, temp = per_device["activations"], compiled.temp_size_in_bytes
   assert config.model.remat == "none" and act <= temp <= 2 * act + 2 * predicted["full_param_bytes"], (act, temp)
+
+
+@pytest.mark.parametrize("target", ["v5p", "v6e"])
+def test_llama3_8b_target_variants_are_the_measured_settings_and_fit_their_chip(target):
+  """configs/llama3_8b.py:v5p / :v6e (64 chips each) set what tools/bench_tpu.py measured fastest: its recorded
+  compile of those settings fits the chip's HBM, and tools/estimate.py agrees within 15%."""
+  from jaxtrain import topology
+  estimate = _estimate_module()
+  config = estimate.load_config(f"configs/llama3_8b.py:{target}", [])
+  recorded = json.loads((ROOT / "benchmarks" / "results" / f"tpu_llama3_8b_{target}.json").read_text())
+  [result] = recorded["results"]
+  assert result["topology"].startswith(f"{target}:") and result["chips"] == 64
+  assert (result["remat"], result["attention"], result["per_chip_batch"] * result["chips"], result["seq_len"]) == \
+      (config.model.remat, config.model.attention, config.train.global_batch_size, config.data.seq_len)
+  hbm = topology.HBM_GIB[target] * 2**30
+  total = estimate.estimate(config, 64)["bytes_per_device"]["total"]
+  assert result["peak_bytes"] < hbm and total < hbm and total == pytest.approx(result["peak_bytes"], rel=0.15)
+  assert config.workdir == f"runs/llama3_8b_{target}"
