@@ -1,10 +1,11 @@
 """Llama 3 8B (8.03B parameters). Pod-scale defaults: bf16 compute, FSDP over all chips, remat of dots.
 
-Variants for a TPU slice, each the fastest setting the TPU compiler's own estimate found that fits the chip
-(``tools/bench_tpu.py``, docs/benchmarks.md "Defaults per target"): ``configs/llama3_8b.py:v5p`` for v5p-128 (64
-chips: 2 sequences of 8,192 tokens per chip) and ``:v6e`` for v6e-64 (64 chips: 1 sequence per chip), both splash
-attention and remat ``save_dots``. On another slice size, scale ``train.global_batch_size`` with the chips. Each variant has its own
-workdir, ``runs/llama3_8b_<variant>``.
+Variants for a TPU slice, each the fastest of the settings compared on the TPU compiler's own estimate that fits
+the chip (``tools/bench_tpu.py``; remat full or save_dots, 1 or 2 sequences per chip: docs/benchmarks.md
+"Defaults per target"): ``configs/llama3_8b.py:v5p`` for v5p-128 (64 chips, 2 sequences of 8,192 tokens each)
+and ``:v6e`` for v6e-64 (64 chips, 1 sequence each), both splash attention and remat ``save_dots``. On another
+slice size, scale ``train.global_batch_size`` with the chips. Each variant has its own workdir,
+``runs/llama3_8b_<variant>``.
 """
 
 from jaxtrain.config import base_config
