@@ -1,15 +1,31 @@
-"""Llama 3 70B (70.6B parameters). Pod-scale defaults: bf16, FSDP x 8-way tensor parallel, full remat."""
+"""Llama 3 70B (70.6B parameters). Pod-scale defaults: bf16, FSDP x 8-way tensor parallel, full remat.
+
+Variant for a TPU slice, the fastest of the settings compared on the TPU compiler's own estimate that fits the chip
+(``tools/bench_tpu.py``; docs/benchmarks.md "Defaults per target"): ``configs/llama3_70b.py:v5p`` for v5p-128 (64
+chips, pure FSDP, 2 sequences of 8,192 tokens each, splash attention, remat ``save_qkv_proj``). On another slice size, scale
+``train.global_batch_size`` with the chips. Its workdir is ``runs/llama3_70b_v5p``.
+"""
 
 from jaxtrain.config import base_config
 
+# Per target: (global batch for its 64 chips, remat, attention, mesh.tensor), from bench_tpu's estimates
+# (benchmarks/results/tpu_llama3_70b_<target>.json). v5p, per sequence of 8,192 tokens: remat full 11.630 s
+# (jax 0.12.0.1, peak 39.8 GiB), save_qkv_proj 11.346 s (jax 0.10.2, 46.7 of 95 GiB), save_qkv_proj x 2 sequences
+# 10.959 s (71.8 GiB); save_dots would need 127 GiB (tools/estimate.py).
+TARGETS = {"v5p": (128, "save_qkv_proj", "splash", 1)}
 
-def get_config():
+
+def get_config(variant: str = ""):
   c = base_config()
-  c.workdir = "runs/llama3_70b"
+  c.workdir = f"runs/llama3_70b_{variant}" if variant else "runs/llama3_70b"
   c.model.update(num_layers=80, d_model=8192, num_heads=64, num_kv_heads=8, head_dim=128, mlp_dim=28672,
                  vocab_size=128256, rope_theta=500_000.0, dtype="bfloat16", remat="full")
   c.mesh.tensor = 8
   c.data.seq_len = 8192
   c.train.update(steps=100_000, global_batch_size=1024, log_every=50)
   c.optim.update(lr=1.5e-4, warmup_steps=2000)
+  if variant:
+    if variant not in TARGETS:
+      raise ValueError(f"unknown variant '{variant}' of llama3_70b.py: use {' or '.join(TARGETS)}")
+    c.train.global_batch_size, c.model.remat, c.model.attention, c.mesh.tensor = TARGETS[variant]
   return c
