@@ -2,8 +2,8 @@
 
 Variant for a TPU slice, the fastest of the settings compared on the TPU compiler's own estimate that fits the chip
 (``tools/bench_tpu.py``; docs/benchmarks.md "Defaults per target"): ``configs/llama3_70b.py:v5p`` for v5p-128 (64
-chips, pure FSDP, 2 sequences of 8,192 tokens each, splash attention, remat ``save_qkv_proj``). On another slice size, scale
-``train.global_batch_size`` with the chips. Its workdir is ``runs/llama3_70b_v5p``.
+chips, pure FSDP, 2 sequences of 8,192 tokens each, splash attention, remat ``save_qkv_proj``). On another slice
+size, scale ``train.global_batch_size`` with the chips. Its workdir is ``runs/llama3_70b_v5p``.
 """
 
 from jaxtrain.config import base_config
