@@ -8,11 +8,12 @@ size, scale ``train.global_batch_size`` with the chips. Its workdir is ``runs/ll
 
 from jaxtrain.config import base_config
 
-# Per target: (global batch for its 64 chips, remat, attention, mesh.tensor), from bench_tpu's estimates
+# Per target: the overrides for its 64 chips, from bench_tpu's estimates
 # (benchmarks/results/tpu_llama3_70b_<target>.json). v5p, per sequence of 8,192 tokens: remat full 11.630 s
 # (jax 0.12.0.1, peak 39.8 GiB), save_qkv_proj 11.346 s (jax 0.10.2, 46.7 of 95 GiB), save_qkv_proj x 2 sequences
 # 10.959 s (71.8 GiB); save_dots would need 127 GiB (tools/estimate.py).
-TARGETS = {"v5p": (128, "save_qkv_proj", "splash", 1)}
+TARGETS = {"v5p": {"train.global_batch_size": 128, "model.remat": "save_qkv_proj", "model.attention": "splash",
+                   "mesh.tensor": 1}}
 
 
 def get_config(variant: str = ""):
@@ -27,5 +28,5 @@ def get_config(variant: str = ""):
   if variant:
     if variant not in TARGETS:
       raise ValueError(f"unknown variant '{variant}' of llama3_70b.py: use {' or '.join(TARGETS)}")
-    c.train.global_batch_size, c.model.remat, c.model.attention, c.mesh.tensor = TARGETS[variant]
+    c.update_from_flattened_dict(TARGETS[variant])
   return c

@@ -10,11 +10,14 @@ slice size, scale ``train.global_batch_size`` with the chips. Each variant has i
 
 from jaxtrain.config import base_config
 
-# Per target: (global batch for its 64 chips, remat, attention), from bench_tpu's estimates (jax 0.10.2, libtpu
+# Per target: the overrides for its 64 chips, from bench_tpu's estimates (jax 0.10.2, libtpu
 # 0.0.42; benchmarks/results/tpu_llama3_8b_<target>.json). v5p, per sequence of 8,192 tokens: remat full 1.296 s,
 # save_dots 1.089 s (peak 27.6 of 95 GiB per chip), save_dots x 2 sequences 1.025 s (49.8 GiB). v6e: full 0.723 s,
 # save_dots 0.625 s (26.7 of 32 GiB; 2 sequences would not fit).
-TARGETS = {"v5p": (128, "save_dots", "splash"), "v6e": (64, "save_dots", "splash")}
+TARGETS = {
+    "v5p": {"train.global_batch_size": 128, "model.remat": "save_dots", "model.attention": "splash"},
+    "v6e": {"train.global_batch_size": 64, "model.remat": "save_dots", "model.attention": "splash"},
+}
 
 
 def get_config(variant: str = ""):
@@ -28,5 +31,5 @@ def get_config(variant: str = ""):
   if variant:
     if variant not in TARGETS:
       raise ValueError(f"unknown variant '{variant}' of llama3_8b.py: use {' or '.join(TARGETS)}")
-    c.train.global_batch_size, c.model.remat, c.model.attention = TARGETS[variant]
+    c.update_from_flattened_dict(TARGETS[variant])
   return c
