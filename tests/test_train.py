@@ -7,15 +7,35 @@ import jax
 import numpy as np
 import pytest
 
+from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain import metrics as metrics_lib
+from jaxtrain import models
+from jaxtrain import optim
 from jaxtrain.data.synthetic import SyntheticSource
+from jaxtrain.train import state as state_lib
 from jaxtrain.train import step as step_lib
 from jaxtrain.train import trainer
 
 
 def _losses(history):
   return np.array([h["loss"] for h in history])
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("llama", []), ("gemma2", []), ("qwen3_moe", []), ("llama", ["model.lora.rank=4", "optim.name=muon"]),
+    ("qwen3", ["optim.name=adafactor"]), ("mistral", ["optim.name=lion"])])
+def test_abstract_state_equals_the_shapes_of_the_real_init(family, overrides):
+  """state.abstract builds the state's shapes from the model's abstract params and the optimizer's init without
+  tracing the model's init: the same tree, shapes and dtypes as the init itself, for every kind of model, LoRA
+  (adapters under params['lora'], a masked optimizer) and optimizers with factored or per-leaf state."""
+  config = config_lib.load_file(f"configs/tiny_family.py:{family}", overrides)
+  model = models.Model.from_config(config.model)
+  tx = optim.make(config.optim, 100, model.trainable_mask())
+  real = jax.eval_shape(lambda: state_lib._init(model, tx, jax.random.key(0)))
+  abstract = state_lib.abstract(model, tx)
+  assert jax.tree.structure(abstract) == jax.tree.structure(real)
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == jax.tree.map(lambda a: (a.shape, a.dtype), real)
 
 
 @pytest.mark.slow

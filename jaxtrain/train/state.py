@@ -78,8 +78,11 @@ def _is_spec(x) -> bool:
 
 
 def abstract(model: Model, tx: optax.GradientTransformation, shardings: TrainState | None = None) -> TrainState:
-  """ShapeDtypeStructs of the state; with ``shardings``, they carry them (a restore target for that mesh)."""
-  shapes = jax.eval_shape(lambda: _init(model, tx, jax.random.key(0)))
+  """ShapeDtypeStructs of the state; with ``shardings``, they carry them (a restore target for that mesh). From
+  the model's abstract params and the optimizer's init alone: the model's init is not traced (a run asks for this
+  several times; tests/test_train.py checks it equals the shapes of the real init)."""
+  shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=model.abstract_params,
+                      opt_state=jax.eval_shape(tx.init, model.abstract_params))
   if shardings is None:
     return shapes
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
