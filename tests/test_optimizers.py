@@ -41,11 +41,12 @@ def _wsd(step, lr=1.0, warmup=5, horizon=20, fraction=0.2, end=0.1):
 @pytest.mark.slow
 @pytest.mark.parametrize("name,lr", [("lion", 1e-3), ("adafactor", 3e-3), ("muon", 3e-3)])
 def test_optimizer_trains_from_the_command_line_with_wsd(name, lr, tmp_path):
-  """20 steps of configs/tiny.py on the bundled corpus with --config.optim.name=NAME and the wsd schedule: the
-  loss goes down, and the logged lr is the wsd formula's at every step (warmup 5, stable, decay over 16..20)."""
+  """20 steps of configs/tiny.py (8 x 64 tokens a step) on the bundled corpus with --config.optim.name=NAME and the
+  wsd schedule: the loss goes down, and the logged lr is the wsd formula's at every step (warmup 5, stable, decay
+  over 16..20)."""
   result = _cli(f"--config.optim.name={name}", f"--config.optim.lr={lr}", "--config.optim.schedule=wsd",
                 "--config.optim.warmup_steps=5", "--config.train.steps=20", "--config.train.log_every=1",
-                "--config.data.seq_len=64", f"--config.workdir={tmp_path}")
+                "--config.data.seq_len=64", "--config.train.global_batch_size=8", f"--config.workdir={tmp_path}")
   assert result.returncode == 0, result.stderr[-3000:]
   records = metrics.read_records(tmp_path)
   assert [r["step"] for r in records] == list(range(1, 21))

@@ -114,10 +114,10 @@ def test_tiny_overfits_one_batch(tmp_path):
   from configs import tiny  # the real tiny config, trained on one repeated batch
   config = tiny.get_config()
   config.workdir = str(tmp_path)
-  config.train.update(steps=60, log_every=10, global_batch_size=8)
-  config.data.seq_len = 64
+  config.train.update(steps=40, log_every=10, global_batch_size=4)
+  config.data.seq_len = 32
   config.mesh.update(fsdp=1, data=-1)
-  batch = next(SyntheticSource(config.data.seq_len, config.model.vocab_size, 8, seed=0))
+  batch = next(SyntheticSource(config.data.seq_len, config.model.vocab_size, 4, seed=0))
   batch["inputs"] = np.random.default_rng(0).integers(0, 256, batch["inputs"].shape).astype(np.int32)
   batch["targets"] = np.random.default_rng(1).integers(0, 256, batch["targets"].shape).astype(np.int32)
   _, history = trainer.train(config, devices=jax.devices()[:1], data=itertools.repeat(batch))
