@@ -3,12 +3,13 @@
 Each command is parsed from the pages (tests/readme.py), never copied here, and run with ``bash -c`` in a fresh
 copy of the repository as the current folder, with a fresh ``HOME``, none of the test suite's ``XLA_FLAGS`` /
 ``JAX_*`` settings and the configs' default (relative) workdirs. The only changes: ``--config.train.steps=N``
-appended to training commands, to keep them short, and, for every command after the quick start, XLA's quick CPU
-compile (``XLA_FLAGS`` = tests/multiprocess.py's FAST_COMPILE, optimization level 0; added to the value of a command
-that sets ``XLA_FLAGS`` itself): it changes how long XLA takes to compile a command's program (about a quarter less
-CPU time), not what the command does. The quick start runs exactly as typed, and its losses are checked to all
-digits. ``pip install`` runs too, in a new virtualenv that sees the already installed dependencies (a ``.pth``
-file), so the editable install of the copy is real and the test environment's own install is left alone.
+appended to training commands, to keep them short (and a smaller batch to the launcher's), and, for every command
+after the quick start, XLA's quick CPU compile (``XLA_FLAGS`` = tests/multiprocess.py's FAST_COMPILE, optimization
+level 0; added to the value of a command that sets ``XLA_FLAGS`` itself): it changes how long XLA takes to compile
+a command's program (about a quarter less CPU time), not what the command does. The quick start runs exactly as
+typed, and its losses are checked to all digits. ``pip install`` runs too, in a new virtualenv that sees the
+already installed dependencies (a ``.pth`` file), so the editable install of the copy is real and the test
+environment's own install is left alone.
 """
 
 import json
@@ -61,6 +62,9 @@ HF_GENERATE = "--checkpoint=runs/my-llama --prompt"
 HF_EXPORT = "export --checkpoint=runs/my-llama"
 LOCAL = "tools/launch/local.sh configs/tiny.py runs/long"
 GOODPUT = "tools/goodput.py runs/long"
+# Appended to the launcher's command (with --config.train.steps): what is tested there is the stop, the restart
+# and the account of both, not the batch.
+SMALLER_BATCH = "--config.train.global_batch_size=8 --config.data.seq_len=64"
 # Shown but not runnable here, with the reason.
 NOT_RUN = {
     TEST_COMMAND: "the test command itself: .ci/run runs it, read from the README "
@@ -340,7 +344,7 @@ def test_hugging_face_import_lora_fine_tune_generate_export(user):
 
 def test_local_launcher_starts_a_run_stopped_by_sigterm_again_and_it_resumes(user):
   command = readme.command(LOCAL)
-  p = subprocess.Popen(["bash", "-c", f"{command} --config.train.steps=20 --config.train.log_every=5"],
+  p = subprocess.Popen(["bash", "-c", f"{command} --config.train.steps=20 --config.train.log_every=5 {SMALLER_BATCH}"],
                        cwd=user.repo, env=user.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   metrics = user.repo / "runs/long/metrics.jsonl"
   deadline = time.monotonic() + 600  # a bound for a loaded machine, not a wait for luck: the event ends it
