@@ -217,8 +217,9 @@ def test_dry_run(user):
   assert not (user.repo / "runs" / "llama3_8b").exists()  # a dry run writes nothing
 
 
-@pytest.mark.parametrize("part,stages", [(GPIPE, "2 stages, GPipe, 2 microbatches"),
-                                         (CIRCULAR, "2 stages, circular x 2 repeats, 8 microbatches")])
+@pytest.mark.parametrize("part,stages", [
+    (GPIPE, "2 stages, GPipe, 2 microbatches, 2 layers per stage -> bubble 33.3%"),
+    (CIRCULAR, "2 stages, circular x 2 repeats, 8 microbatches, 2 layers per stage -> bubble 5.9%")])
 def test_pipeline_commands(user, part, stages):
   err = _ok(user.run(readme.command(part), "--config.train.steps=4"))
   assert f"pipeline: {stages}" in err
