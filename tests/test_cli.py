@@ -101,7 +101,8 @@ def test_three_steps_of_every_cpu_config(config, tmp_path):
   shorter = ["--config.train.global_batch_size=8", "--config.data.seq_len=64"] if config == "configs/cpu_50m.py" else []
   # The tests' XLA optimization level 0 makes the 50M model's elementwise optimizer update take seconds a step;
   # at level 1 its 3 steps cost 28 CPU-seconds, not 42 (the later flag wins).
-  env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"] + " --xla_backend_optimization_level=1"} if shorter else None
+  level_1 = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"] + " --xla_backend_optimization_level=1"}
+  env = level_1 if shorter else None
   result = _run(f"--config={config}", "--config.train.steps=3", "--config.train.log_every=1", *shorter,
                 f"--config.workdir={tmp_path}", env=env)
   assert result.returncode == 0, result.stderr[-3000:]
