@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from absl import app, flags, logging  # noqa: E402
 
 from jaxtrain import paths  # noqa: E402
-from jaxtrain.config import UserError  # noqa: E402
+from jaxtrain.errors import UserError  # noqa: E402
 from jaxtrain.data import prepare  # noqa: E402
 
 _INPUT = flags.DEFINE_multi_string("input", None, "Input file, folder or glob (repeatable).", required=True)
