@@ -6,7 +6,7 @@ chips, pure FSDP, 2 sequences of 8,192 tokens each, splash attention, remat ``sa
 size, scale ``train.global_batch_size`` with the chips. Its workdir is ``runs/llama3_70b_v5p``.
 """
 
-from jaxtrain.config import base_config
+from jaxtrain.config import base_config, for_target
 
 # Per target: the overrides for its 64 chips, from bench_tpu's estimates
 # (benchmarks/results/tpu_llama3_70b_<target>.json). v5p, per sequence of 8,192 tokens: remat full 11.630 s
@@ -18,15 +18,11 @@ TARGETS = {"v5p": {"train.global_batch_size": 128, "model.remat": "save_qkv_proj
 
 def get_config(variant: str = ""):
   c = base_config()
-  c.workdir = f"runs/llama3_70b_{variant}" if variant else "runs/llama3_70b"
+  c.workdir = "runs/llama3_70b"
   c.model.update(num_layers=80, d_model=8192, num_heads=64, num_kv_heads=8, head_dim=128, mlp_dim=28672,
                  vocab_size=128256, rope_theta=500_000.0, dtype="bfloat16", remat="full")
   c.mesh.tensor = 8
   c.data.seq_len = 8192
   c.train.update(steps=100_000, global_batch_size=1024, log_every=50)
   c.optim.update(lr=1.5e-4, warmup_steps=2000)
-  if variant:
-    if variant not in TARGETS:
-      raise ValueError(f"unknown variant '{variant}' of llama3_70b.py: use {' or '.join(TARGETS)}")
-    c.update_from_flattened_dict(TARGETS[variant])
-  return c
+  return for_target(c, "llama3_70b", TARGETS, variant)

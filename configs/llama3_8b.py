@@ -8,7 +8,7 @@ slice size, scale ``train.global_batch_size`` with the chips. Each variant has i
 ``runs/llama3_8b_<variant>``.
 """
 
-from jaxtrain.config import base_config
+from jaxtrain.config import base_config, for_target
 
 # Per target: the overrides for its 64 chips, from bench_tpu's estimates (jax 0.10.2, libtpu
 # 0.0.42; benchmarks/results/tpu_llama3_8b_<target>.json). v5p, per sequence of 8,192 tokens: remat full 1.296 s,
@@ -22,14 +22,10 @@ TARGETS = {
 
 def get_config(variant: str = ""):
   c = base_config()
-  c.workdir = f"runs/llama3_8b_{variant}" if variant else "runs/llama3_8b"
+  c.workdir = "runs/llama3_8b"
   c.model.update(num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, head_dim=128, mlp_dim=14336,
                  vocab_size=128256, rope_theta=500_000.0, dtype="bfloat16", remat="save_dots")
   c.data.seq_len = 8192
   c.train.update(steps=100_000, global_batch_size=512, log_every=50)
   c.optim.update(lr=3e-4, warmup_steps=2000)
-  if variant:
-    if variant not in TARGETS:
-      raise ValueError(f"unknown variant '{variant}' of llama3_8b.py: use {' or '.join(TARGETS)}")
-    c.update_from_flattened_dict(TARGETS[variant])
-  return c
+  return for_target(c, "llama3_8b", TARGETS, variant)

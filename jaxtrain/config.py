@@ -83,6 +83,19 @@ def base_config(model: str = "llama") -> ml_collections.ConfigDict:
   return c
 
 
+def for_target(c: ml_collections.ConfigDict, name: str, targets: dict[str, dict], target: str
+               ) -> ml_collections.ConfigDict:
+  """``c`` (the config ``configs/<name>.py``) for a ``:target`` variant: its flattened-key overrides from
+  ``targets`` applied and its own workdir, ``runs/<name>_<target>``; ``c`` itself when ``target`` is empty."""
+  if not target:
+    return c
+  if target not in targets:
+    raise ValueError(f"unknown variant '{target}' of {name}.py: use {' or '.join(targets)}")
+  c.update_from_flattened_dict(targets[target])
+  c.workdir = f"runs/{name}_{target}"
+  return c
+
+
 def load_file(path: str, overrides: list[str] = ()) -> ml_collections.ConfigDict:
   """``configs/x.py[:variant]`` plus ``key=value`` overrides (values parsed as JSON where they parse), as the
   ``--config`` / ``--config.key=value`` flags of jaxtrain.main give them; for tools that load configs themselves."""
