@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests import readme
+from tests import forked, readme
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -62,14 +62,24 @@ ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("args,message", ERRORS, ids=[" ".join(a[1:]) or a[0] for a, _ in ERRORS])
-def test_user_mistake_gives_one_line_and_exit_2(args, message, tmp_path):
-  result = _run(*args, f"--config.workdir={tmp_path}/run" if args[0] == TINY else "--noalsologtostderr")
+@pytest.fixture(scope="module")
+def mistakes(tmp_path_factory):
+  """(result, workdir) of every ERRORS command, each with its own workdir, run as forks of one process that has
+  the libraries imported (tests/forked.py: a command that ends at a mistake costs the fork, not a Python start)."""
+  workdirs = [tmp_path_factory.mktemp("mistake") / "run" for _ in ERRORS]
+  argvs = [["-m", "jaxtrain.main", *args, f"--config.workdir={workdir}" if args[0] == TINY else "--noalsologtostderr"]
+           for (args, _), workdir in zip(ERRORS, workdirs)]
+  return list(zip(forked.run_many(argvs), workdirs))
+
+
+@pytest.mark.parametrize("case", range(len(ERRORS)), ids=[" ".join(a[1:]) or a[0] for a, _ in ERRORS])
+def test_user_mistake_gives_one_line_and_exit_2(case, mistakes):
+  message, (result, workdir) = ERRORS[case][1], mistakes[case]
   errors = [line for line in result.stderr.splitlines() if line.startswith("jaxtrain: error:")]
   assert result.returncode == 2, result.stderr
   assert len(errors) == 1 and message in errors[0], result.stderr
   assert "Traceback" not in result.stderr
-  assert not (tmp_path / "run").exists()  # refused before anything is written: not even the workdir
+  assert not workdir.exists()  # refused before anything is written: not even the workdir
 
 
 # Every shipped config, by whether a CPU can train it (a new config must be added to one list).

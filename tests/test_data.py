@@ -20,7 +20,7 @@ from jaxtrain.config import DataError
 from jaxtrain.data import batch as batch_lib
 from jaxtrain.data import loader, prepare
 from jaxtrain.train import trainer
-from tests import multiprocess
+from tests import forked, multiprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORDS = "the of and to in a is that for it as was with be by on not he I this are or his from at which".split()
@@ -399,8 +399,7 @@ def test_prepare_bad_inputs(tmp_path):
                                                                               "(byte 3"),
       ([f"--input={prepare.BUNDLED}", f"--output={tmp_path / 'out'}"], "output folder exists and is not empty"),
   ]
-  for args, message in cases:
-    r = _prepare_cli(*args)
+  for r, (_, message) in zip(forked.run_many([["tools/prepare_data.py", *args] for args, _ in cases]), cases):
     errors = [line for line in r.stderr.splitlines() if line.startswith("prepare_data: error:")]
     assert r.returncode == 2 and len(errors) == 1 and message in errors[0], r.stderr
     assert "Traceback" not in r.stderr
@@ -457,13 +456,14 @@ def test_training_bad_data(broken_copies, tmp_path):
         f"--config.data.tokenizer={tmp_path / 'nope.model'}"], "nope.model: tokenizer file not found"),
   ]
   before = _contents(corrupt, truncated)
-  for args, message in cases:
-    r = _main(f"--config.workdir={tmp_path / 'run'}", *args)
+  results = forked.run_many([["-m", "jaxtrain.main", "--config=configs/tiny.py",
+                              f"--config.workdir={tmp_path / f'run{i}'}", *args] for i, (args, _) in enumerate(cases)])
+  for i, (r, (args, message)) in enumerate(zip(results, cases)):
     errors = [line for line in r.stderr.splitlines() if line.startswith("jaxtrain: error:")]
     assert r.returncode == 2 and len(errors) == 1, r.stderr[-2000:]
     assert message in errors[0], errors
     assert "Traceback" not in r.stderr
-    assert not (tmp_path / "run").exists(), args  # refused before the workdir was created
+    assert not (tmp_path / f"run{i}").exists(), args  # refused before the workdir was created
   assert _contents(corrupt, truncated) == before  # the data is only read
 
 

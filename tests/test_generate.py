@@ -19,6 +19,7 @@ from jaxtrain import mesh as mesh_lib
 from jaxtrain import sharding
 from jaxtrain.config import base_config
 from jaxtrain.data.tokenizers import ByteTokenizer
+from tests import forked
 from tests.conftest import small_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -268,10 +269,19 @@ CLI_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("args,message", CLI_ERRORS, ids=[m.split(":")[0] + ":" + m.split(":")[-1][:20]
-                                                         for _, m in CLI_ERRORS])
-def test_cli_mistakes_give_one_line_and_exit_2(args, message, trained_run, tmp_path):
-  result = _cli(*(a.format(tmp=tmp_path, run=trained_run) for a in args))
+@pytest.fixture(scope="module")
+def cli_mistakes(trained_run, tmp_path_factory):
+  """The result of every CLI_ERRORS command ({tmp}: an empty folder of its own), run as forks of one process
+  (tests/forked.py)."""
+  folders = [tmp_path_factory.mktemp("mistake") for _ in CLI_ERRORS]
+  return forked.run_many([["-m", "jaxtrain.generate", *(a.format(tmp=tmp, run=trained_run) for a in args)]
+                          for (args, _), tmp in zip(CLI_ERRORS, folders)])
+
+
+@pytest.mark.parametrize("case", range(len(CLI_ERRORS)), ids=[m.split(":")[0] + ":" + m.split(":")[-1][:20]
+                                                             for _, m in CLI_ERRORS])
+def test_cli_mistakes_give_one_line_and_exit_2(case, cli_mistakes):
+  message, result = CLI_ERRORS[case][1], cli_mistakes[case]
   errors = [line for line in result.stderr.splitlines() if line.startswith("generate: error:")]
   assert result.returncode == 2, result.stderr[-3000:]
   assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]

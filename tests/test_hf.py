@@ -4,10 +4,7 @@ logits, import -> export is bitwise, and bad inputs give one line and exit 2 wit
 
 import importlib.util
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -17,6 +14,7 @@ from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import hf
 from jaxtrain import models
 from jaxtrain.train.state import TrainState
+from tests import forked
 
 torch = pytest.importorskip("torch", reason="torch (test-only, pinned for Python 3.11 in setup.cfg's test extra) "
                             "is not installed: the Hugging Face comparisons need it")
@@ -223,18 +221,27 @@ BAD = [("not_llama", "is a 'gpt2' model"), ("shape_mismatch", "model.layers.0.ml
        ("biases", "sets attention_bias=true")]
 
 
-@pytest.mark.parametrize("how,message", BAD, ids=[b for b, _ in BAD])
-def test_bad_input_gives_one_line_and_exit_2(how, message, tmp_path):
-  _hf_model(tmp_path / "src", **CONFIGS["gqa_untied"])
-  _break(tmp_path / "src", how)
-  result = subprocess.run([sys.executable, "tools/convert_hf.py", "import", f"--hf={tmp_path / 'src'}",
-                           f"--output={tmp_path / 'out'}"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+@pytest.fixture(scope="module")
+def bad_imports(tmp_path_factory):
+  """Per BAD case, (its folder, holding the broken model as src/, and ``convert_hf.py import``'s result), the
+  commands run as forks of one process (tests/forked.py)."""
+  folders = [tmp_path_factory.mktemp(how) for how, _ in BAD]
+  for folder, (how, _) in zip(folders, BAD):
+    _hf_model(folder / "src", **CONFIGS["gqa_untied"])
+    _break(folder / "src", how)
+  results = forked.run_many([["tools/convert_hf.py", "import", f"--hf={folder / 'src'}", f"--output={folder / 'out'}"]
+                             for folder in folders])
+  return list(zip(folders, results))
+
+
+@pytest.mark.parametrize("case", range(len(BAD)), ids=[b for b, _ in BAD])
+def test_bad_input_gives_one_line_and_exit_2(case, bad_imports):
+  message, (folder, result) = BAD[case][1], bad_imports[case]
   lines = [line for line in result.stderr.splitlines() if line.startswith("convert_hf: error:")]
   assert result.returncode == 2, result.stderr
   assert len(lines) == 1 and message in lines[0], result.stderr
   assert "Traceback" not in result.stderr
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no leftover temporary folder
+  assert sorted(p.name for p in folder.iterdir()) == ["src"]  # no output, no leftover temporary folder
 
 
 def test_export_refuses_existing_output_and_missing_step(tmp_path):

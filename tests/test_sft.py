@@ -19,6 +19,7 @@ from jaxtrain.data import batch as batch_lib
 from jaxtrain.data import loader, packing, prepare
 from jaxtrain.data import tokenizers as tokenizers_lib
 from jaxtrain.train import step as step_lib
+from tests import forked
 from tests.test_data import _lane_documents, _main, _prepare_cli, _take
 
 WORDS = "the of and to in a is that for it as was with be by on not he I this are or his from at which".split()
@@ -538,13 +539,14 @@ def test_bad_sft_input_gives_one_line_and_exit_2(tmp_path):
   runs.append(([f"--input={tmp_path / 'in2' / 'sys.jsonl'}", f"--chat_template={tmp_path / 'roles.jinja'}"],
                "sys.jsonl:2: the chat template refused the record: no system messages"))
   runs.append(([f"--input={tmp_path / 'in' / 'role.jsonl'}", "--format=text"], "role.jsonl:1: no field 'text'"))
+  # With --format=sft, any JSONL line that is not a pair or a chat is an error (auto would read it as text).
+  runs.append(([f"--input={tmp_path / 'in' / 'no_fields.jsonl'}", "--format=sft"], "no_fields.jsonl:3: no field "
+                                                                                  "'prompt'"))
   before = sorted(os.listdir(tmp_path))
-  for args, message in runs:
-    r = _prepare_cli(*args, f"--output={tmp_path / 'out'}")
+  results = forked.run_many([["tools/prepare_data.py", *args, f"--output={tmp_path / f'out{i}'}"]
+                             for i, (args, _) in enumerate(runs)])
+  for r, (args, message) in zip(results, runs):
     errors = [line for line in r.stderr.splitlines() if line.startswith("prepare_data: error:")]
     assert r.returncode == 2 and len(errors) == 1 and message in errors[0], (message, r.stderr[-2000:])
     assert "Traceback" not in r.stderr
-    assert sorted(os.listdir(tmp_path)) == before  # no output, no temporary folder
-  # With --format=sft, any JSONL line that is not a pair or a chat is an error (auto would read it as text).
-  r = _prepare_cli(f"--input={tmp_path / 'in' / 'no_fields.jsonl'}", "--format=sft", f"--output={tmp_path / 'o'}")
-  assert r.returncode == 2 and "no_fields.jsonl:3: no field 'prompt'" in r.stderr
+  assert sorted(os.listdir(tmp_path)) == before  # no output, no temporary folder

@@ -16,7 +16,7 @@ from jaxtrain import data as data_lib
 from jaxtrain.config import DataError, base_config
 from jaxtrain.data import batch as batch_lib
 from jaxtrain.data import loader, prepare, stream, tokenizers
-from tests import multiprocess
+from tests import forked, multiprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEQ, BATCH = 64, 8
@@ -188,10 +188,11 @@ def test_bad_inputs_are_one_line_before_compiling(tmp_path, jsonl):
       ([f"--config.data.path={jsonl}", "--config.eval.every_steps=5"], "eval.every_steps: is set but data.source"),
       (["--config.data.source=arrayrecord", "--config.data.field=body"], "data.field: is set but only"),
   ]
-  for args, message in cases:
-    r = _main(f"--config.workdir={tmp_path / 'run'}", "--config.data.source=raw", *args)
+  results = forked.run_many([["-m", "jaxtrain.main", "--config=configs/tiny.py", f"--config.workdir={tmp_path / f'run{i}'}",
+                              "--config.data.source=raw", *args] for i, (args, _) in enumerate(cases)])
+  for i, (r, (args, message)) in enumerate(zip(results, cases)):
     assert message in _error(r), (args, _error(r))
-    assert not (tmp_path / "run").exists()
+    assert not (tmp_path / f"run{i}").exists()
 
 
 @pytest.mark.slow
