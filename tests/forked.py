@@ -9,7 +9,8 @@ ends with the status the interpreter would give (``SystemExit``'s code, 1 and th
 exception) after the ``atexit`` functions. Only the environment is shared: JAX reads its variables at import, so
 every command runs in this test process's environment.
 
-  python tests/forked.py < cases.json   (a list of argv lists, each ``["-m", module, ...]`` or ``[script, ...]``)
+  python tests/forked.py < job.json   ({"argvs": [argv, ...], "preload": [module, ...]}, each argv
+                                        ``["-m", module, ...]`` or ``[script, ...]``)
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ PRELOAD = ("jax", "flax.nnx", "optax", "orbax.checkpoint", "grain", "jaxtrain.co
            "jaxtrain.data.prepare", "jaxtrain.sampling")
 
 
-def run_many(argvs: list[list[str]], timeout: float = 300) -> list[subprocess.CompletedProcess]:
-  """``python *argv`` for each argv, in the repository root; returns their exit codes, stdouts and stderrs."""
-  r = subprocess.run([sys.executable, str(pathlib.Path(__file__))], input=json.dumps(argvs), cwd=ROOT,
+def run_many(argvs: list[list[str]], preload: tuple[str, ...] = (), timeout: float = 300
+             ) -> list[subprocess.CompletedProcess]:
+  """``python *argv`` for each argv, in the repository root; returns their exit codes, stdouts and stderrs.
+  ``preload``: more modules to import once (PRELOAD's are), e.g. a library that every command imports."""
+  r = subprocess.run([sys.executable, str(pathlib.Path(__file__))], cwd=ROOT,
+                     input=json.dumps({"argvs": argvs, "preload": [*PRELOAD, *preload]}),
                      capture_output=True, text=True, timeout=timeout,
                      env={**os.environ, "PYTHONPATH": str(ROOT)})
   assert r.returncode == 0, r.stderr[-3000:]
@@ -78,9 +82,10 @@ def _child(argv: list[str], out: str, err: str) -> None:
 
 
 def main() -> None:
-  argvs = json.load(sys.stdin)
-  for name in PRELOAD:
+  job = json.load(sys.stdin)
+  for name in job["preload"]:
     __import__(name)
+  argvs = job["argvs"]
   results = []
   tmp = tempfile.mkdtemp()  # not a TemporaryDirectory: its finalizer is an atexit function, which a fork runs
   try:

@@ -22,7 +22,7 @@ from jaxtrain import models
 from jaxtrain.data import folders, loader, mixture, packing, prepare
 from jaxtrain.train import trainer
 from configs import tiny
-from tests import multiprocess
+from tests import forked, multiprocess
 from tests.conftest import small_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -312,19 +312,27 @@ def other_tokenizer(components, tmp_path_factory):
   return os.fspath(tmp / "data")
 
 
-@pytest.mark.parametrize("args,message", BAD[:COMMAND_LINE], ids=[a[-1].split("=", 1)[1][:40] for a, _ in
-                                                                   BAD[:COMMAND_LINE]])
-def test_bad_mixture_input_is_one_line_exit_2_nothing_written(components, other_tokenizer, tmp_path, args, message):
-  values = {**components, "tmp": os.fspath(tmp_path), "sp": other_tokenizer}
-  args = [a.format(**values) for a in args]
-  r = subprocess.run([sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py",
-                      f"--config.workdir={tmp_path}/run", *args], cwd=ROOT, capture_output=True, text=True,
-                     timeout=300)
+@pytest.fixture(scope="module")
+def command_line_mistakes(components, other_tokenizer, tmp_path_factory):
+  """Per command-line case of BAD: (its values, its workdir, the result), the commands run as forks of one process
+  (tests/forked.py)."""
+  cases = []
+  for args, _ in BAD[:COMMAND_LINE]:
+    tmp = tmp_path_factory.mktemp("mistake")
+    cases.append(({**components, "tmp": os.fspath(tmp), "sp": other_tokenizer}, tmp / "run", args))
+  results = forked.run_many([["-m", "jaxtrain.main", "--config=configs/tiny.py", f"--config.workdir={workdir}",
+                              *(a.format(**values) for a in args)] for values, workdir, args in cases])
+  return [(values, workdir, r) for (values, workdir, _), r in zip(cases, results)]
+
+
+@pytest.mark.parametrize("case", range(COMMAND_LINE), ids=[a[-1].split("=", 1)[1][:40] for a, _ in BAD[:COMMAND_LINE]])
+def test_bad_mixture_input_is_one_line_exit_2_nothing_written(case, command_line_mistakes):
+  message, (values, workdir, r) = BAD[case][1], command_line_mistakes[case]
   errors = [line for line in r.stderr.splitlines() if line.startswith("jaxtrain: error:")]
   assert r.returncode == 2 and len(errors) == 1, r.stderr[-3000:]
   assert message.format(**values) in errors[0], errors[0]
   assert "Traceback" not in r.stderr
-  assert not (tmp_path / "run").exists()  # refused before anything is written
+  assert not workdir.exists()  # refused before anything is written
 
 
 @pytest.mark.parametrize("args,message", BAD[COMMAND_LINE:], ids=[a[-1].split("=", 1)[1][:40] for a, _ in

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jaxtrain.data import loader, prepare
+from tests import forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,6 +143,7 @@ def test_bad_input_fails_the_pipeline_with_the_file_named(tmp_path):
       "field": ({"a.jsonl": good.encode(), "b.jsonl": b'{"body": "x"}\n'}, "b.jsonl:1: no field 'text'"),
       "unreadable": ({"a.jsonl": good.encode()}, "gone.jsonl: cannot be read"),
   }
+  runs = []
   for name, (files, message) in cases.items():
     folder = tmp_path / name
     folder.mkdir()
@@ -152,17 +154,20 @@ def test_bad_input_fails_the_pipeline_with_the_file_named(tmp_path):
     # The first error is raised in a worker process (2 of them: a Beam harness each, seconds to start), the
     # others in-process: the message is the same one line either way.
     workers = 2 if name == "utf8" else 0
-    r = _cli(f"--input={folder}", f"--output={tmp_path / 'out'}", "--runner=FnApiRunner", f"--workers={workers}")
+    runs.append(([f"--input={folder}", "--runner=FnApiRunner", f"--workers={workers}"], message))
+  one = f"--input={tmp_path / 'field' / 'a.jsonl'}"
+  runs += [([one, "--runner=NoSuchRunner"], "--runner: 'NoSuchRunner' is not a usable Beam runner"),
+           ([one, "--", "--project=p"], "--project=p: an extra argument without --runner")]
+  # The commands run as forks of one process that has Beam imported (tests/forked.py).
+  results = forked.run_many([["tools/prepare_data.py", *args[:1], f"--output={tmp_path / 'out'}", *args[1:]]
+                             for args, _ in runs], preload=("apache_beam",))
+  for r, (args, message) in zip(results, runs):
     errors = [line for line in r.stderr.splitlines() if line.startswith("prepare_data: error:")]
-    assert r.returncode == 2 and len(errors) == 1 and message in errors[0], (name, r.stderr[-3000:])
+    assert r.returncode == 2 and len(errors) == 1 and message in errors[0], (args, r.stderr[-3000:])
     assert "Traceback" not in r.stderr
-    assert sorted(p for p in os.listdir(tmp_path) if p != name and p not in cases) == []  # no output, no temp
-  r = _cli(f"--input={tmp_path / 'field' / 'a.jsonl'}", f"--output={tmp_path / 'out'}", "--runner=NoSuchRunner")
-  assert r.returncode == 2 and "prepare_data: error: --runner: 'NoSuchRunner' is not a usable Beam runner" in r.stderr
-  r = _cli(f"--input={tmp_path / 'field' / 'a.jsonl'}", f"--output={tmp_path / 'out'}", "--", "--project=p")
-  assert r.returncode == 2 and "--project=p: an extra argument without --runner" in r.stderr
-  r = _cli(f"--input={tmp_path / 'field' / 'a.jsonl'}", f"--output={tmp_path / 'out'}", "--runner=FnApiRunner",
-           "--near_dup_threshold=0.8", "--eval_fraction=0.1")
+  assert sorted(p for p in os.listdir(tmp_path) if p not in cases) == []  # no output, no temporary folder
+  r = _cli(one, f"--output={tmp_path / 'out'}", "--runner=FnApiRunner", "--near_dup_threshold=0.8",
+           "--eval_fraction=0.1")
   assert r.returncode == 0 and "0 near duplicates removed" in r.stdout, r.stderr[-2000:]
   manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
   assert manifest["documents"] == 30 and manifest["splits"]["eval"]["documents"] >= 1
