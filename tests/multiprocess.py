@@ -26,7 +26,12 @@ PATIENT_COLLECTIVES = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11):
   FAST_COMPILE += " --xla_cpu_use_fusion_emitters=false"
-TEST_XLA_FLAGS = f"{PATIENT_COLLECTIVES} {FAST_COMPILE}"
+# Each simulated device runs its programs on a thread of its own; XLA's CPU backend also splits an op (a matmul) over
+# a pool of threads the size of the machine. With 8 simulated devices and two test workers on 2 cores, those
+# threads only take turns (and spin waiting for their turn): one thread per op costs less. Measured on
+# tests/test_moe.py + tests/test_checkpoint.py, cold: 334 -> 292 CPU-seconds, 200 -> 178 s.
+ONE_THREAD_PER_OP = "--xla_cpu_multi_thread_eigen=false"
+TEST_XLA_FLAGS = f"{PATIENT_COLLECTIVES} {FAST_COMPILE} {ONE_THREAD_PER_OP}"
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -4,9 +4,9 @@ Each command is parsed from the pages (tests/readme.py), never copied here, and 
 copy of the repository as the current folder, with a fresh ``HOME``, none of the test suite's ``XLA_FLAGS`` /
 ``JAX_*`` settings and the configs' default (relative) workdirs. The only changes: ``--config.train.steps=N``
 appended to training commands, to keep them short (and a smaller batch to the launcher's), and, for every command
-after the quick start, XLA's quick CPU compile (``XLA_FLAGS`` = tests/multiprocess.py's FAST_COMPILE, optimization
-level 0; added to the value of a command that sets ``XLA_FLAGS`` itself): it changes how long XLA takes to compile
-a command's program (about a quarter less CPU time), not what the command does. The quick start runs exactly as
+after the quick start, XLA's quick CPU compile and one thread per op (``XLA_FLAGS`` = tests/multiprocess.py's
+FAST_COMPILE, optimization level 0, and ONE_THREAD_PER_OP; added to the value of a command that sets ``XLA_FLAGS``
+itself): they change how much CPU time XLA takes to compile and run a command's program, not what the command does. The quick start runs exactly as
 typed, and its losses are checked to all digits. ``pip install`` runs too, in a new virtualenv that sees the
 already installed dependencies (a ``.pth`` file), so the editable install of the copy is real and the test
 environment's own install is left alone.
@@ -28,7 +28,9 @@ import numpy as np
 import pytest
 
 from tests import readme
-from tests.multiprocess import FAST_COMPILE
+from tests.multiprocess import FAST_COMPILE, ONE_THREAD_PER_OP
+
+QUICK = f"{FAST_COMPILE} {ONE_THREAD_PER_OP}"
 
 pytestmark = pytest.mark.slow  # every command of the docs, from a fresh install
 
@@ -115,13 +117,13 @@ class NewUser:
     pathlib.Path(purelib, "_test_environment.pth").write_text("\n".join(dict.fromkeys(outer)) + "\n")
     self.exact_env = {"HOME": str(self.home), "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
                       "LANG": "C.UTF-8", "TMPDIR": os.environ.get("TMPDIR", "/tmp")}
-    self.env = {**self.exact_env, "XLA_FLAGS": FAST_COMPILE}
+    self.env = {**self.exact_env, "XLA_FLAGS": QUICK}
 
   def run(self, command: str, *extra: str, timeout: float = 600, exact: bool = False) -> subprocess.CompletedProcess:
-    """``exact``: with no XLA_FLAGS at all, as the user typed it. Otherwise XLA_FLAGS is FAST_COMPILE, also where
-    the command sets XLA_FLAGS itself (the simulated devices): FAST_COMPILE is added to its value."""
+    """``exact``: with no XLA_FLAGS at all, as the user typed it. Otherwise XLA_FLAGS is QUICK, also where the
+    command sets XLA_FLAGS itself (the simulated devices): QUICK is added to its value."""
     if not exact:
-      command = re.sub(r"\bXLA_FLAGS=(\S+)", lambda m: f"XLA_FLAGS='{m.group(1)} {FAST_COMPILE}'", command)
+      command = re.sub(r"\bXLA_FLAGS=(\S+)", lambda m: f"XLA_FLAGS='{m.group(1)} {QUICK}'", command)
     result = subprocess.run(["bash", "-c", " ".join([command, *extra])], cwd=self.repo,
                             env=self.exact_env if exact else self.env, capture_output=True, text=True,
                             timeout=timeout)
