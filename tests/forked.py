@@ -9,8 +9,8 @@ ends with the status the interpreter would give (``SystemExit``'s code, 1 and th
 exception) after the ``atexit`` functions. Only the environment is shared: JAX reads its variables at import, so
 every command runs in this test process's environment.
 
-  python tests/forked.py < job.json   ({"argvs": [argv, ...], "preload": [module, ...]}, each argv
-                                        ``["-m", module, ...]`` or ``[script, ...]``)
+  python tests/forked.py < job.json   ({"argvs": [argv, ...], "preload": [module, ...], "timeout": seconds},
+                                        each argv ``["-m", module, ...]`` or ``[script, ...]``)
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import os
 import pathlib
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,7 @@ import traceback
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRELOAD = ("jax", "flax.nnx", "optax", "orbax.checkpoint", "grain", "jaxtrain.config", "jaxtrain.train.trainer",
            "jaxtrain.data.prepare", "jaxtrain.sampling")
+COMMAND_TIMEOUT = 120  # seconds, each command (an error case takes one or two)
 
 
 def run_many(argvs: list[list[str]], preload: tuple[str, ...] = (), timeout: float = 300
@@ -36,7 +38,7 @@ def run_many(argvs: list[list[str]], preload: tuple[str, ...] = (), timeout: flo
   """``python *argv`` for each argv, in the repository root; returns their exit codes, stdouts and stderrs.
   ``preload``: more modules to import once (PRELOAD's are), e.g. a library that every command imports."""
   r = subprocess.run([sys.executable, str(pathlib.Path(__file__))], cwd=ROOT,
-                     input=json.dumps({"argvs": argvs, "preload": [*PRELOAD, *preload]}),
+                     input=json.dumps({"argvs": argvs, "preload": [*PRELOAD, *preload], "timeout": COMMAND_TIMEOUT}),
                      capture_output=True, text=True, timeout=timeout,
                      env={**os.environ, "PYTHONPATH": str(ROOT)})
   assert r.returncode == 0, r.stderr[-3000:]
@@ -55,7 +57,8 @@ def _exit_code(e: SystemExit) -> int:
   return 1
 
 
-def _child(argv: list[str], out: str, err: str) -> None:
+def _child(argv: list[str], out: str, err: str, timeout: int) -> None:
+  signal.alarm(timeout)  # a command that hangs ends (SIGALRM: status -14) instead of holding up the rest
   for fd, path in ((1, out), (2, err)):
     os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
   code = 0
@@ -95,7 +98,7 @@ def main() -> None:
       sys.stderr.flush()
       pid = os.fork()
       if pid == 0:
-        _child(argv, out, err)
+        _child(argv, out, err, job["timeout"])
       _, status = os.waitpid(pid, 0)
       results.append((os.waitstatus_to_exitcode(status), pathlib.Path(out).read_text(),
                       pathlib.Path(err).read_text()))
