@@ -57,10 +57,9 @@ def _exit_code(e: SystemExit) -> int:
   return 1
 
 
-def _child(argv: list[str], out: str, err: str, timeout: int) -> None:
-  signal.alarm(timeout)  # a command that hangs ends (SIGALRM: status -14) instead of holding up the rest
-  for fd, path in ((1, out), (2, err)):
-    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+def _run_as_main(argv: list[str]) -> int:
+  """Runs ``python *argv``'s entry in this process, as ``__main__``; returns the exit status the interpreter would
+  give. Then the ``atexit`` functions run, as at an interpreter's exit."""
   code = 0
   try:
     if argv[0] == "-m":
@@ -76,12 +75,43 @@ def _child(argv: list[str], out: str, err: str, timeout: int) -> None:
   except BaseException:  # noqa: BLE001 - the interpreter's own handling of an uncaught exception
     traceback.print_exc()
     code = 1
+  atexit._run_exitfuncs()
+  return code
+
+
+def _redirect(out: str, err: str) -> None:
+  for fd, path in ((1, out), (2, err)):
+    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+
+
+def _leave(code: int) -> None:
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
+
+
+def _child(argv: list[str], out: str, err: str, timeout: int) -> None:
+  signal.alarm(timeout)  # a command that hangs ends (SIGALRM: status -14) instead of holding up the rest
+  _redirect(out, err)
+  code = 1
   try:
-    atexit._run_exitfuncs()
+    code = _run_as_main(argv)
   finally:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    _leave(code)
+
+
+def run_entry(argv: list[str], env: dict[str, str], err: str) -> None:
+  """The target of a process forked by multiprocessing's forkserver (tests/multiprocess.py): ``python *argv`` in
+  ``env``, in the repository root, stdout discarded and stderr to ``err``."""
+  os.environ.clear()
+  os.environ.update(env)
+  os.chdir(ROOT)
+  _redirect(os.devnull, err)
+  code = 1
+  try:
+    code = _run_as_main(argv)
+  finally:
+    _leave(code)
 
 
 def main() -> None:

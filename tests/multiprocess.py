@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import multiprocessing
 import os
 import pathlib
 import subprocess
@@ -10,6 +11,8 @@ import sys
 import time
 
 import portpicker
+
+from tests import forked
 
 # XLA's CPU collectives abort the process (SIGABRT, "Termination timeout for `all reduce ...` of N seconds exceeded.
 # Exiting to ensure a consistent program state") when a collective's device threads do not all arrive within a
@@ -64,12 +67,50 @@ def run(script: str, args: list[str], num_processes: int = 2, local_devices: int
   return results
 
 
-def _popen(argv: list[str], env: dict[str, str], name: str) -> subprocess.Popen:
+class Forked:
+  """A process of a job, forked by multiprocessing's forkserver, which has jax, flax, orbax, grain and jaxtrain
+  imported (tests/forked.py's PRELOAD): each process of the suite's jobs saves the ~2 CPU-seconds of starting and
+  stopping Python with them. It runs ``python *argv`` as that command would (tests/forked.py ``run_entry``: its
+  own environment, the entry as ``__main__``, the ``atexit`` functions, the interpreter's exit status) and has the
+  part of ``subprocess.Popen``'s interface the tests use: ``pid``, ``poll``, ``wait``, ``returncode`` (minus the
+  signal's number for a killed process), ``send_signal``, ``kill``; its stderr is the file ``err_path``."""
+
+  _context = None
+
+  def __init__(self, argv: list[str], env: dict[str, str], err_path: pathlib.Path):
+    if Forked._context is None:
+      Forked._context = multiprocessing.get_context("forkserver")
+      Forked._context.set_forkserver_preload(list(forked.PRELOAD))
+    self.args, self.err_path = argv, err_path
+    err_path.write_text("")  # there from the start, as a Popen's redirected stderr is
+    self._process = Forked._context.Process(target=forked.run_entry, args=(argv, env, os.fspath(err_path)))
+    self._process.start()
+    self.pid = self._process.pid
+
+  @property
+  def returncode(self) -> int | None:
+    return self._process.exitcode
+
+  def poll(self) -> int | None:
+    return self._process.exitcode
+
+  def wait(self, timeout: float | None = None) -> int:
+    self._process.join(timeout)
+    if self._process.exitcode is None:
+      raise subprocess.TimeoutExpired(self.args, timeout)
+    return self._process.exitcode
+
+  def send_signal(self, sig: int) -> None:
+    if self._process.exitcode is None:
+      os.kill(self.pid, sig)
+
+  def kill(self) -> None:
+    self._process.kill()
+
+
+def _popen(argv: list[str], env: dict[str, str], name: str) -> Forked:
   err_path = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / name
-  with err_path.open("w") as err:
-    p = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
-  p.err_path = err_path
-  return p
+  return Forked(argv, env, err_path)
 
 
 def slurm_env(num_processes: int, process_id: int, port: int) -> dict[str, str]:
