@@ -1,4 +1,6 @@
-"""Many short command-line runs from one Python process: the suite's error cases.
+"""Command-line runs forked from a Python process that has the libraries imported: ``run_many`` for the suite's
+error cases, ``run_entry`` for the processes of multi-process jobs (tests/multiprocess.py ``Forked``, which forks
+them from multiprocessing's forkserver and gives each its own environment).
 
 A command that ends at a user mistake (exit 2, one line) runs for a fraction of a second, but its process pays
 ~2 CPU-seconds to start and stop Python with jax, flax, orbax and grain loaded, and the suite has about 80 of them.
