@@ -1,6 +1,7 @@
 """Command-line runs forked from a Python process that has the libraries imported: ``run_many`` for the suite's
-error cases, ``run_entry`` for the processes of multi-process jobs (tests/multiprocess.py ``Forked``, which forks
-them from multiprocessing's forkserver and gives each its own environment).
+error cases; ``Forked`` (and ``popen`` / ``run``, its ``subprocess``-like faces) for the training runs that tests
+start, kill and restart, and for the processes of multi-process jobs (tests/multiprocess.py): each forked from
+multiprocessing's forkserver, in its own environment.
 
 A command that ends at a user mistake (exit 2, one line) runs for a fraction of a second, but its process pays
 ~2 CPU-seconds to start and stop Python with jax, flax, orbax and grain loaded, and the suite has about 80 of them.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import multiprocessing
 import os
 import pathlib
 import runpy
@@ -68,6 +70,10 @@ def _run_as_main(argv: list[str]) -> int:
       sys.argv = [argv[1], *argv[2:]]  # run_module puts the module's file first, as python -m does
       sys.path[0] = str(ROOT)
       runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+      sys.argv = ["-c", *argv[2:]]
+      sys.path[0] = ""  # python -c looks in the current folder first
+      exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
     else:
       sys.argv = list(argv)
       sys.path[0] = str((ROOT / argv[0]).parent)
@@ -102,18 +108,99 @@ def _child(argv: list[str], out: str, err: str, timeout: int) -> None:
     _leave(code)
 
 
-def run_entry(argv: list[str], env: dict[str, str], err: str) -> None:
-  """The target of a process forked by multiprocessing's forkserver (tests/multiprocess.py): ``python *argv`` in
-  ``env``, in the repository root, stdout discarded and stderr to ``err``."""
+def run_entry(argv: list[str], env: dict[str, str], out: str, err: str, new_session: bool = False) -> None:
+  """The target of a process forked by multiprocessing's forkserver (``Forked``): ``python *argv`` in ``env``, in
+  the repository root, stdout to the file ``out`` and stderr to ``err``; in a session (and process group) of its
+  own if ``new_session``."""
+  if new_session:
+    os.setsid()
   os.environ.clear()
   os.environ.update(env)
   os.chdir(ROOT)
-  _redirect(os.devnull, err)
+  _redirect(out, err)
   code = 1
   try:
     code = _run_as_main(argv)
   finally:
     _leave(code)
+
+
+class Forked:
+  """``python *argv`` as a process forked by multiprocessing's forkserver, which has jax, flax, orbax, grain and
+  jaxtrain imported (PRELOAD): each run saves the ~2 CPU-seconds of starting and stopping Python with them. It runs
+  the command as the interpreter would (``run_entry``: its own environment, the entry as ``__main__``, the
+  ``atexit`` functions, the interpreter's exit status) and has the part of ``subprocess.Popen``'s interface the
+  tests use: ``pid``, ``poll``, ``wait``, ``communicate``, ``returncode`` (minus the signal's number for a killed
+  process), ``send_signal``, ``kill``. Its stdout and stderr are the files ``out_path`` and ``err_path``, there
+  from the start as a Popen's redirected streams are; ``new_session`` is Popen's ``start_new_session``.
+
+  Only what a process reads after it starts is its own: JAX reads its ``JAX_*`` variables at import, in the
+  forkserver, which has the environment of the test process that started it. So the command's ``env`` may differ
+  from the test process's in ``XLA_FLAGS`` (read when the backend starts), paths and the like, not in ``JAX_*``."""
+
+  _context = None
+
+  def __init__(self, argv: list[str], env: dict[str, str], err_path: pathlib.Path,
+               out_path: pathlib.Path | None = None, new_session: bool = False):
+    if Forked._context is None:
+      Forked._context = multiprocessing.get_context("forkserver")
+      Forked._context.set_forkserver_preload(list(PRELOAD))
+    self.args, self.err_path, self.out_path = argv, pathlib.Path(err_path), out_path and pathlib.Path(out_path)
+    self.err_path.write_text("")
+    if self.out_path:
+      self.out_path.write_text("")
+    self._process = Forked._context.Process(
+        target=run_entry,
+        args=(argv, env, os.fspath(self.out_path or os.devnull), os.fspath(self.err_path), new_session))
+    self._process.start()
+    self.pid = self._process.pid
+
+  @property
+  def returncode(self) -> int | None:
+    return self._process.exitcode
+
+  def poll(self) -> int | None:
+    return self._process.exitcode
+
+  def wait(self, timeout: float | None = None) -> int:
+    self._process.join(timeout)
+    if self._process.exitcode is None:
+      raise subprocess.TimeoutExpired(self.args, timeout)
+    return self._process.exitcode
+
+  def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+    """Waits (``subprocess.TimeoutExpired`` after ``timeout`` seconds, the process left running) and returns
+    stdout and stderr."""
+    self.wait(timeout)
+    return self.out_path.read_text() if self.out_path else "", self.err_path.read_text()
+
+  def send_signal(self, sig: int) -> None:
+    if self._process.exitcode is None:
+      os.kill(self.pid, sig)
+
+  def kill(self) -> None:
+    self._process.kill()
+
+
+def popen(argv: list[str], env: dict[str, str] | None = None) -> Forked:
+  """``subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=PIPE, stderr=PIPE)``, forked: ``env`` defaults
+  to this process's environment, with the repository importable."""
+  folder = tempfile.mkdtemp(prefix="jaxtrain-forked-")  # in TMPDIR, a throwaway folder under CI
+  env = {**os.environ, "PYTHONPATH": str(ROOT)} if env is None else env
+  return Forked(argv, env, pathlib.Path(folder, "err"), pathlib.Path(folder, "out"))
+
+
+def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+  """``subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout)``,
+  forked (``popen``): a run still going after ``timeout`` seconds is killed and raises TimeoutExpired."""
+  p = popen(argv, env)
+  try:
+    out, err = p.communicate(timeout)
+  except subprocess.TimeoutExpired:
+    p.kill()
+    p.wait(30)
+    raise
+  return subprocess.CompletedProcess([sys.executable, *argv], p.returncode, out, err)
 
 
 def main() -> None:

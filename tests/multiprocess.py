@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.metadata
-import multiprocessing
 import os
 import pathlib
 import subprocess
@@ -67,50 +66,8 @@ def run(script: str, args: list[str], num_processes: int = 2, local_devices: int
   return results
 
 
-class Forked:
-  """A process of a job, forked by multiprocessing's forkserver, which has jax, flax, orbax, grain and jaxtrain
-  imported (tests/forked.py's PRELOAD): each process of the suite's jobs saves the ~2 CPU-seconds of starting and
-  stopping Python with them. It runs ``python *argv`` as that command would (tests/forked.py ``run_entry``: its
-  own environment, the entry as ``__main__``, the ``atexit`` functions, the interpreter's exit status) and has the
-  part of ``subprocess.Popen``'s interface the tests use: ``pid``, ``poll``, ``wait``, ``returncode`` (minus the
-  signal's number for a killed process), ``send_signal``, ``kill``; its stderr is the file ``err_path``."""
-
-  _context = None
-
-  def __init__(self, argv: list[str], env: dict[str, str], err_path: pathlib.Path):
-    if Forked._context is None:
-      Forked._context = multiprocessing.get_context("forkserver")
-      Forked._context.set_forkserver_preload(list(forked.PRELOAD))
-    self.args, self.err_path = argv, err_path
-    err_path.write_text("")  # there from the start, as a Popen's redirected stderr is
-    self._process = Forked._context.Process(target=forked.run_entry, args=(argv, env, os.fspath(err_path)))
-    self._process.start()
-    self.pid = self._process.pid
-
-  @property
-  def returncode(self) -> int | None:
-    return self._process.exitcode
-
-  def poll(self) -> int | None:
-    return self._process.exitcode
-
-  def wait(self, timeout: float | None = None) -> int:
-    self._process.join(timeout)
-    if self._process.exitcode is None:
-      raise subprocess.TimeoutExpired(self.args, timeout)
-    return self._process.exitcode
-
-  def send_signal(self, sig: int) -> None:
-    if self._process.exitcode is None:
-      os.kill(self.pid, sig)
-
-  def kill(self) -> None:
-    self._process.kill()
-
-
-def _popen(argv: list[str], env: dict[str, str], name: str) -> Forked:
-  err_path = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / name
-  return Forked(argv, env, err_path)
+def _popen(argv: list[str], env: dict[str, str], name: str) -> forked.Forked:
+  return forked.Forked(argv, env, pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / name)
 
 
 def slurm_env(num_processes: int, process_id: int, port: int) -> dict[str, str]:
@@ -190,18 +147,17 @@ _KILL_AT_SAVE = ("import os, runpy, signal, sys; from jaxtrain import checkpoint
 
 
 def main_killed_at_save(step: int, args: list[str], log: pathlib.Path, timeout: float = 300) -> int:
-  """Runs ``python -m jaxtrain.main *args`` (in the repository, output to ``log``) until it SIGKILLs itself about
-  to save ``step``; returns its exit status (-SIGKILL when it was killed there). It runs in its own process group,
-  killed once it is gone: a killed trainer's Grain workers may outlive it for a moment."""
+  """Runs ``python -m jaxtrain.main *args`` (forked, in the repository, stderr to ``log``) until it SIGKILLs itself
+  about to save ``step``; returns its exit status (-SIGKILL when it was killed there). It runs in its own process
+  group, killed once it is gone: a killed trainer's Grain workers may outlive it for a moment."""
   import signal
-  with open(log, "w") as out:
-    p = subprocess.Popen([sys.executable, "-c", _KILL_AT_SAVE, str(step), *args], cwd=ROOT, stdout=out, stderr=out,
-                         start_new_session=True)
+  p = forked.Forked(["-c", _KILL_AT_SAVE, str(step), *args], {**os.environ, "PYTHONPATH": str(ROOT)}, log,
+                    new_session=True)
+  try:
+    p.wait(timeout=timeout)
+  finally:
     try:
-      p.wait(timeout=timeout)
-    finally:
-      try:
-        os.killpg(p.pid, signal.SIGKILL)
-      except ProcessLookupError:
-        pass
+      os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
   return p.returncode

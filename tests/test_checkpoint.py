@@ -28,7 +28,7 @@ from jaxtrain import goodput
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.metrics import read_records
 from jaxtrain.train import trainer
-from tests import multiprocess
+from tests import forked, multiprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # A tiny run on the bundled corpus, every step logged, schedule fixed independently of train.steps.
@@ -37,8 +37,9 @@ BASE = ["--config=configs/tiny.py", "--config.train.log_every=1", "--config.opti
 
 
 def _start(workdir, *args):
-  return subprocess.Popen([sys.executable, "-m", "jaxtrain.main", *BASE, f"--config.workdir={workdir}", *args],
-                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  """``python -m jaxtrain.main`` with BASE and ``args``, started (tests/forked.py: forked from a process with the
+  libraries imported, as every training run of this file)."""
+  return forked.popen(["-m", "jaxtrain.main", *BASE, f"--config.workdir={workdir}", *args])
 
 
 def _run(workdir, *args, timeout=300):
@@ -121,9 +122,7 @@ def test_kills_at_random_moments_resume_exactly(uninterrupted, tmp_path):
     before, logged = _committed(tmp_path), len(_logged_steps(tmp_path))
     if kill == 2:  # killed inside the save of the next even step
       in_save = max(before, default=0) + 2
-      p = subprocess.Popen([sys.executable, "-c", _KILL_IN_SAVE_MAIN, str(in_save), *BASE,
-                            f"--config.workdir={tmp_path}", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+      p = forked.popen(["-c", _KILL_IN_SAVE_MAIN, str(in_save), *BASE, f"--config.workdir={tmp_path}", *args])
       _, err = p.communicate(timeout=300)
       assert p.returncode == -signal.SIGKILL, err[-2000:]
       assert in_save in _logged_steps(tmp_path) and in_save not in _committed(tmp_path)
@@ -399,9 +398,8 @@ _BROKEN_SAVE_MAIN = ("import runpy, sys; from jaxtrain import checkpoint as c; s
 
 
 def test_save_failing_for_another_reason_is_reported_as_a_bug_not_a_disk_problem(tmp_path):
-  p = subprocess.run([sys.executable, "-c", _BROKEN_SAVE_MAIN, *BASE, f"--config.workdir={tmp_path}",
-                      "--config.train.steps=2", "--config.checkpoint.verify=false"],  # fingerprints need arrays
-                     cwd=ROOT, capture_output=True, text=True, timeout=300)
+  p = forked.run(["-c", _BROKEN_SAVE_MAIN, *BASE, f"--config.workdir={tmp_path}", "--config.train.steps=2",
+                  "--config.checkpoint.verify=false"])  # fingerprints need arrays
   errors = [line for line in p.stderr.splitlines() if line.startswith("jaxtrain: error:")]
   assert p.returncode == 1 and len(errors) == 1, p.stderr[-3000:]
   assert errors[0] == (f"jaxtrain: error: {tmp_path / 'checkpoints'}: saving a checkpoint failed (ValueError: "
@@ -634,8 +632,7 @@ def test_two_processes_save_restore_and_continue(tmp_path):
 def test_inspect_checkpoint_lists_steps_meta_and_tensors(make_config, tmp_path):
   config = _config(make_config, tmp_path)
   trainer.train(config)
-  r = subprocess.run([sys.executable, "tools/inspect_checkpoint.py", str(tmp_path), "--json"], cwd=ROOT,
-                     capture_output=True, text=True, timeout=120)
+  r = forked.run(["tools/inspect_checkpoint.py", str(tmp_path), "--json"], timeout=120)
   assert r.returncode == 0, r.stderr[-2000:]
   info = json.loads(r.stdout)
   assert info["steps"] == [5, 10] and info["step"] == 10
@@ -645,8 +642,7 @@ def test_inspect_checkpoint_lists_steps_meta_and_tensors(make_config, tmp_path):
   assert tensors["params/lm_head/kernel"]["bytes"] == 64 * 256 * 4
   report = trainer.report(trainer.build(config))
   assert info["total_bytes"] == report["param_bytes_total"] + report["opt_bytes_total"] + 4  # + step
-  table = subprocess.run([sys.executable, "tools/inspect_checkpoint.py", str(tmp_path)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+  table = forked.run(["tools/inspect_checkpoint.py", str(tmp_path)], timeout=120)
   assert "steps 5, 10" in table.stdout and "params/lm_head/kernel" in table.stdout
 
 

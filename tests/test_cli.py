@@ -16,9 +16,13 @@ from tests import forked, readme
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _run(*args, timeout=300, env=None):
-  """``python -m jaxtrain.main *args``, in the tests' environment or ``env``."""
+def _run(*args, timeout=300, env=None, fork=True):
+  """``python -m jaxtrain.main *args``, in the tests' environment or ``env``; forked from a process with the
+  libraries imported (tests/forked.py) unless ``fork`` is false: a fresh interpreter, for an ``env`` whose
+  ``JAX_*`` variables differ from the tests' (JAX reads them at import)."""
   env = {**(os.environ if env is None else env), "PYTHONPATH": str(ROOT)}
+  if fork:
+    return forked.run(["-m", "jaxtrain.main", *args], env=env, timeout=timeout)
   return subprocess.run([sys.executable, "-m", "jaxtrain.main", *args], cwd=ROOT, capture_output=True,
                         text=True, timeout=timeout, env=env)
 
@@ -133,7 +137,7 @@ def test_the_same_command_again_loads_its_step_from_the_compilation_cache(tmp_pa
   env.update(HOME=str(tmp_path / "home"), JAX_DEBUG_LOG_MODULES="jax._src.compiler")
   cache = tmp_path / "home" / ".cache" / "jaxtrain" / "xla"
   small = [TINY, "--config.train.steps=2", "--config.train.global_batch_size=8", "--config.data.seq_len=64"]
-  runs = [_run(*small, f"--config.workdir={tmp_path / workdir}", env=env) for workdir in ("first", "again")]
+  runs = [_run(*small, f"--config.workdir={tmp_path / workdir}", env=env, fork=False) for workdir in ("first", "again")]
   for r in runs:
     assert r.returncode == 0, r.stderr[-3000:]
   assert "PERSISTENT COMPILATION CACHE MISS for 'jit_train_step'" in runs[0].stderr, runs[0].stderr[-3000:]

@@ -5,8 +5,6 @@ import hashlib
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import grain
 import jax
@@ -307,8 +305,7 @@ def _corpus(folder: pathlib.Path, duplicates: int) -> int:
 
 
 def _prepare_cli(*args, timeout=300):
-  return subprocess.run([sys.executable, "tools/prepare_data.py", *args], cwd=ROOT, capture_output=True,
-                        text=True, timeout=timeout)
+  return forked.run(["tools/prepare_data.py", *args], timeout=timeout)
 
 
 def test_prepare_removes_duplicates_and_is_deterministic(tmp_path):
@@ -408,8 +405,7 @@ def test_prepare_bad_inputs(tmp_path):
 
 
 def _main(*args):
-  return subprocess.run([sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py", *args], cwd=ROOT,
-                        capture_output=True, text=True, timeout=300)
+  return forked.run(["-m", "jaxtrain.main", "--config=configs/tiny.py", *args])
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import types
 
@@ -26,7 +25,7 @@ import pytest
 
 from jaxtrain import distributed, exits
 from jaxtrain.metrics import read_records
-from tests import multiprocess
+from tests import forked, multiprocess
 
 pytestmark = pytest.mark.slow  # multi-process jobs
 
@@ -335,11 +334,9 @@ def test_peer_watch_names_a_silent_peer_after_the_timeout_and_not_one_that_finis
 
 
 def test_unreachable_coordinator_is_a_clear_error(tmp_path):
-  r = subprocess.run([sys.executable, "-m", "jaxtrain.main", *ARGS, f"--config.workdir={tmp_path}",
-                      "--config.distributed.coordinator_address=127.0.0.1:1", "--config.distributed.num_processes=2",
-                      "--config.distributed.process_id=1", "--config.distributed.timeout_s=5"],
-                     cwd=ROOT, capture_output=True, text=True, timeout=120,
-                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+  r = forked.run(["-m", "jaxtrain.main", *ARGS, f"--config.workdir={tmp_path}",
+                  "--config.distributed.coordinator_address=127.0.0.1:1", "--config.distributed.num_processes=2",
+                  "--config.distributed.process_id=1", "--config.distributed.timeout_s=5"], timeout=120)
   errors = [line for line in r.stderr.splitlines() if line.startswith("jaxtrain: error:")]
   assert r.returncode == 2 and len(errors) == 1, r.stderr[-2000:]
   assert "could not join the job at 127.0.0.1:1 within 5s" in errors[0]
@@ -583,9 +580,8 @@ def _llama_params(m) -> int:
 
 def test_dry_run_compiles_and_reports_without_training(tmp_path):
   from jaxtrain.data import batch as batch_lib
-  r = subprocess.run([sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py", "--config.dry_run=true",
-                      f"--config.workdir={tmp_path / 'dry'}"], cwd=ROOT, capture_output=True, text=True,
-                     timeout=300)
+  r = forked.run(["-m", "jaxtrain.main", "--config=configs/tiny.py", "--config.dry_run=true",
+                  f"--config.workdir={tmp_path / 'dry'}"])
   assert r.returncode == 0, r.stderr[-2000:]
   info = json.loads(r.stdout.strip().splitlines()[-1])
   c = _estimate_module().load_config("configs/tiny.py", [])

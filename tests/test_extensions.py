@@ -4,8 +4,6 @@ pipelined with no file under jaxtrain/ edited for it; its FLOPs, auxiliary loss 
 import json
 import math
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +17,7 @@ from jaxtrain.config import ConfigError, base_config
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.metrics import read_records
 from jaxtrain.train import trainer
-from tests import gpt2_family  # noqa: F401 - registers the family "gpt2"
+from tests import forked, gpt2_family  # noqa: F401 - gpt2_family registers the family "gpt2"
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -117,19 +115,15 @@ def test_command_line_picks_the_family_and_its_keys(tmp_path):
   config_file = tmp_path / "with_gpt2.py"
   config_file.write_text("from tests import gpt2_family  # noqa: F401\nfrom configs import tiny\n\n\n"
                          "def get_config():\n  return tiny.get_config()\n")
-  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": os.environ["XLA_FLAGS"]}
-  base = [sys.executable, "-m", "jaxtrain.main", f"--config={config_file}", "--config.model.name=gpt2"]
-  ok = subprocess.run(base + ["--config.model.n_positions=128", "--config.model.num_layers=2", "--config.dry_run=True",
-                              f"--config.workdir={tmp_path / 'run'}"], env=env, capture_output=True, text=True,
-                      cwd=ROOT, timeout=300)
+  base = ["-m", "jaxtrain.main", f"--config={config_file}", "--config.model.name=gpt2"]
+  ok = forked.run(base + ["--config.model.n_positions=128", "--config.model.num_layers=2", "--config.dry_run=True",
+                          f"--config.workdir={tmp_path / 'run'}"])
   assert ok.returncode == 0, ok.stderr[-2000:]
   info = [line for line in ok.stdout.splitlines() if line.startswith("{")]
   params = json.loads(info[-1])["params"]
   # GPT-2's defaults for every model key the command line left alone (tiny.py's Llama sizes are gone with its group)
   assert params == _gpt2_params(gpt2_family.defaults() | {"n_positions": 128, "num_layers": 2}, vocab=256)
-  bad = subprocess.run(base + ["--config.model.num_kv_heads=2"], env=env, capture_output=True, text=True,
-                       cwd=ROOT, timeout=300)
+  bad = forked.run(base + ["--config.model.num_kv_heads=2"])
   assert bad.returncode == 2
   assert bad.stderr.strip().splitlines()[-1].startswith("jaxtrain: error: model.num_kv_heads: unknown config key")
 

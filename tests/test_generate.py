@@ -3,10 +3,7 @@ equal a full recompute at every step, sampling is reproducible, a sharded mesh g
 command line prints completions (one line and exit 2 for mistakes), and training logs samples."""
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -208,8 +205,7 @@ def test_greedy_equals_transformers_generate(tmp_path):
 
 
 def _cli(*args, timeout=300):
-  return subprocess.run([sys.executable, "-m", "jaxtrain.generate", *args], cwd=ROOT, capture_output=True, text=True,
-                        timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+  return forked.run(["-m", "jaxtrain.generate", *args], timeout=timeout)
 
 
 @pytest.fixture(scope="module")

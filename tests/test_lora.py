@@ -7,8 +7,6 @@ import itertools
 import math
 import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +19,7 @@ from jaxtrain.config import ConfigError, base_config, validate_values
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.models import lora
 from jaxtrain.train import trainer
+from tests import forked
 from tests.conftest import small_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -237,10 +236,8 @@ def test_bad_lora_config_is_a_config_error(key, value, message):
 
 
 def test_bad_lora_target_on_the_command_line_is_one_line(tmp_path):
-  result = subprocess.run([sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py",
-                           "--config.model.lora.rank=8", "--config.model.lora.targets=q,proj",
-                           f"--config.workdir={tmp_path}/run"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+  result = forked.run(["-m", "jaxtrain.main", "--config=configs/tiny.py", "--config.model.lora.rank=8",
+                       "--config.model.lora.targets=q,proj", f"--config.workdir={tmp_path}/run"])
   errors = [line for line in result.stderr.splitlines() if line.startswith("jaxtrain: error:")]
   assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
   assert "model.lora.targets: 'proj' names no kernel of this model" in errors[0]

@@ -8,7 +8,6 @@ import os
 import pathlib
 import random
 import signal
-import subprocess
 import sys
 
 import jax
@@ -368,8 +367,7 @@ def test_sigkills_at_random_steps_resume_to_the_uninterrupted_batches_and_losses
           f"code={components['code']}:0.5", f"--config.data.mixture_stages={boundary}:web=0.9,code=0.1",
           "--config.data.seq_len=64", f"--config.train.steps={steps}", "--config.train.log_every=1",
           "--config.checkpoint.every_steps=1", "--config.metrics.tensorboard=False"]
-  r = subprocess.run([sys.executable, "-m", "jaxtrain.main", *args, f"--config.workdir={tmp_path / 'a'}"],
-                     cwd=ROOT, capture_output=True, text=True, timeout=300)
+  r = forked.run(["-m", "jaxtrain.main", *args, f"--config.workdir={tmp_path / 'a'}"])
   assert r.returncode == 0, r.stderr[-3000:]
   # Three kills at steps drawn at random (seeded, so a failure reproduces: 5, 9, 11); each run resumes from the
   # step before its kill and is killed again further on; one run is killed after crossing the stage boundary.
@@ -380,8 +378,7 @@ def test_sigkills_at_random_steps_resume_to_the_uninterrupted_batches_and_losses
     code = multiprocess.main_killed_at_save(kill, [*args, f"--config.workdir={tmp_path / 'b'}"],
                                             tmp_path / "killed.log")
     assert code == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
-  r = subprocess.run([sys.executable, "-m", "jaxtrain.main", *args, f"--config.workdir={tmp_path / 'b'}"],
-                     cwd=ROOT, capture_output=True, text=True, timeout=300)
+  r = forked.run(["-m", "jaxtrain.main", *args, f"--config.workdir={tmp_path / 'b'}"])
   assert r.returncode == 0 and f"resumed from checkpoint step {kills[-1] - 1}" in r.stderr, r.stderr[-3000:]
   want, got = _records(tmp_path / "a"), _records(tmp_path / "b")
   assert sorted(want) == list(range(1, steps + 1))

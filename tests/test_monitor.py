@@ -5,8 +5,6 @@ import json
 import os
 import pathlib
 import re
-import subprocess
-import sys
 import threading
 
 import grain
@@ -22,6 +20,7 @@ from jaxtrain.data import loader, prepare
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.metrics import read_records
 from jaxtrain.train import loop, trainer
+from tests import forked
 from tests.conftest import count_dispatched_steps
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -181,8 +180,7 @@ DIVERGING = ["--config=configs/tiny.py", "--config.train.global_batch_size=8", "
 
 
 def _main(*args):
-  return subprocess.run([sys.executable, "-m", "jaxtrain.main", *DIVERGING, *args], cwd=ROOT, capture_output=True,
-                        text=True, timeout=300)
+  return forked.run(["-m", "jaxtrain.main", *DIVERGING, *args])  # forked from a process with jax imported
 
 
 @pytest.mark.slow
@@ -429,10 +427,8 @@ def test_watchdog_thread_fires_once_a_step_overruns_the_default_limit():
 
 @pytest.mark.slow
 def test_watchdog_dumps_stacks_and_exits_nonzero(tmp_path):
-  env = {**os.environ, "PYTHONPATH": str(ROOT)}
   # The worker's data hangs before step 7 with monitor.watchdog_timeout_s=6 (its steps take well under that).
-  r = subprocess.run([sys.executable, "tests/stall_worker.py", str(tmp_path), "6"], cwd=ROOT, env=env,
-                     capture_output=True, text=True, timeout=300)
+  r = forked.run(["tests/stall_worker.py", str(tmp_path), "6"])
   err = r.stderr
   assert r.returncode == monitor.Watchdog.EXIT_CODE, err[-3000:]
   stalled, fired = err.find("STALLING"), err.find("jaxtrain: watchdog: no step finished for ")
@@ -476,8 +472,8 @@ def test_plot_metrics_draws_the_logged_values(make_config, tmp_path):
     if key == "loss":
       expected["resumed (eval)"] = ([2, 3], [3.25, 2.75])
     assert _plotted(ax) == expected
-  r = subprocess.run([sys.executable, "tools/plot_metrics.py", config.workdir, str(resumed),
-                      f"--out={tmp_path / 'plot.png'}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  r = forked.run(["tools/plot_metrics.py", config.workdir, str(resumed), f"--out={tmp_path / 'plot.png'}"],
+                 timeout=120)
   assert r.returncode == 0, r.stderr[-2000:]
   import matplotlib.image
   assert matplotlib.image.imread(tmp_path / "plot.png").shape == (800, 1200, 4)  # the figure, 12 x 8 in at 100 dpi

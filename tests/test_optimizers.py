@@ -2,10 +2,7 @@
 laid out like the params (factored moments too), and tools/estimate.py predicts its bytes to the byte."""
 
 import math
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -15,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import metrics, optim
 from jaxtrain.config import ConfigError, base_config
+from tests import forked
 from tests.conftest import small_config
 from tests.test_distributed import _estimate_module  # one loader: tools/estimate.py defines absl flags
 
@@ -23,8 +21,7 @@ NEW = ["lion", "adafactor", "muon"]
 
 
 def _cli(*args):
-  return subprocess.run([sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py", *args], cwd=ROOT,
-                        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+  return forked.run(["-m", "jaxtrain.main", "--config=configs/tiny.py", *args])
 
 
 def _wsd(step, lr=1.0, warmup=5, horizon=20, fraction=0.2, end=0.1):

@@ -6,8 +6,6 @@ import os
 import pathlib
 import re
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -163,8 +161,7 @@ def test_two_processes_read_disjoint_documents(jsonl, tmp_path):
 
 
 def _main(*args, timeout=300):
-  return subprocess.run([sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py", *args], cwd=ROOT,
-                        capture_output=True, text=True, timeout=timeout)
+  return forked.run(["-m", "jaxtrain.main", "--config=configs/tiny.py", *args], timeout=timeout)
 
 
 def _error(r) -> str:

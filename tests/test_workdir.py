@@ -14,6 +14,7 @@ import time
 import pytest
 
 from jaxtrain import workdir as workdir_lib
+from tests import forked
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BASE = ["--config=configs/tiny.py", "--config.train.log_every=1", "--config.optim.decay_steps=40",
@@ -21,16 +22,15 @@ BASE = ["--config=configs/tiny.py", "--config.train.log_every=1", "--config.opti
 
 
 def _start(workdir, *args):
-  return subprocess.Popen([sys.executable, "-m", "jaxtrain.main", *BASE, f"--config.workdir={workdir}", *args],
-                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  return forked.popen(["-m", "jaxtrain.main", *BASE, f"--config.workdir={workdir}", *args])
 
 
-def _wait_for(path: pathlib.Path, process: subprocess.Popen, timeout: float = 300):
+def _wait_for(path: pathlib.Path, process: forked.Forked, timeout: float = 300):
   """Until ``path`` exists (an event of the run), failing if the run ends first or the bound passes."""
   deadline = time.monotonic() + timeout
   while not path.exists():
     if process.poll() is not None:
-      pytest.fail(f"the run ended (code {process.returncode}) before {path} appeared: {process.stderr.read()[-3000:]}")
+      pytest.fail(f"the run ended (code {process.returncode}) before {path} appeared: {process.err_path.read_text()[-3000:]}")
     assert time.monotonic() < deadline, f"{path} did not appear within {timeout}s"
     time.sleep(0.1)
 
@@ -48,8 +48,7 @@ def test_second_run_on_a_live_workdir_is_refused_and_the_first_finishes(tmp_path
     before = _files(tmp_path)
     lock = json.loads((tmp_path / "run.lock").read_text())
     assert lock["pid"] == first.pid and lock["host"] == socket.gethostname()
-    second = subprocess.run([sys.executable, "-m", "jaxtrain.main", *BASE, f"--config.workdir={tmp_path}",
-                             "--config.train.steps=30"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    second = forked.run(["-m", "jaxtrain.main", *BASE, f"--config.workdir={tmp_path}", "--config.train.steps=30"])
     errors = [line for line in second.stderr.splitlines() if line.startswith("jaxtrain: error:")]
     assert second.returncode == 2 and len(errors) == 1, second.stderr[-3000:]
     assert errors[0] == (f"jaxtrain: error: {tmp_path}: another run is using this workdir (host "
@@ -77,9 +76,8 @@ def test_lock_of_a_killed_run_is_taken_over_and_the_restart_resumes(tmp_path):
   first.communicate(timeout=60)
   assert json.loads((tmp_path / "run.lock").read_text())["pid"] == first.pid  # left behind
   saved = max(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
-  restart = subprocess.run([sys.executable, "-m", "jaxtrain.main", *BASE, f"--config.workdir={tmp_path}",
-                            f"--config.train.steps={saved + 2}"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300)
+  restart = forked.run(["-m", "jaxtrain.main", *BASE, f"--config.workdir={tmp_path}",
+                        f"--config.train.steps={saved + 2}"])
   assert restart.returncode == 0, restart.stderr[-3000:]
   assert f"the run that held it (host {socket.gethostname()}, PID {first.pid}, since" in restart.stderr
   assert "is gone; taking over" in restart.stderr
