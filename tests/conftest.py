@@ -3,10 +3,10 @@
 import os
 import tempfile
 
-from tests.multiprocess import TEST_XLA_FLAGS
+from tests.xla_flags import TEST_XLA_FLAGS
 
 # TEST_XLA_FLAGS: no SIGABRT when a simulated device's thread runs late under load, and a faster compile of the
-# tests' tiny programs (tests/multiprocess.py).
+# tests' tiny programs (tests/xla_flags.py).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 "
                            + TEST_XLA_FLAGS).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"

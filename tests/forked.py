@@ -31,6 +31,8 @@ import sys
 import tempfile
 import traceback
 
+from tests.xla_flags import RUN_FLAGS
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRELOAD = ("jax", "flax.nnx", "optax", "orbax.checkpoint", "grain", "jaxtrain.config", "jaxtrain.train.trainer",
            "jaxtrain.data.prepare", "jaxtrain.sampling")
@@ -182,17 +184,23 @@ class Forked:
     self._process.kill()
 
 
+def run_env(env: dict[str, str] | None = None) -> dict[str, str]:
+  """``env`` (default: this process's environment) for a training run started as a process: the repository
+  importable and tests/xla_flags.py's RUN_FLAGS added to its ``XLA_FLAGS`` (the later flag wins)."""
+  env = dict(os.environ if env is None else env)
+  return {**env, "PYTHONPATH": str(ROOT), "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} {RUN_FLAGS}".strip()}
+
+
 def popen(argv: list[str], env: dict[str, str] | None = None) -> Forked:
-  """``subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=PIPE, stderr=PIPE)``, forked: ``env`` defaults
-  to this process's environment, with the repository importable."""
+  """``subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=PIPE, stderr=PIPE, env=run_env(env))``,
+  forked."""
   folder = tempfile.mkdtemp(prefix="jaxtrain-forked-")  # in TMPDIR, a throwaway folder under CI
-  env = {**os.environ, "PYTHONPATH": str(ROOT)} if env is None else env
-  return Forked(argv, env, pathlib.Path(folder, "err"), pathlib.Path(folder, "out"))
+  return Forked(argv, run_env(env), pathlib.Path(folder, "err"), pathlib.Path(folder, "out"))
 
 
 def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-  """``subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout)``,
-  forked (``popen``): a run still going after ``timeout`` seconds is killed and raises TimeoutExpired."""
+  """``subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+  env=run_env(env))``, forked (``popen``): a run still going after ``timeout`` seconds is killed and raises TimeoutExpired."""
   p = popen(argv, env)
   try:
     out, err = p.communicate(timeout)

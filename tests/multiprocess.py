@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import pathlib
 import subprocess
@@ -12,28 +11,7 @@ import time
 import portpicker
 
 from tests import forked
-
-# XLA's CPU collectives abort the process (SIGABRT, "Termination timeout for `all reduce ...` of N seconds exceeded.
-# Exiting to ensure a consistent program state") when a collective's device threads do not all arrive within a
-# fixed timeout. Simulated devices share 2 cores here, with other test processes beside them: a thread can fall that
-# far behind with nothing wrong (the intermittent SIGABRT seen under load). Every test process (tests/conftest.py)
-# and every worker started here waits as long as the tests' own bounds instead.
-PATIENT_COLLECTIVES = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
-# The tests' programs are tiny: compiling them costs far more than running them, and most of the compile time is
-# LLVM optimizing the generated CPU code. Without its expensive passes and at optimization level 0 a test compiles
-# in about 70% of the time (tests/test_moe.py + tests/test_context.py: 260 s -> 184 s on 2 cores), computing the
-# same values (XLA's HLO passes, which decide what is computed, are unchanged). Where jaxlib still has the
-# elemental emitters (0.10; 0.12 has only the fusion emitters and aborts on the flag), they cost less again:
-# tests/test_moe.py + tests/test_checkpoint.py, 366 s -> 261 s on 2 cores.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-if tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11):
-  FAST_COMPILE += " --xla_cpu_use_fusion_emitters=false"
-# Each simulated device runs its programs on a thread of its own; XLA's CPU backend also splits an op (a matmul) over
-# a pool of threads the size of the machine. With 8 simulated devices and two test workers on 2 cores, those
-# threads only take turns (and spin waiting for their turn): one thread per op costs less. Measured on
-# tests/test_moe.py + tests/test_checkpoint.py, cold: 334 -> 292 CPU-seconds, 200 -> 178 s.
-ONE_THREAD_PER_OP = "--xla_cpu_multi_thread_eigen=false"
-TEST_XLA_FLAGS = f"{PATIENT_COLLECTIVES} {FAST_COMPILE} {ONE_THREAD_PER_OP}"
+from tests.xla_flags import TEST_XLA_FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -151,7 +129,7 @@ def main_killed_at_save(step: int, args: list[str], log: pathlib.Path, timeout: 
   about to save ``step``; returns its exit status (-SIGKILL when it was killed there). It runs in its own process
   group, killed once it is gone: a killed trainer's Grain workers may outlive it for a moment."""
   import signal
-  p = forked.Forked(["-c", _KILL_AT_SAVE, str(step), *args], {**os.environ, "PYTHONPATH": str(ROOT)}, log,
+  p = forked.Forked(["-c", _KILL_AT_SAVE, str(step), *args], forked.run_env(), log,
                     new_session=True)
   try:
     p.wait(timeout=timeout)

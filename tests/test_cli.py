@@ -17,14 +17,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _run(*args, timeout=300, env=None, fork=True):
-  """``python -m jaxtrain.main *args``, in the tests' environment or ``env``; forked from a process with the
-  libraries imported (tests/forked.py) unless ``fork`` is false: a fresh interpreter, for an ``env`` whose
-  ``JAX_*`` variables differ from the tests' (JAX reads them at import)."""
-  env = {**(os.environ if env is None else env), "PYTHONPATH": str(ROOT)}
+  """``python -m jaxtrain.main *args``, in the tests' environment or ``env`` (a training run's: tests/forked.py
+  ``run_env``); forked from a process with the libraries imported unless ``fork`` is false: a fresh interpreter,
+  for an ``env`` whose ``JAX_*`` variables differ from the tests' (JAX reads them at import)."""
   if fork:
     return forked.run(["-m", "jaxtrain.main", *args], env=env, timeout=timeout)
   return subprocess.run([sys.executable, "-m", "jaxtrain.main", *args], cwd=ROOT, capture_output=True,
-                        text=True, timeout=timeout, env=env)
+                        text=True, timeout=timeout, env=forked.run_env(env))
 
 
 TINY = "--config=configs/tiny.py"
@@ -113,12 +112,8 @@ def test_three_steps_of_every_cpu_config(config, tmp_path):
   """--config.train.steps=3 shortens any config (its warmup is clipped) and ends with a checkpoint. The 50M model
   trains on 8 x 64 tokens a step, not its own 16 x 256 (1.2 TFLOP a step, about 20 s each here)."""
   shorter = ["--config.train.global_batch_size=8", "--config.data.seq_len=64"] if config == "configs/cpu_50m.py" else []
-  # The tests' XLA optimization level 0 makes the 50M model's elementwise optimizer update take seconds a step;
-  # at level 1 its 3 steps cost 28 CPU-seconds, not 42 (the later flag wins).
-  level_1 = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"] + " --xla_backend_optimization_level=1"}
-  env = level_1 if shorter else None
   result = _run(f"--config={config}", "--config.train.steps=3", "--config.train.log_every=1", *shorter,
-                f"--config.workdir={tmp_path}", env=env)
+                f"--config.workdir={tmp_path}")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "is longer than the 3-step schedule" in result.stderr
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from tests import readme
-from tests.multiprocess import FAST_COMPILE, ONE_THREAD_PER_OP
+from tests.xla_flags import FAST_COMPILE, ONE_THREAD_PER_OP
 
 QUICK = f"{FAST_COMPILE} {ONE_THREAD_PER_OP}"
 
