@@ -100,14 +100,19 @@ def _leave(code: int) -> None:
   os._exit(code)
 
 
-def _child(argv: list[str], out: str, err: str, timeout: int) -> None:
-  signal.alarm(timeout)  # a command that hangs ends (SIGALRM: status -14) instead of holding up the rest
+def _run_and_leave(argv: list[str], out: str, err: str) -> None:
+  """In a forked process: ``python *argv`` with stdout to the file ``out`` and stderr to ``err``, then the exit."""
   _redirect(out, err)
   code = 1
   try:
     code = _run_as_main(argv)
   finally:
     _leave(code)
+
+
+def _child(argv: list[str], out: str, err: str, timeout: int) -> None:
+  signal.alarm(timeout)  # a command that hangs ends (SIGALRM: status -14) instead of holding up the rest
+  _run_and_leave(argv, out, err)
 
 
 def run_entry(argv: list[str], env: dict[str, str], out: str, err: str, new_session: bool = False) -> None:
@@ -119,12 +124,7 @@ def run_entry(argv: list[str], env: dict[str, str], out: str, err: str, new_sess
   os.environ.clear()
   os.environ.update(env)
   os.chdir(ROOT)
-  _redirect(out, err)
-  code = 1
-  try:
-    code = _run_as_main(argv)
-  finally:
-    _leave(code)
+  _run_and_leave(argv, out, err)
 
 
 class Forked:
