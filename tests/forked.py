@@ -208,6 +208,9 @@ def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 300
     p.kill()
     p.wait(30)
     raise
+  finally:
+    if p.poll() is not None:
+      shutil.rmtree(p.err_path.parent)  # popen's folder: the output is read
   return subprocess.CompletedProcess([sys.executable, *argv], p.returncode, out, err)
 
 
