@@ -200,7 +200,8 @@ def popen(argv: list[str], env: dict[str, str] | None = None) -> Forked:
 
 def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
   """``subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-  env=run_env(env))``, forked (``popen``): a run still going after ``timeout`` seconds is killed and raises TimeoutExpired."""
+  env=run_env(env))``, forked (``popen``): a run still going after ``timeout`` seconds is killed and raises
+  TimeoutExpired."""
   p = popen(argv, env)
   try:
     out, err = p.communicate(timeout)

@@ -129,8 +129,7 @@ def main_killed_at_save(step: int, args: list[str], log: pathlib.Path, timeout: 
   about to save ``step``; returns its exit status (-SIGKILL when it was killed there). It runs in its own process
   group, killed once it is gone: a killed trainer's Grain workers may outlive it for a moment."""
   import signal
-  p = forked.Forked(["-c", _KILL_AT_SAVE, str(step), *args], forked.run_env(), log,
-                    new_session=True)
+  p = forked.Forked(["-c", _KILL_AT_SAVE, str(step), *args], forked.run_env(), log, new_session=True)
   try:
     p.wait(timeout=timeout)
   finally:

@@ -132,7 +132,8 @@ def test_the_same_command_again_loads_its_step_from_the_compilation_cache(tmp_pa
   env.update(HOME=str(tmp_path / "home"), JAX_DEBUG_LOG_MODULES="jax._src.compiler")
   cache = tmp_path / "home" / ".cache" / "jaxtrain" / "xla"
   small = [TINY, "--config.train.steps=2", "--config.train.global_batch_size=8", "--config.data.seq_len=64"]
-  runs = [_run(*small, f"--config.workdir={tmp_path / workdir}", env=env, fork=False) for workdir in ("first", "again")]
+  runs = [_run(*small, f"--config.workdir={tmp_path / workdir}", env=env, fork=False)
+          for workdir in ("first", "again")]
   for r in runs:
     assert r.returncode == 0, r.stderr[-3000:]
   assert "PERSISTENT COMPILATION CACHE MISS for 'jit_train_step'" in runs[0].stderr, runs[0].stderr[-3000:]

@@ -17,7 +17,8 @@ from jaxtrain.config import ConfigError, base_config
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.metrics import read_records
 from jaxtrain.train import trainer
-from tests import forked, gpt2_family  # noqa: F401 - gpt2_family registers the family "gpt2"
+from tests import forked
+from tests import gpt2_family  # noqa: F401 - registers the family "gpt2"
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

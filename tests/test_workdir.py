@@ -30,7 +30,8 @@ def _wait_for(path: pathlib.Path, process: forked.Forked, timeout: float = 300):
   deadline = time.monotonic() + timeout
   while not path.exists():
     if process.poll() is not None:
-      pytest.fail(f"the run ended (code {process.returncode}) before {path} appeared: {process.err_path.read_text()[-3000:]}")
+      pytest.fail(f"the run ended (code {process.returncode}) before {path} appeared: "
+                  f"{process.err_path.read_text()[-3000:]}")
     assert time.monotonic() < deadline, f"{path} did not appear within {timeout}s"
     time.sleep(0.1)
 

@@ -7,7 +7,8 @@ import importlib.metadata
 # Exiting to ensure a consistent program state") when a collective's device threads do not all arrive within a
 # fixed timeout. Simulated devices share 2 cores here, with other test processes beside them: a thread can fall that
 # far behind with nothing wrong (the intermittent SIGABRT seen under load). Every test process (tests/conftest.py)
-# and every worker started here waits as long as the tests' own bounds instead.
+# and every process the tests start (tests/multiprocess.py, tests/forked.py) waits as long as the tests' own bounds
+# instead.
 PATIENT_COLLECTIVES = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
 # The tests' programs are tiny: compiling them costs far more than running them, and most of the compile time is
 # LLVM optimizing the generated CPU code. Without its expensive passes and at optimization level 0 a test compiles
