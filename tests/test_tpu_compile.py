@@ -57,9 +57,15 @@ ESTIMATED = ("model.num_layers=8,model.d_model=512,model.num_heads=8,model.num_k
 @pytest.fixture(scope="module")
 def compiled(libtpu):
   """Per attention backend, the real train step of ESTIMATED compiled for v5e:2x2, and tools/estimate.py's figures
-  for it (tests/tpu_compile_worker.py: one process, so libtpu starts once)."""
+  for it (tests/tpu_compile_worker.py: one process, so libtpu starts once).
+
+  At the TPU compiler's lowest optimization level (JAX_OPTIMIZATION_LEVEL=O0): 13 s here instead of 51 (its
+  scheduler's search is most of a compile), the same program and kernels, and a less tuned schedule whose peak is
+  14% higher. The estimate sits between the two (libtpu 0.0.42, jax 0.10.2): xla 1.53 GB at the default level, 1.63
+  estimated, 1.75 at O0; splash 0.665, 0.696, 0.740."""
+  env = {**_env(libtpu), "JAX_OPTIMIZATION_LEVEL": "O0"}
   r = subprocess.run([sys.executable, "tests/tpu_compile_worker.py", "v5e:2x2", "configs/llama3_1b.py", ESTIMATED,
-                      "xla", "splash"], cwd=ROOT, env=_env(libtpu), capture_output=True, text=True, timeout=900)
+                      "xla", "splash"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -129,7 +135,7 @@ def test_whole_step_estimate_extrapolated_from_one_and_two_layers_equals_an_unro
 def test_estimate_is_within_15_percent_of_the_tpu_compilers_peak(compiled):
   """tools/estimate.py's per-device total (state, gradients, saved activations and the largest transient, per
   attention backend) against the TPU compiler's peak for the same step (ESTIMATED on v5e:2x2). Measured: within
-  7% here, 4.1% for llama3_8b at 8k on v5p (docs/benchmarks.md)."""
+  7% here at either effort (fixture compiled), 4.1% for llama3_8b at 8k on v5p (docs/benchmarks.md)."""
   for backend, figures in compiled.items():
     assert figures["total"] == pytest.approx(figures["compiled_peak"], rel=0.15), (backend, figures)
   # The attention transient is what separates the backends: xla's T x T scores, none for the kernel.
