@@ -100,9 +100,7 @@ def load_file(path: str, overrides: list[str] = ()) -> ml_collections.ConfigDict
   """``configs/x.py[:variant]`` plus ``key=value`` overrides (values parsed as JSON where they parse), as the
   ``--config`` / ``--config.key=value`` flags of jaxtrain.main give them; for tools that load configs themselves."""
   path, _, variant = path.partition(":")
-  spec = importlib.util.spec_from_file_location("cfg", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = _module(path)
   config = module.get_config(variant) if variant else module.get_config()
   for item in overrides:
     key, value = item.split("=", 1)
@@ -112,6 +110,22 @@ def load_file(path: str, overrides: list[str] = ()) -> ml_collections.ConfigDict
       pass
     config.update_from_flattened_dict({key: value})
   return config
+
+
+def _module(path: str):
+  spec = importlib.util.spec_from_file_location("cfg", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def as_overrides(path: str, overrides: list[str] = ()) -> tuple[str, list[str]]:
+  """``configs/x.py:variant`` plus ``overrides`` as the base file and every override, the variant's own (its
+  ``TARGETS`` entry) first: what a record of a measurement keeps, so that it still names the settings measured
+  after the variant changes."""
+  path, _, variant = path.partition(":")
+  own = _module(path).TARGETS[variant] if variant else {}
+  return path, [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in own.items()] + list(overrides)
 
 
 def flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:

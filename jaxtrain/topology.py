@@ -32,10 +32,25 @@ def validate(cfg) -> None:
                       "pip install -e '.[tpu]' (works on a CPU-only host)") from None
 
 
+def slice_shape(name: str) -> dict:
+  """How a real slice of topology ``name`` is built, as ``get_topology_desc`` takes it: v4 and v5p chips run their
+  two TensorCores as one device (megacore); a slice's ICI links wrap around along a dimension the slice fills,
+  every dimension of a v4/v5p slice made of whole 4x4x4 cubes, a v5e/v6e dimension of 16 chips (Cloud TPU's slice
+  shapes; MaxText describes its compile targets the same way). The TPU compiler plans collectives for the links it
+  is told of: described as an open mesh, v5p:4x4x4 had the train step's weights gathered as all-reduces of
+  zero-padded buffers (docs/benchmarks.md)."""
+  generation, dims = name.split(":")
+  dims = [int(d) for d in dims.split("x")]
+  if generation in ("v4", "v5p"):
+    wrap = all(d % 4 == 0 for d in dims)
+    return {"chip_config_name": "megacore", "wrap": (wrap,) * 3}
+  return {"chip_config_name": "default", "wrap": tuple(d == 16 for d in dims) + (False,) * (3 - len(dims))}
+
+
 def devices(name: str) -> list:
   """The devices of TPU topology ``name`` (e.g. ``v5e:2x2``), for ahead-of-time compilation."""
   from jax.experimental import topologies
-  return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+  return list(topologies.get_topology_desc(platform="tpu", topology_name=name, **slice_shape(name)).devices)
 
 
 def hbm_bytes(name: str) -> int:

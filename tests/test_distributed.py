@@ -685,16 +685,36 @@ def test_target_variants_are_the_measured_settings_and_fit_their_chip(name, targ
   """configs/<name>.py:<target> (64 chips) is the base config with the overrides tools/bench_tpu.py measured
   fastest (benchmarks/results/tpu_<name>_<target>.json): its recorded compile fits the chip's HBM, and
   tools/estimate.py agrees within 15%."""
+  from jaxtrain import config as config_lib
   from jaxtrain import topology
   estimate = _estimate_module()
   config = estimate.load_config(f"configs/{name}.py:{target}", [])
   recorded = json.loads((ROOT / "benchmarks" / "results" / f"tpu_{name}_{target}.json").read_text())
+  assert recorded["config"] == f"configs/{name}.py"  # bench_tpu records a :variant as its base and overrides
   measured = estimate.load_config(f"configs/{name}.py", recorded["overrides"])
-  assert (config.model.to_dict(), config.mesh.to_dict(), config.train.global_batch_size, config.data.seq_len) == \
-      (measured.model.to_dict(), measured.mesh.to_dict(), measured.train.global_batch_size, measured.data.seq_len)
+  written = estimate.load_config(*config_lib.as_overrides(f"configs/{name}.py:{target}"))  # how it records one
+  for other in (measured, written):
+    assert (config.model.to_dict(), config.mesh.to_dict(), config.train.global_batch_size, config.data.seq_len) == \
+        (other.model.to_dict(), other.mesh.to_dict(), other.train.global_batch_size, other.data.seq_len)
   [result] = recorded["results"]
   assert result["topology"].startswith(f"{target}:") and result["chips"] == 64
   hbm = topology.HBM_GIB[target] * 2**30
   total = estimate.estimate(config, 64)["bytes_per_device"]["total"]
   assert result["peak_bytes"] < hbm and total < hbm and total == pytest.approx(result["peak_bytes"], rel=0.15)
   assert config.workdir == f"runs/{name}_{target}"
+
+
+@pytest.mark.parametrize("name,shape", [
+    ("v5p:4x4x4", {"chip_config_name": "megacore", "wrap": (True, True, True)}),  # v5p-128: one whole cube
+    ("v5p:4x4x8", {"chip_config_name": "megacore", "wrap": (True, True, True)}),
+    ("v5p:2x4x4", {"chip_config_name": "megacore", "wrap": (False, False, False)}),  # less than a cube: open
+    ("v4:4x4x4", {"chip_config_name": "megacore", "wrap": (True, True, True)}),
+    ("v6e:8x8", {"chip_config_name": "default", "wrap": (False, False, False)}),
+    ("v6e:8x16", {"chip_config_name": "default", "wrap": (False, True, False)}),
+    ("v5e:16x16", {"chip_config_name": "default", "wrap": (True, True, False)}),
+    ("v5e:2x2", {"chip_config_name": "default", "wrap": (False, False, False)})])
+def test_a_dry_run_topology_is_described_as_the_real_slice(name, shape):
+  """Megacore chips and wrap-around links as Cloud TPU builds the slice: the TPU compiler plans collectives for
+  them (on an open v5p:4x4x4 it gathered weights as all-reduces of zero-padded buffers, docs/benchmarks.md)."""
+  from jaxtrain import topology
+  assert topology.slice_shape(name) == shape

@@ -119,7 +119,8 @@ def main(argv):
             f"{r['peak_bytes'] / 2**30:>8.2f} {r['temp_bytes'] / 2**30:>8.2f}{check}", flush=True)
   except ConfigError as e:
     sys.exit(f"bench_tpu: error: {e}")
-  summary = {"config": _CONFIG.value, "overrides": _SET.value, "results": results}
+  config_file, overrides = config_lib.as_overrides(_CONFIG.value, _SET.value)  # a :variant as its overrides
+  summary = {"config": config_file, "overrides": overrides, "results": results}
   print(f"wrote {_bench.write_json(_OUT.value, summary)}")
 
 
