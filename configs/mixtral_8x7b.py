@@ -16,12 +16,23 @@ traffic); save_dots would keep ~100 GiB of activations per device. ``--config.mo
 no dropped tokens.
 
   python tools/estimate.py --config=configs/mixtral_8x7b.py --devices=256
+
+Variant for a TPU slice, the fastest of the settings compared on the TPU compiler's own estimate that fits the chip
+(``tools/bench_tpu.py``; docs/benchmarks.md "Defaults per target"): ``configs/mixtral_8x7b.py:v5p`` for v5p-128 (64
+chips: expert 8 x fsdp 8, 2 sequences of 4,096 tokens each, splash attention, remat ``save_dots``). On another
+slice size, scale ``train.global_batch_size`` with the chips. Its workdir is ``runs/mixtral_8x7b_v5p``.
 """
 
-from jaxtrain.config import base_config
+from jaxtrain.config import base_config, for_target
+
+# Per target: the overrides for its 64 chips, from bench_tpu's estimates (jax 0.10.2, libtpu 0.0.42;
+# benchmarks/results/tpu_mixtral_8x7b_<target>*.json). v5p, per sequence of 4,096 tokens: remat full 1.619 s,
+# save_dots 1.588 s, save_dots x 2 sequences 1.514 s, save_qkv_proj x 2 sequences 1.525 s; the compiler's peak is
+# 31.2 of 95 GiB per chip in all four (tools/estimate.py puts it at 16-50 GiB: docs/benchmarks.md).
+TARGETS = {"v5p": {"train.global_batch_size": 128, "model.remat": "save_dots", "model.attention": "splash"}}
 
 
-def get_config():
+def get_config(variant: str = ""):
   c = base_config(model="moe")
   c.workdir = "runs/mixtral_8x7b"
   c.model.update(num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=32000,
@@ -33,4 +44,4 @@ def get_config():
   c.data.seq_len = 4096
   c.train.update(steps=100_000, global_batch_size=1024, log_every=50)
   c.optim.update(lr=3e-4, warmup_steps=2000)
-  return c
+  return for_target(c, "mixtral_8x7b", TARGETS, variant)

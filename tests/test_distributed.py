@@ -680,7 +680,13 @@ def test_estimate_matches_compiled_memory(config_file, overrides):
   assert config.model.remat == "none" and act <= temp <= 2 * act + 2 * predicted["full_param_bytes"], (act, temp)
 
 
-@pytest.mark.parametrize("name,target", [("llama3_8b", "v5p"), ("llama3_8b", "v6e"), ("llama3_70b", "v5p")])
+# tools/estimate.py's known misses, where the compiler's peak is not within 15% of its figure, and by how much.
+ESTIMATE_GAPS = {"mixtral_8x7b": "its save_dots estimate is 50.0 GiB per chip at 2 sequences, the compiler's peak "
+                                 "31.2 GiB in every setting measured (remat full at 1 sequence: 16.0 estimated)"}
+
+
+@pytest.mark.parametrize("name,target", [("llama3_8b", "v5p"), ("llama3_8b", "v6e"), ("llama3_70b", "v5p"),
+                                         ("mixtral_8x7b", "v5p")])
 def test_target_variants_are_the_measured_settings_and_fit_their_chip(name, target):
   """configs/<name>.py:<target> (64 chips) is the base config with the overrides tools/bench_tpu.py measured
   fastest (benchmarks/results/tpu_<name>_<target>.json): its recorded compile fits the chip's HBM, and
@@ -700,8 +706,12 @@ def test_target_variants_are_the_measured_settings_and_fit_their_chip(name, targ
   assert result["topology"].startswith(f"{target}:") and result["chips"] == 64
   hbm = topology.HBM_GIB[target] * 2**30
   total = estimate.estimate(config, 64)["bytes_per_device"]["total"]
-  assert result["peak_bytes"] < hbm and total < hbm and total == pytest.approx(result["peak_bytes"], rel=0.15)
-  assert config.workdir == f"runs/{name}_{target}"
+  assert result["peak_bytes"] < hbm and total < hbm and config.workdir == f"runs/{name}_{target}"
+  agrees = total == pytest.approx(result["peak_bytes"], rel=0.15)
+  if name in ESTIMATE_GAPS:  # fails once the estimate agrees, so that the entry goes
+    assert not agrees, f"tools/estimate.py now agrees with the compiler for {name}: remove it from ESTIMATE_GAPS"
+    pytest.xfail(f"tools/estimate.py for {name}: {ESTIMATE_GAPS[name]}")
+  assert agrees, (total, result["peak_bytes"])
 
 
 @pytest.mark.parametrize("name,shape", [
