@@ -25,6 +25,7 @@ from absl import logging
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import exits
 from jaxtrain import goodput
+from jaxtrain import integrity
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.metrics import read_records
 from jaxtrain.train import trainer
@@ -679,7 +680,6 @@ def _fingerprint_by_formula(x: np.ndarray) -> int:
 def test_fingerprints_equal_their_formula_whole_or_block_by_block(monkeypatch, block):
   """On the CPU large arrays are fingerprinted block by block (XLA:CPU would otherwise hold a temporary as large
   as the array): the value is the definition's either way, and a NaN in any block is found."""
-  from jaxtrain import integrity
   if block:
     monkeypatch.setattr(integrity, "_BLOCK_ELEMENTS", block)
   rng = np.random.default_rng(0)
@@ -694,6 +694,26 @@ def test_fingerprints_equal_their_formula_whole_or_block_by_block(monkeypatch, b
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("concatenate", [True, False], ids=["one_reduction", "per_array"])
+def test_the_step_finite_check_sees_one_bad_element_in_any_shard(concatenate):
+  """integrity.all_finite in both of its forms (one reduction over the concatenated shards, CPU's; per array, the
+  TPU's): true for a finite sharded tree; false for a NaN or an infinity in any one element of any array,
+  whichever device holds it; integer arrays are not checked."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tensor"))
+  layout = {"w": NamedSharding(mesh, P("fsdp", "tensor")), "b": NamedSharding(mesh, P("tensor")),
+            "n": NamedSharding(mesh, P()), "h": NamedSharding(mesh, P(None, "fsdp"))}
+  tree = {"w": np.ones((8, 4), np.float32), "b": np.zeros(6, np.float32), "n": np.arange(3, dtype=np.int32),
+          "h": np.full((2, 8), 0.5, jnp.bfloat16)}
+  check = jax.jit(lambda t: integrity.all_finite(t, layout, concatenate))
+  put = lambda t: jax.device_put(t, layout)  # noqa: E731
+  assert bool(check(put(tree)))
+  for name, index, bad in [("w", (7, 3), np.nan), ("w", (0, 0), np.inf), ("b", (5,), -np.inf), ("h", (1, 6), np.nan)]:
+    broken = {k: v.copy() for k, v in tree.items()}
+    broken[name][index] = bad
+    assert not bool(check(put(broken))), (name, index, bad)
+
+
 def test_goodput_of_a_killed_and_restarted_run_counts_the_steps_redone_and_the_down_time(tmp_path):
   p = _start(tmp_path, "--config.train.steps=40", "--config.checkpoint.every_steps=10")
   deadline = time.monotonic() + 300  # bounds the wait for the event on a loaded machine
