@@ -89,7 +89,7 @@ def _finite(x: jax.Array) -> jax.Array:
 
 def all_finite(tree: Any, shardings: Any = None, concatenate: bool | None = None) -> jax.Array:
   """One boolean: every floating-point element of ``tree`` is finite (traceable, for a jitted step). With the
-  ``shardings`` of ``tree``'s leaves, each device reduces its own shards in one fused pass and the devices
+  ``shardings`` of ``tree``'s leaves, each device reduces its own shards (in one fused pass on CPU) and the devices
   combine one scalar (a single psum); left to XLA, every array gets its own reduction and cross-device
   reduction, which on small models costs more than the check itself (tiny: ~75 extra fusions per step).
   Summing ``x * 0`` carries any NaN or infinity into that scalar. ``concatenate``: reduce the arrays as one
