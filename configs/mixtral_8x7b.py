@@ -28,7 +28,7 @@ from jaxtrain.config import base_config, for_target
 # Per target: the overrides for its 64 chips, from bench_tpu's estimates (jax 0.10.2, libtpu 0.0.42;
 # benchmarks/results/tpu_mixtral_8x7b_<target>*.json). v5p, per sequence of 4,096 tokens: remat full 1.590 s
 # (peak 17.8 of 95 GiB per chip), save_dots 1.564 s (20.2 GiB), save_qkv_proj x 2 sequences 1.515 s (23.4 GiB),
-# save_dots x 2 sequences 1.504 s (25.1 GiB; tools/estimate.py says 50.0: docs/benchmarks.md).
+# save_dots x 2 sequences 1.504 s (25.1 GiB; tools/estimate.py: 22.0).
 TARGETS = {"v5p": {"train.global_batch_size": 128, "model.remat": "save_dots", "model.attention": "splash"}}
 
 

@@ -45,6 +45,9 @@ then arithmetic over the mesh (no arrays are created, no program is compiled). A
   in the compute dtype) is ep*S*d for dropless (room for all S per destination: ep x the S*d really needed, plus
   the int32 expert ids ep*S in each forward) and E*C*d for capacity (C = ceil(capacity_factor S / E)); (ep-1)/ep
   of each leaves the device. Times the MoE layers a device runs (their share of a pipeline) and the microbatches.
+  The activations count the k routed experts' hidden width per token (f = k x expert_mlp_dim + shared); the
+  routed experts' matmuls carry the expert dimension as a batch dimension, so save_dots keeps only the
+  attention's, the shared experts' and the router's outputs (the router logits in float32).
 """
 
 from __future__ import annotations

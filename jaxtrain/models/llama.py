@@ -104,13 +104,18 @@ def flops_per_token(cfg, seq_len: int, abstract_params) -> float:
   return weights + 12 * cfg.num_heads * cfg.head_dim * keys
 
 
-def activation_estimate(cfg, rows: int, seq_len: int, tensor: int, context: int = 1) -> dict[str, int]:
+def activation_estimate(cfg, rows: int, seq_len: int, tensor: int, context: int = 1, *, routed_mlp: int = 0,
+                        router: int = 0) -> dict[str, int]:
   """Per device, for ``rows`` local rows of one microbatch (tools/estimate.py states the assumptions): the
   activations kept for the backward pass, the largest transient on top of them, and the bytes of the tensor-parallel
   all-reduces (2 per layer forward, 2 backward, of the b x t x d residual stream) and of the context-parallel
   all-gathers of keys and values. With context parallelism a device holds ``seq_len / context`` tokens of each row
-  and attends them to all ``seq_len`` keys."""
+  and attends them to all ``seq_len`` keys. ``routed_mlp``: the part of ``mlp_dim`` a token gets from matmuls with
+  a batch dimension (a MoE's routed experts: neither tagged by name nor kept by ``save_dots``, which keeps only
+  matmul outputs without one); ``router``: the width (in compute-dtype elements per token) of one more matmul
+  output ``save_dots`` keeps (a MoE's router logits)."""
   b, full, d, f = rows, seq_len, cfg.d_model, cfg.mlp_dim
+  unrouted = (f - routed_mlp) // tensor  # the MLP width of matmuls without a batch dimension
   seq = full // context
   backend = cfg.attention  # a concrete backend (tools/estimate.py resolves auto for its target platform)
   heads, kv_heads = cfg.num_heads // tensor, cfg.num_kv_heads // tensor
@@ -119,8 +124,8 @@ def activation_estimate(cfg, rows: int, seq_len: int, tensor: int, context: int 
   per_layer = b * seq * d  # the layer's input
   # The tagged projections (models.ACTIVATION_NAMES), and what save_dots keeps: q, k, v, the attention output
   # projection, gate and up (down's output is not read by the backward: XLA drops it).
-  width = {"query_proj": h, "key_proj": kv, "value_proj": kv, "out_proj": d, "mlp_gate": f // tensor,
-           "mlp_up": f // tensor, "mlp_down": 0, "dots": h + 2 * kv + d + 2 * f // tensor}  # (down: read by no backward)
+  width = {"query_proj": h, "key_proj": kv, "value_proj": kv, "out_proj": d, "mlp_gate": unrouted,
+           "mlp_up": unrouted, "mlp_down": 0, "dots": h + 2 * kv + d + 2 * unrouted + router}  # (down: no backward reads)
   policy = models.REMAT.get(cfg.remat)
   saved = ("dots",) if policy is None else getattr(policy, "saved", ())
   per_layer += b * seq * sum(width[n] for n in saved)
