@@ -10,8 +10,8 @@ from jaxtrain.config import base_config, for_target
 
 # Per target: the overrides for its 64 chips, from bench_tpu's estimates
 # (benchmarks/results/tpu_llama3_70b_<target>.json). v5p, per sequence of 8,192 tokens: remat full 11.316 s
-# (jax 0.12.0.1, peak 34.7 GiB), save_qkv_proj 11.096 s (jax 0.10.2, 46.7 of 95 GiB), save_qkv_proj x 2 sequences
-# 10.834 s (71.8 GiB); save_dots would need 127 GiB (tools/estimate.py).
+# (jax 0.12.0.1, peak 34.7 GiB), save_qkv_proj 11.050 s (jax 0.10.2, 46.7 of 95 GiB), save_qkv_proj x 2 sequences
+# 10.810 s (71.8 GiB); save_dots would need 127 GiB (tools/estimate.py).
 TARGETS = {"v5p": {"train.global_batch_size": 128, "model.remat": "save_qkv_proj", "model.attention": "splash",
                    "mesh.tensor": 1}}
 

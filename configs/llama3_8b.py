@@ -12,8 +12,8 @@ from jaxtrain.config import base_config, for_target
 
 # Per target: the overrides for its 64 chips, from bench_tpu's estimates (jax 0.10.2, libtpu
 # 0.0.42; benchmarks/results/tpu_llama3_8b_<target>.json). v5p, per sequence of 8,192 tokens: remat full 1.260 s
-# (jax 0.12.0.1), save_dots 1.056 s (peak 27.6 of 95 GiB per chip), save_dots x 2 sequences 1.010 s (49.8 GiB).
-# v6e: full 0.723 s, save_dots 0.625 s (26.7 of 32 GiB; 2 sequences would not fit).
+# (jax 0.12.0.1), save_dots 1.047 s (peak 27.6 of 95 GiB per chip), save_dots x 2 sequences 1.006 s (49.8 GiB).
+# v6e: full 0.699 s (jax 0.12.0.1), save_dots 0.607 s (26.7 of 32 GiB; 2 sequences would not fit).
 TARGETS = {
     "v5p": {"train.global_batch_size": 128, "model.remat": "save_dots", "model.attention": "splash"},
     "v6e": {"train.global_batch_size": 64, "model.remat": "save_dots", "model.attention": "splash"},
