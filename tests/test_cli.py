@@ -49,7 +49,7 @@ ERRORS = [
                                          "llama, mistral, moe, olmoe, qwen2, qwen3, qwen3_moe, or register"),
     ([TINY, "--config.model.remat=everything"],
      "model.remat: 'everything' is not a registered remat policy; use one of full, minimal, none, offload_dots, "
-     "offload_minimal, save_dots, save_out_proj, save_qkv_proj"),
+     "offload_full, offload_minimal, save_dots, save_out_proj, save_qkv_proj"),
     ([TINY, "--config.sharding.preset=zero9"], "sharding.preset: 'zero9' is not a preset"),
     ([TINY, "--config.data.num_workers=3"], "data.num_workers: 3 does not divide the 16 rows"),
     ([TINY, "--config.mesh.pipeline=4", "--config.pipeline.schedule=circular"],

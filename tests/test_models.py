@@ -83,7 +83,7 @@ def test_remat_same_values_and_grads():
   tokens = _inputs(np.random.default_rng(0).integers(0, 256, (2, 32)))
   results, temp, host = {}, {}, {}
   assert set(models.REMAT.names()) == {"none", "full", "save_dots", "save_qkv_proj", "save_out_proj", "minimal",
-                                       "offload_minimal", "offload_dots"}
+                                       "offload_minimal", "offload_dots", "offload_full"}
   for remat in models.REMAT.names():
     model = _model(num_layers=8, remat=remat)
 
@@ -106,7 +106,7 @@ def test_remat_same_values_and_grads():
   assert temp["full"] < temp["save_out_proj"] < temp["save_qkv_proj"] < temp["minimal"] <= temp["save_dots"], temp
   # Offloaded: on CPU the device's memory is the host's, so XLA keeps them where minimal / save_dots do (the HBM
   # they free on a TPU: tools/bench_topology.py --remat, docs/parallelism.md).
-  for offloaded, kept in (("offload_minimal", "minimal"), ("offload_dots", "save_dots")):
+  for offloaded, kept in (("offload_minimal", "minimal"), ("offload_dots", "save_dots"), ("offload_full", "full")):
     assert temp[offloaded] == temp[kept] and host[offloaded] == host[kept] == 0, (temp, host)
 
 

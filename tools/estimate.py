@@ -18,7 +18,8 @@ then arithmetic over the mesh (no arrays are created, no program is compiled). A
   remat=full: the layer input b*t*d; save_dots: + the matmul outputs the backward reads b*t*(h + 2 kv + d + 2 f);
   the policies that keep tagged projections by name (jaxtrain.models.ACTIVATION_NAMES) add theirs: save_qkv_proj
   b*t*(h + 2 kv), save_out_proj b*t*d, minimal all of save_dots' (down's output is read by no backward); the
-  offload_* policies keep the same in host memory (reported apart) and only the layer input on the device;
+  offload_* policies keep the same in host memory (reported apart) and only the layer input on the device
+  (offload_full: the layer input in host memory, nothing on the device but one layer's transients);
   none: + the elementwise intermediates ~ b*t*(4 d + 3 f) and what the attention backend saves (xla: the
   probabilities heads*b*t*T). The transient on top is the larger of two phases': the head's (the logits and their
   gradient, b*t*vocab each in the compute dtype, and the full float32 gradient of the output projection, vocab*d,

@@ -39,11 +39,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 import ml_collections
 from flax import nnx
 
 from jaxtrain.errors import ConfigError, check_choice, check_positive
-from jaxtrain.models import attention, lora, quantization
+from jaxtrain.models import attention, lora, quantization, scans
 from jaxtrain.registry import Registry
 
 _STAGE_METHODS = ("embed_tokens", "apply_layer", "head")
@@ -56,7 +57,7 @@ def _shared_defaults() -> dict:
       vocab_size=256,
       dtype="float32",  # compute dtype; params are always float32
       remat="none",  # what the backward pass recomputes per layer: a name in models.REMAT (none | full | save_dots |
-      # save_qkv_proj | save_out_proj | minimal | offload_minimal | offload_dots; docs/parallelism.md)
+      # save_qkv_proj | save_out_proj | minimal | offload_minimal | offload_dots | offload_full; docs/parallelism.md)
       attention="auto",  # the attention backend, a name in models.attention.BACKENDS: auto | xla | blockwise | splash
       attention_block_size=512,  # keys per block of the blockwise backend (memory O(seq_len x this) per layer)
       quantization="none",  # the layers' matmuls quantized in training: a name in models.quantization.QUANTIZATION
@@ -128,6 +129,7 @@ FAMILIES: Registry[Family] = Registry(
 # (the names MaxText's policies use for the same tensors): the q, k, v projections (before RoPE), the attention
 # output projection, the MLP's gate, up and down projections.
 ACTIVATION_NAMES = ("query_proj", "key_proj", "value_proj", "out_proj", "mlp_gate", "mlp_up", "mlp_down")
+LAYER_INPUT = "layer_input"  # the name remat_layer gives a layer's input
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +167,21 @@ REMAT.register("minimal", _names(*ACTIVATION_NAMES))  # every projection's outpu
 REMAT.register("offload_minimal", _offloaded(*ACTIVATION_NAMES))  # the same, kept in host memory
 REMAT.register("offload_dots", Remat(jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
                                      offloaded=("dots",)))
+# Full remat with each layer's input (the residual stream the layer scan keeps for the backward pass) in host memory:
+# the device keeps one layer's worth at a time (MaxText's ``decoder_layer_input: offload``).
+REMAT.register("offload_full", _offloaded(LAYER_INPUT))
+
+
+def remat_layer(fn: Callable, remat: str) -> Callable:
+  """``fn(weights, x, *rest)``, one layer of a stack, rematerialized per the policy named ``remat``
+  (:data:`REMAT`), with its input ``x`` tagged :data:`LAYER_INPUT` (what ``offload_full`` moves to host memory;
+  every other policy keeps it on the device, as the scan's saved input)."""
+  if remat == "none":
+    return fn
+
+  def tagged(weights, x, *rest):
+    return fn(weights, checkpoint_name(x, LAYER_INPUT), *rest)
+  return jax.checkpoint(tagged, policy=REMAT.get(remat), prevent_cse=scans.prevent_cse())
 
 
 def register(name: str, family: Family) -> Family:

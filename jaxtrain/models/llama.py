@@ -125,11 +125,15 @@ def activation_estimate(cfg, rows: int, seq_len: int, tensor: int, context: int 
   # The tagged projections (models.ACTIVATION_NAMES), and what save_dots keeps: q, k, v, the attention output
   # projection, gate and up (down's output is not read by the backward: XLA drops it).
   width = {"query_proj": h, "key_proj": kv, "value_proj": kv, "out_proj": d, "mlp_gate": unrouted,
-           "mlp_up": unrouted, "mlp_down": 0, "dots": h + 2 * kv + d + 2 * unrouted + router}  # (down: no backward reads)
+           "mlp_up": unrouted, "mlp_down": 0, "dots": h + 2 * kv + d + 2 * unrouted + router,  # (down: no backward reads)
+           models.LAYER_INPUT: d}
   policy = models.REMAT.get(cfg.remat)
   saved = ("dots",) if policy is None else getattr(policy, "saved", ())
+  offloaded = getattr(policy, "offloaded", ())
   per_layer += b * seq * sum(width[n] for n in saved)
-  host_per_layer = b * seq * sum(width[n] for n in getattr(policy, "offloaded", ()))
+  if models.LAYER_INPUT in offloaded:  # offload_full: the layer's input waits in host memory instead
+    per_layer -= b * seq * d
+  host_per_layer = b * seq * sum(width[n] for n in offloaded)
   if cfg.remat == "none":  # and every elementwise intermediate, and what the attention backend keeps
     per_layer += b * seq * (4 * d + 3 * f // tensor) + attention.saved_bytes(backend, b, heads, seq, full,
                                                                           act_bytes) // act_bytes
@@ -423,9 +427,7 @@ class Llama(nnx.Module):
     side = (positions, segment_ids) and ``local`` (see Attention). Rematerialized per ``model.remat``."""
     graphdef = nnx.graphdef(self.layers)
     layer = lambda w, h, side, local: nnx.merge(graphdef, w)(h, *side, local=local)  # noqa: E731
-    if self.remat != "none":
-      layer = jax.checkpoint(layer, policy=models.REMAT.get(self.remat), prevent_cse=scans.prevent_cse())
-    return layer(weights, x, side, local)
+    return models.remat_layer(layer, self.remat)(weights, x, side, local)
 
   def head(self, x):
     x = self.final_norm(x)

@@ -233,9 +233,7 @@ class MoeLM(nnx.Module):
     self.moe_layers = cfg.num_layers - cfg.first_dense_layers
 
   def _remat(self, fn):
-    if self.remat == "none":
-      return fn
-    return jax.checkpoint(fn, policy=models.REMAT.get(self.remat), prevent_cse=scans.prevent_cse())
+    return models.remat_layer(fn, self.remat)
 
   def embed_tokens(self, tokens, positions, segment_ids):
     """The embedding and the dense first layers (so a pipeline splits only the MoE stack)."""
