@@ -22,8 +22,8 @@ name, config_file, overrides = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
 out = {}
 for argument in sys.argv[4:]:
   backend, _, remat = argument.partition("@")
-  c = estimate.load_config(config_file, overrides + [f"model.attention={backend}", "data.source=synthetic",
-                                                    "workdir=/tmp/unused"] + ([f"model.remat={remat}"] if remat else []))
+  chosen = [f"model.attention={backend}"] + ([f"model.remat={remat}"] if remat else [])
+  c = estimate.load_config(config_file, overrides + chosen + ["data.source=synthetic", "workdir=/tmp/unused"])
   c.dry_run, c.dry_run_topology = True, name
   run = trainer.build(c, topology.devices(name))
   with attention.compiling_for("tpu"):

@@ -112,8 +112,8 @@ def activation_estimate(cfg, rows: int, seq_len: int, tensor: int, context: int 
   all-gathers of keys and values. With context parallelism a device holds ``seq_len / context`` tokens of each row
   and attends them to all ``seq_len`` keys. ``routed_mlp``: the part of ``mlp_dim`` a token gets from matmuls with
   a batch dimension (a MoE's routed experts: neither tagged by name nor kept by ``save_dots``, which keeps only
-  matmul outputs without one); ``router``: the width (in compute-dtype elements per token) of one more matmul
-  output ``save_dots`` keeps (a MoE's router logits)."""
+  matmul outputs without one); ``router``: the width (float32 elements per token) of one more matmul output
+  ``save_dots`` keeps (a MoE's router logits)."""
   b, full, d, f = rows, seq_len, cfg.d_model, cfg.mlp_dim
   unrouted = (f - routed_mlp) // tensor  # the MLP width of matmuls without a batch dimension
   seq = full // context
@@ -125,8 +125,8 @@ def activation_estimate(cfg, rows: int, seq_len: int, tensor: int, context: int 
   # The tagged projections (models.ACTIVATION_NAMES), and what save_dots keeps: q, k, v, the attention output
   # projection, gate and up (down's output is not read by the backward: XLA drops it).
   width = {"query_proj": h, "key_proj": kv, "value_proj": kv, "out_proj": d, "mlp_gate": unrouted,
-           "mlp_up": unrouted, "mlp_down": 0, "dots": h + 2 * kv + d + 2 * unrouted + router,  # (down: no backward reads)
-           models.LAYER_INPUT: d}
+           "mlp_up": unrouted, "mlp_down": 0, models.LAYER_INPUT: d,
+           "dots": h + 2 * kv + d + 2 * unrouted + router * 4 // act_bytes}  # (down: read by no backward)
   policy = models.REMAT.get(cfg.remat)
   saved = ("dots",) if policy is None else getattr(policy, "saved", ())
   offloaded = getattr(policy, "offloaded", ())

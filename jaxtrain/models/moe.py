@@ -109,11 +109,9 @@ def activation_estimate(cfg, rows: int, seq_len: int, tensor: int, context: int 
   dense first layers counted alike; the dispatch buffers of jaxtrain/parallel/experts.py are not counted). The
   routed experts' matmuls carry the expert dimension as a batch dimension (jaxtrain/parallel/experts.py: ragged_dot
   or a batched einsum), so ``save_dots`` recomputes them; it keeps the float32 router logits."""
-  act_bytes = 2 if cfg.dtype == "bfloat16" else 4
   return llama.activation_estimate(types.SimpleNamespace(**{**cfg.to_dict(), "mlp_dim": _token_mlp_dim(cfg)}),
                                    rows, seq_len, tensor, context,
-                                   routed_mlp=cfg.experts_per_token * cfg.expert_mlp_dim,
-                                   router=cfg.num_experts * 4 // act_bytes)
+                                   routed_mlp=cfg.experts_per_token * cfg.expert_mlp_dim, router=cfg.num_experts)
 
 
 def _token_mlp_dim(cfg) -> int:
