@@ -48,10 +48,10 @@ def _env(libtpu):
   return env
 
 
-# An 8-layer Llama (d_model 512, vocab 8k, remat full) at 1 x 4,096 tokens per chip on v5e:2x2. (The TPU
+# An 8-layer Llama (d_model 512, vocab 8k, remat save_dots) at 1 x 4,096 tokens per chip on v5e:2x2. (The TPU
 # compiler's time grows with the arrays' sizes: at d_model 1024 and vocab 32k it took 1.6x the CPU time.)
 ESTIMATED = ("model.num_layers=8,model.d_model=512,model.num_heads=8,model.num_kv_heads=4,model.head_dim=64,"
-             "model.mlp_dim=2048,model.vocab_size=8192,data.seq_len=4096,train.global_batch_size=4,model.remat=full")
+             "model.mlp_dim=2048,model.vocab_size=8192,data.seq_len=4096,train.global_batch_size=4")
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +59,14 @@ def compiled(libtpu):
   """Per attention backend, the real train step of ESTIMATED compiled for v5e:2x2, and tools/estimate.py's figures
   for it (tests/tpu_compile_worker.py: one process, so libtpu starts once).
 
-  At the TPU compiler's lowest optimization level (JAX_OPTIMIZATION_LEVEL=O0): 19 s here for the three compiles
-  instead of 82 (its scheduler's search is most of a compile), the same program and kernels, and a less tuned
-  schedule whose peak is up to 16% higher. Peaks at the default level, estimated, at O0 (libtpu 0.0.42, jax 0.10.2):
-  xla 1.186 GB, 1.266, 1.381; splash 0.302, 0.327, 0.309; splash with offload_full 0.271, 0.294, 0.275."""
+  At the TPU compiler's lowest optimization level (JAX_OPTIMIZATION_LEVEL=O0): 13 s here instead of 51 (its
+  scheduler's search is most of a compile), the same program and kernels, and a less tuned schedule whose peak is
+  14% higher. The estimate sits between the two (libtpu 0.0.42, jax 0.10.2): xla 1.53 GB at the default level, 1.63
+  estimated, 1.75 at O0; splash 0.665, 0.696, 0.740."""
   env = {**_env(libtpu), "JAX_OPTIMIZATION_LEVEL": "O0"}
   r = subprocess.run([sys.executable, "tests/tpu_compile_worker.py", "v5e:2x2", "configs/llama3_1b.py", ESTIMATED,
-                      "xla", "splash", "splash@offload_full"], cwd=ROOT, env=env, capture_output=True, text=True,
-                     timeout=900)
+                      "xla", "splash", "splash@full", "splash@offload_full"], cwd=ROOT, env=env, capture_output=True,
+                     text=True, timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -136,9 +136,8 @@ def test_whole_step_estimate_extrapolated_from_one_and_two_layers_equals_an_unro
 def test_offload_full_moves_the_layer_inputs_to_host_memory(compiled):
   """model.remat=offload_full: what full remat keeps on the chip between the passes, each layer's input (8 layers x 1
   row x 4,096 tokens x d_model 512 in bfloat16 per device), is in host memory instead, and the peak drops by most of
-  it (measured: all of it at O0, 94% at the default optimization level, 0.44 of 0.5 GiB for llama3_8b on v6e at 8
-  layers)."""
-  full, offloaded = compiled["splash"], compiled["splash@offload_full"]
+  it (measured: the same at the default optimization level, and 0.44 of 0.5 GiB for llama3_8b on v6e at 8 layers)."""
+  full, offloaded = compiled["splash@full"], compiled["splash@offload_full"]
   inputs = 8 * 4096 * 512 * 2
   assert full["host_temp_bytes"] == 0 and offloaded["host_temp_bytes"] == inputs == offloaded["host_activations"]
   assert full["compiled_peak"] - offloaded["compiled_peak"] > 0.75 * inputs, (full, offloaded)
@@ -148,7 +147,7 @@ def test_offload_full_moves_the_layer_inputs_to_host_memory(compiled):
 def test_estimate_is_within_15_percent_of_the_tpu_compilers_peak(compiled):
   """tools/estimate.py's per-device total (state, gradients, saved activations and the largest transient, per
   attention backend) against the TPU compiler's peak for the same step (ESTIMATED on v5e:2x2). Measured: within
-  9% here at either optimization level (fixture compiled), 4.1% for llama3_8b at 8k on v5p (docs/benchmarks.md)."""
+  7% here at either optimization level (fixture compiled), 4.1% for llama3_8b at 8k on v5p (docs/benchmarks.md)."""
   for backend, figures in compiled.items():
     assert figures["total"] == pytest.approx(figures["compiled_peak"], rel=0.15), (backend, figures)
   # The attention transient is what separates the backends: xla's T x T scores, none for the kernel.
