@@ -65,8 +65,8 @@ def compiled(libtpu):
   estimated, 1.75 at O0; splash 0.665, 0.696, 0.740."""
   env = {**_env(libtpu), "JAX_OPTIMIZATION_LEVEL": "O0"}
   r = subprocess.run([sys.executable, "tests/tpu_compile_worker.py", "v5e:2x2", "configs/llama3_1b.py", ESTIMATED,
-                      "xla", "splash", "splash@full", "splash@offload_full"], cwd=ROOT, env=env, capture_output=True,
-                     text=True, timeout=900)
+                      "xla", "splash", "splash@offload_full"], cwd=ROOT, env=env, capture_output=True, text=True,
+                     timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -135,13 +135,16 @@ def test_whole_step_estimate_extrapolated_from_one_and_two_layers_equals_an_unro
 
 def test_offload_full_moves_the_layer_inputs_to_host_memory(compiled):
   """model.remat=offload_full: what full remat keeps on the chip between the passes, each layer's input (8 layers x 1
-  row x 4,096 tokens x d_model 512 in bfloat16 per device), is in host memory instead, and the peak drops by most of
-  it (measured: the same at the default optimization level, and 0.44 of 0.5 GiB for llama3_8b on v6e at 8 layers)."""
-  full, offloaded = compiled["splash@full"], compiled["splash@offload_full"]
+  row x 4,096 tokens x d_model 512 in bfloat16 per device), is in host memory instead: the compiled program's host
+  memory is exactly those inputs, tools/estimate.py's host figure, and its device peak is the estimate's, which holds
+  none of them (within 15%: the next test). Against a compile at remat full (measured, not compiled here to keep the
+  suite's time): the peak drops by all of them at O0 (308.6 -> 275.0 MB), by 94% at the default level, and by 0.44
+  of 0.5 GiB for llama3_8b on v6e at 8 layers."""
+  offloaded = compiled["splash@offload_full"]
   inputs = 8 * 4096 * 512 * 2
-  assert full["host_temp_bytes"] == 0 and offloaded["host_temp_bytes"] == inputs == offloaded["host_activations"]
-  assert full["compiled_peak"] - offloaded["compiled_peak"] > 0.75 * inputs, (full, offloaded)
-  assert full["activations"] - offloaded["activations"] == inputs  # tools/estimate.py: none of them on the device
+  assert compiled["splash"]["host_temp_bytes"] == 0
+  assert offloaded["host_temp_bytes"] == inputs == offloaded["host_activations"]
+  assert offloaded["activations"] == 0  # tools/estimate.py: none of them on the device
 
 
 def test_estimate_is_within_15_percent_of_the_tpu_compilers_peak(compiled):
