@@ -693,7 +693,6 @@ def test_fingerprints_equal_their_formula_whole_or_block_by_block(monkeypatch, b
   assert [integrity._rows_per_block(jnp.asarray(tree[k])) for k in "abcd"] == ([1, 2, 1, 0] if block else [0] * 4)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("concatenate", [True, False], ids=["one_reduction", "per_array"])
 def test_the_step_finite_check_sees_one_bad_element_in_any_shard(concatenate):
   """integrity.all_finite in both of its forms (one reduction over the concatenated shards, CPU's; per array, the
@@ -714,6 +713,7 @@ def test_the_step_finite_check_sees_one_bad_element_in_any_shard(concatenate):
     assert not bool(check(put(broken))), (name, index, bad)
 
 
+@pytest.mark.slow
 def test_goodput_of_a_killed_and_restarted_run_counts_the_steps_redone_and_the_down_time(tmp_path):
   p = _start(tmp_path, "--config.train.steps=40", "--config.checkpoint.every_steps=10")
   deadline = time.monotonic() + 300  # bounds the wait for the event on a loaded machine
