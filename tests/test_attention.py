@@ -244,3 +244,93 @@ def test_a_backend_without_variants_is_refused_in_one_line():
     models.validate(c)  # plain attention: fine
   finally:
     attention.BACKENDS._entries.pop("plain_only_test")
+
+
+# cuDNN's packed layout, emulated on CPU: the kernel runs on GPUs only (tests/test_gpu.py runs it), but what this
+# module hands it (each row's runs of segment ids) and the fallback around it are plain JAX.
+
+
+def _emulated_cudnn(q, k, v, segment_ids, variant, max_runs):
+  """What cuDNN's packed call computes, written out: each described run its own sequence, causal by index within
+  it (a window by index too); a token outside every described run sees nothing."""
+  offsets, lengths, _ = attention.segment_runs(segment_ids, max_runs)
+  i = jnp.arange(segment_ids.shape[1])
+  inside = (i >= offsets[:, :-1, None]) & (i < offsets[:, :-1, None] + lengths[:, :, None])  # [b, runs, t]
+  run = jnp.where(inside.any(1), jnp.argmax(inside, 1), -1)
+  delta = i[:, None] - i[None, :]
+  mask = (run[:, :, None] == run[:, None, :]) & (run[:, :, None] >= 0) & (delta >= 0)
+  if variant.window:
+    mask &= delta < variant.window
+  return attention.dense(q, k, v, mask[:, None], variant)
+
+
+def _loader_rows(t=45, docs=((12, 20, 6), (45,)), first=(0, 17)):
+  """Rows as the loader packs them: documents one after another (row r's first continued from the row before, its
+  positions starting at ``first[r]``), then padding (segment 0) with positions counting up."""
+  seg, pos = np.zeros((len(docs), t), np.int32), np.zeros((len(docs), t), np.int32)
+  for r, lengths in enumerate(docs):
+    at = 0
+    for d, n in enumerate(lengths):
+      seg[r, at:at + n], pos[r, at:at + n] = d + 1, np.arange(n) + (first[r] if d == 0 else 0)
+      at += n
+    pos[r, at:] = np.arange(t - at)
+  return jnp.asarray(seg), jnp.asarray(pos)
+
+
+def test_segment_runs_describe_each_document_as_cudnn_reads_them():
+  seg, _ = _loader_rows()
+  offsets, lengths, count = attention.segment_runs(seg, 4)
+  assert offsets.tolist() == [[0, 12, 32, 38, -1], [0, -1, -1, -1, -1]]
+  assert lengths.tolist() == [[12, 20, 6, 7], [45, -1, -1, -1]]  # the padding is a run too
+  assert count.tolist() == [4, 1]
+  assert attention.segment_runs(seg, 3)[2].tolist() == [4, 1]  # one run more than described: the caller falls back
+
+
+@pytest.mark.parametrize("variant", [attention.PLAIN, attention.Variant(window=5, scale=0.3)], ids=["plain", "window"])
+@pytest.mark.parametrize("docs", [((12, 20, 6), (45,)), ((3,) * 15, (40, 5))], ids=["few", "more than 8"])
+def test_cudnn_backend_equals_the_reference_with_the_kernel_emulated(monkeypatch, variant, docs):
+  """The cudnn backend with cuDNN's packed call emulated: on loader rows it equals the reference, outputs and
+  gradients; a row with more documents than the layout is given (8 here) takes the blockwise fallback and stays
+  exact, where the packed call alone would attend across the documents past the 8th; and the same under a mesh
+  (its shard_map over the rows)."""
+  monkeypatch.setattr(attention, "_cudnn_packed", _emulated_cudnn)
+  monkeypatch.setattr(attention, "CUDNN_MAX_SEGMENTS", 8)
+  q, k, v, _, _ = _packed(seed=3)
+  seg, pos = _loader_rows(docs=docs)
+
+  def loss(backend):
+    w = jnp.cos(jnp.arange(q.size, dtype=jnp.float32)).reshape(q.shape)
+    return lambda q, k, v: (attention.attend(backend, q, k, v, seg, pos, 16, variant) * w).sum()
+
+  want = attention.attend("reference", q, k, v, seg, pos, variant=variant)
+  np.testing.assert_allclose(attention.attend("cudnn", q, k, v, seg, pos, 16, variant), want, rtol=1e-5, atol=1e-5)
+  for g, r in zip(jax.grad(loss("cudnn"), (0, 1, 2))(q, k, v), jax.grad(loss("reference"), (0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(jnp.abs(r).max()))
+  many = len(docs[0]) > 8
+  alone = _emulated_cudnn(q, k, v, seg, variant, 8)
+  assert (float(jnp.abs(alone - want).max()) > 0.1) == many
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+  with jax.set_mesh(mesh), nn_rules():
+    sharded = jax.jit(lambda q, k, v: attention.attend("cudnn", q, k, v, seg, pos, 16, variant))(q, k, v)
+  np.testing.assert_allclose(sharded, want, rtol=1e-5, atol=1e-5)
+
+
+def nn_rules():
+  from jaxtrain import sharding
+  return sharding.axis_rules((("batch", "data"),))
+
+
+def test_cudnn_is_refused_off_gpu_and_where_it_cannot_run(monkeypatch):
+  c = base_config()
+  c.model.update(attention="cudnn", dtype="bfloat16")
+  with pytest.raises(ConfigError, match="model.attention: 'cudnn' is the GPU kernel and this machine's backend is cpu"):
+    models.validate(c)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  models.validate(c)
+  for key, value, message in (("model.dtype", "float32", "model.dtype: 'cudnn' attention takes bfloat16 or float16"),
+                              ("model.head_dim", 12, "model.head_dim: 'cudnn' needs a head dim that is a multiple"),
+                              ("mesh.context", 2, "model.attention: 'cudnn' masks causally by token index")):
+    bad = c.copy_and_resolve_references()
+    bad.update_from_flattened_dict({key: value})
+    with pytest.raises(ConfigError, match=message):
+      models.validate(bad)

@@ -14,7 +14,9 @@ and every family can use it.
   keys, a custom backward that recomputes each block, never a ``[length, length]`` array; O(length x
   block_size) memory, any backend (CPU included).
 - ``splash``: the TPU Pallas splash-attention kernel (:func:`splash`).
-- ``auto`` (the default): splash on TPU, else xla for short sequences and blockwise for long ones (:func:`choose`).
+- ``cudnn``: cuDNN's flash attention on GPU, packed rows through its segment offsets (:func:`cudnn`).
+- ``auto`` (the default): splash on TPU, cudnn on a Hopper GPU in 16 bits, else xla for short sequences and
+  blockwise for long ones (:func:`choose`).
 - ``reference``: softmax written out in float32, the oracle the others are tested against.
 
 Decoding (jaxtrain/generate.py) attends new queries over a :class:`KVCache` with :func:`attend_cached` (XLA's
@@ -347,6 +349,13 @@ def splash(q, k, v, segment_ids, positions, block_size=512, variant: Variant = P
     out = jax.vmap(per_kv_head)(qs, ks, vs, sk.SegmentIds(q=seg, kv=seg))  # [b, kv_heads, groups, t, h]
     return jnp.moveaxis(out.reshape(b, n, t, h), 1, 2).astype(q.dtype)
 
+  return per_shard(local, q, k, v, segment_ids)
+
+
+def per_shard(local, q, k, v, segment_ids):
+  """``local(q, k, v, segment_ids)`` on each device's shard: ``jax.shard_map`` over the mesh with the rules'
+  layouts (rows over the batch axes, heads over tensor), or a plain call without a mesh. For the kernels, whose
+  custom calls XLA cannot partition along a sharded dimension itself."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return local(q, k, v, segment_ids)
@@ -358,22 +367,98 @@ def splash(q, k, v, segment_ids, positions, block_size=512, variant: Variant = P
                        check_vma=False)(q, k, v, segment_ids)
 
 
+# cuDNN flash attention: the GPU kernel -----------------------------------------------------------------------------
+
+CUDNN_MAX_SEGMENTS = 32  # documents per row given to cuDNN's packed layout; a batch with a fuller row runs blockwise
+CUDNN_DTYPES = ("bfloat16", "float16")  # the kernel's input types
+CUDNN_MAX_HEAD_DIM = 256  # on Hopper (128 before); a multiple of 8
+
+
+def segment_runs(segment_ids: jax.Array, max_runs: int):
+  """Each row's runs of equal segment ids, in the form of cuDNN's packed ("THD") layout: ``offsets`` ``[batch,
+  max_runs + 1]`` (each run's first index, then -1), ``lengths`` ``[batch, max_runs]`` (each run's length, then -1)
+  and ``count`` ``[batch]`` (the row's runs; where it exceeds ``max_runs`` the first two describe only part of the
+  row). Padding (segment 0) is a run like any other, so every token is covered, as in :func:`visible`."""
+  b, t = segment_ids.shape
+  starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  index = jax.vmap(lambda s: jnp.nonzero(s, size=max_runs + 1, fill_value=t)[0])(starts)  # [b, max_runs + 1]
+  lengths = jnp.where(index[:, :-1] < t, index[:, 1:] - index[:, :-1], -1)
+  offsets = jnp.where(index < t, index, -1)
+  return offsets.astype(jnp.int32), lengths.astype(jnp.int32), starts.sum(axis=1, dtype=jnp.int32)
+
+
+def _cudnn_packed(q, k, v, segment_ids, variant: Variant, max_runs: int):
+  """cuDNN's fused attention over each row's runs of equal segment ids, causal by index within a run."""
+  # The public jax.nn.dot_product_attention(implementation="cudnn") takes sequence lengths but no segments; the
+  # function under it takes cuDNN's packed layout (segment offsets and lengths), which is what packed rows need.
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+  offsets, lengths, _ = segment_runs(segment_ids, max_runs)
+  return cudnn_attention.dot_product_attention(
+      q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+      scale=variant.scale_for(q.shape[-1]), mask_type=cudnn_attention.MaskType.PADDING_CAUSAL, qkv_layout="BTNH",
+      sliding_window_length=variant.window or None)
+
+
+@BACKENDS.register("cudnn")
+def cudnn(q, k, v, segment_ids, positions, block_size=512, variant: Variant = PLAIN):
+  """cuDNN's flash attention (GPU; packed rows need Hopper or newer), through its packed layout: each row's runs of
+  equal segment ids are its sequences (:func:`segment_runs`), causal by token index within a run, which is this
+  module's mask for the loader's rows (positions count up by one within a document). Grouped-query heads natively;
+  a sliding window is the kernel's own (``window`` keys, itself included); no soft-capping (validation refuses
+  it). The number of runs per row is a static shape: a batch with a row of more than :data:`CUDNN_MAX_SEGMENTS`
+  runs takes ``blockwise`` instead (one ``lax.cond``), so a row of many short documents is never attended across
+  them. Run per shard as splash is (:func:`per_shard`); not with context parallelism (the mask is by index)."""
+  if variant.softcap:
+    raise ConfigError("model.attn_softcap", "the 'cudnn' backend has no attention-logit soft-capping",
+                      "use blockwise or xla")
+
+  def local(q, k, v, seg):
+    fits = (segment_runs(seg, CUDNN_MAX_SEGMENTS)[2] <= CUDNN_MAX_SEGMENTS).all()
+    pos = _index_positions(seg)
+    return jax.lax.cond(fits, lambda: _cudnn_packed(q, k, v, seg, variant, CUDNN_MAX_SEGMENTS),
+                        lambda: blockwise(q, k, v, seg, pos, block_size, variant))
+
+  del positions  # by index within a run (above); the fallback's positions are the same within each run
+  return per_shard(local, q, k, v, segment_ids)
+
+
+def _index_positions(segment_ids: jax.Array) -> jax.Array:
+  """Each token's index within its run of equal segment ids: the positions that index-causal masking implies."""
+  t = segment_ids.shape[1]
+  index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
+  starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]],
+                           axis=1)
+  return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
 AUTO_XLA_MAX_LEN = 2048  # auto off TPU: XLA's attention up to this many tokens (one fused matmul), blockwise above
 
 
-def choose(platform: str, seq_len: int, context: int = 1, in_shard_map: bool = False) -> str:
-  """What ``auto`` runs: ``splash`` on TPU where its rules allow (no context parallelism, ``seq_len`` a multiple of
-  its tiles, not already inside a ``shard_map`` such as the pipeline's), else ``xla`` up to
-  :data:`AUTO_XLA_MAX_LEN` tokens and ``blockwise`` above (its memory is linear in the length; xla's quadratic:
-  3 GiB of temporaries per device for configs/tiny.py at 4k, docs/benchmarks.md)."""
-  if platform == "tpu" and context == 1 and seq_len % SPLASH_MIN_BLOCK == 0 and not in_shard_map:
+def choose(platform: str, seq_len: int, context: int = 1, in_shard_map: bool = False, dtype=None,
+           softcap: bool = False) -> str:
+  """What ``auto`` runs: the platform's kernel where its rules allow (no context parallelism, not already inside a
+  ``shard_map`` such as the pipeline's): ``splash`` on TPU (``seq_len`` a multiple of its tiles), ``cudnn`` on a
+  Hopper or newer GPU (16-bit ``dtype``, no soft-capping); else ``xla`` up to :data:`AUTO_XLA_MAX_LEN` tokens and
+  ``blockwise`` above (its memory is linear in the length; xla's quadratic: 3 GiB of temporaries per device for
+  configs/tiny.py at 4k, docs/benchmarks.md)."""
+  kernel = context == 1 and not in_shard_map
+  if kernel and platform == "tpu" and seq_len % SPLASH_MIN_BLOCK == 0:
     return "splash"
+  if kernel and platform == "gpu" and jnp.dtype(dtype or jnp.float32).name in CUDNN_DTYPES and not softcap \
+      and _hopper_or_newer():
+    return "cudnn"
   return "xla" if seq_len <= AUTO_XLA_MAX_LEN else "blockwise"
 
 
-def resolve(backend: str, platform: str, seq_len: int, context: int = 1) -> str:
-  """``backend``, or what ``auto`` chooses for this platform, length and context axis."""
-  return choose(platform, seq_len, context) if backend == "auto" else backend
+def _hopper_or_newer() -> bool:
+  """Whether this process's first GPU runs cuDNN's packed layout (compute capability 9.0 or more)."""
+  capability = getattr(jax.devices()[0], "compute_capability", "0")
+  return float(capability) >= 9.0
+
+
+def resolve(backend: str, platform: str, seq_len: int, context: int = 1, dtype=None, softcap: bool = False) -> str:
+  """``backend``, or what ``auto`` chooses for this platform, length, context axis, dtype and soft-capping."""
+  return choose(platform, seq_len, context, dtype=dtype, softcap=softcap) if backend == "auto" else backend
 
 
 @BACKENDS.register("auto")
@@ -382,7 +467,7 @@ def auto(q, k, v, segment_ids, positions, block_size=512, variant: Variant = PLA
   mesh = jax.sharding.get_abstract_mesh()
   context = 1 if mesh.empty else dict(mesh.shape).get("context", 1)
   in_shard_map = not mesh.empty and any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
-  name = choose(target_platform(), k.shape[1], context, in_shard_map)
+  name = choose(target_platform(), k.shape[1], context, in_shard_map, q.dtype, bool(variant.softcap))
   return BACKENDS.get(name)(q, k, v, segment_ids, positions, block_size=block_size, variant=variant)
 
 
@@ -394,6 +479,8 @@ def check_available(config) -> None:
   if used and not takes_variants(name):
     raise ConfigError("model.attention", f"the backend '{name}' takes no attention variants and {used[0]} is set",
                       "use xla, blockwise or splash, or give the backend a variant= parameter")
+  if name == "cudnn":
+    return _check_cudnn(config, on)
   if name != "splash":
     return
   if on != "tpu":
@@ -406,6 +493,26 @@ def check_available(config) -> None:
   if config.data.seq_len % SPLASH_MIN_BLOCK:
     raise ConfigError("model.attention", f"'splash' needs data.seq_len to be a multiple of {SPLASH_MIN_BLOCK} "
                       f"(it is {config.data.seq_len})", f"set data.seq_len to a multiple of {SPLASH_MIN_BLOCK}")
+
+
+def _check_cudnn(config, on: str) -> None:
+  model = config.model
+  if on != "gpu":
+    raise ConfigError("model.attention", f"'cudnn' is the GPU kernel and this machine's backend is {on}",
+                      "use blockwise (memory-efficient, any backend) or xla here")
+  if config.mesh.context * config.mesh.dcn_context != 1:
+    raise ConfigError("model.attention", "'cudnn' masks causally by token index, which context parallelism "
+                      "reorders", "use blockwise or xla with mesh.context > 1")
+  if model.dtype not in CUDNN_DTYPES:
+    raise ConfigError("model.dtype", f"'cudnn' attention takes {' or '.join(CUDNN_DTYPES)} and model.dtype is "
+                      f"{model.dtype}", "set model.dtype=bfloat16, or use blockwise or xla")
+  if model.get("attn_softcap"):
+    raise ConfigError("model.attn_softcap", "the 'cudnn' backend has no attention-logit soft-capping",
+                      "use blockwise or xla")
+  head_dim = model.get("head_dim") or 0
+  if head_dim > CUDNN_MAX_HEAD_DIM or head_dim % 8:
+    raise ConfigError("model.head_dim", f"'cudnn' needs a head dim that is a multiple of 8 up to "
+                      f"{CUDNN_MAX_HEAD_DIM} (it is {head_dim})", "use blockwise or xla")
 
 
 # Memory per backend, for the estimator (tools/estimate.py) --------------------------------------------------------
@@ -432,7 +539,7 @@ def _blockwise_memory(rows, heads, q_len, kv_len, block_size, itemsize, window=0
 
 
 def _splash_memory(rows, heads, q_len, kv_len, block_size, itemsize):
-  # Tiles live in the kernel's VMEM; HBM holds the per-query log-sum-exp (float32).
+  # Tiles live in the kernel's VMEM (cuDNN's: shared memory); HBM holds the per-query log-sum-exp (float32).
   return {"saved": rows * heads * q_len * 4, "transient": 0}
 
 
@@ -441,7 +548,7 @@ def _reference_memory(rows, heads, q_len, kv_len, block_size, itemsize):
   return {"saved": scores * 4, "transient": scores * 4 * 3}
 
 
-MEMORY = {"xla": _xla_memory, "blockwise": _blockwise_memory, "splash": _splash_memory,
+MEMORY = {"xla": _xla_memory, "blockwise": _blockwise_memory, "splash": _splash_memory, "cudnn": _splash_memory,
           "reference": _reference_memory}
 
 

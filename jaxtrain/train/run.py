@@ -70,7 +70,8 @@ see :func:`jaxtrain.config.resolve`). Raises ConfigError on user mistakes."""
                           f"remove the '{logical}=' override")
   if config.model.attention == "auto":
     platform = "tpu" if config.get("dry_run_topology") else jax.default_backend()
-    chosen = attention_lib.choose(platform, config.data.seq_len, mesh.shape["context"], in_shard_map=bool(pipeline))
+    chosen = attention_lib.choose(platform, config.data.seq_len, mesh.shape["context"], in_shard_map=bool(pipeline),
+                                  dtype=config.model.dtype, softcap=bool(config.model.get("attn_softcap")))
     logging.info("model.attention=auto: %s (%s, seq_len %d, mesh.context %d%s)", chosen, platform,
                  config.data.seq_len, mesh.shape["context"], ", inside pipeline stages" if pipeline else "")
   batch_axes, batch_shards = sharding.batch_shards(dict(mesh.shape), rules)
