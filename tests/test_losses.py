@@ -37,3 +37,32 @@ def test_bfloat16_logits_are_computed_in_float32_and_their_gradient_stays_bfloat
       logits.astype(jnp.float32))
   assert grad.dtype == jnp.bfloat16
   np.testing.assert_array_equal(grad, reference.astype(jnp.bfloat16))
+
+
+def test_the_one_pass_normalizer_of_tpu_programs_equals_optax_within_float32_rounding():
+  """Programs compiled for TPU reduce the logits once (running maximum, rescaled sum, label's logit): optax's loss
+  and gradient within float32 rounding, -inf logits, an all -inf row and logits far from 0 included; the traced
+  program has the one variadic reduction and no separate maximum."""
+  from jaxtrain.models import attention
+  logits, labels = _case(jnp.float32)
+  logits = logits.at[0, 0, :50].set(-jnp.inf).at[0, 1].set(-jnp.inf).at[1].add(1e4)
+  labels = labels.at[0, 0].set(60)  # a finite label in the partly -inf row
+  weights = jnp.linspace(0.5, 2.0, 15).reshape(3, 5)
+
+  def loss(x):
+    return jnp.sum(jnp.where(jnp.isfinite(cross_entropy(x, labels)), cross_entropy(x, labels) * weights, 0.0))
+
+  two_passes, two_grad = cross_entropy(logits, labels), jax.grad(loss)(logits)
+  with attention.compiling_for("tpu"):
+    one_pass, one_grad = cross_entropy(logits, labels), jax.grad(loss)(logits)
+    primitives = {e.primitive.name for e in jax.make_jaxpr(cross_entropy)(logits, labels).jaxpr.eqns[0].params[
+        "call_jaxpr"].jaxpr.eqns}
+  assert "reduce" in primitives and "reduce_max" not in primitives
+  reference = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  np.testing.assert_array_equal(two_passes, reference)
+  # The all -inf row is NaN in both (-inf - -inf), like optax's; every other loss is finite and equal.
+  np.testing.assert_array_equal(np.isfinite(one_pass), np.isfinite(reference))
+  assert np.isfinite(reference).sum() == 14
+  finite = np.isfinite(reference)
+  np.testing.assert_allclose(one_pass[finite], reference[finite], rtol=2e-6)
+  np.testing.assert_allclose(one_grad, two_grad, rtol=1e-6, atol=1e-7)
