@@ -162,7 +162,7 @@ def test_attention_backends_agree_and_one_registers_from_outside():
   assert logits.shape == (1, 8, 256) and calls == [(1, 8, 4, 16)]  # traced once: the layers are scanned
   c.model.attention = "flash_nope"
   with pytest.raises(ConfigError, match="model.attention: 'flash_nope' is not a registered attention backend; "
-                                        "use one of auto, blockwise, counting_test, reference, splash, xla"):
+                                        "use one of auto, blockwise, counting_test, cudnn, reference, splash, xla"):
     models.validate(c)
 
 

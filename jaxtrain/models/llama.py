@@ -332,10 +332,15 @@ class Attention(nnx.Module):
     if self.local_theta and self.window:  # local layers rotate at their own theta
       local_freq = rope_frequencies(q.shape[-1], self.local_theta)
       freq = local_freq if not self.mixed else jnp.where(local, local_freq, freq)
-    # The scores' scale is applied to the queries in their rotation, where it costs nothing; the backends then
-    # scale by 1 (the TPU cost model prices a separate q x scale at 0.08 ms a layer of Llama 3 8B on v6e).
-    scale = attention.Variant(scale=self.scale).scale_for(q.shape[-1])
-    q, k = rope(q, positions, freq=freq, scale=scale), rope(k, positions, freq=freq)
+    # The scores' scale is applied to the queries in their rotation, where it costs nothing, and the backends then
+    # scale by 1 (the TPU cost model prices a separate q x scale at 0.08 ms a layer of Llama 3 8B on v6e); a
+    # backend registered without variants scales by 1 / sqrt(head_dim) itself, so its queries are left unscaled.
+    scale = self.scale
+    if attention.takes_variants(self.backend):
+      q_scale, scale = attention.Variant(scale=self.scale).scale_for(q.shape[-1]), 1.0
+    else:
+      q_scale = 1.0
+    q, k = rope(q, positions, freq=freq, scale=q_scale), rope(k, positions, freq=freq)
     q = constrain(q, ("batch", "length", "heads", "head_dim"))
     k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
     v = constrain(checkpoint_name(self.v(x), "value_proj"), ("batch", "length", "kv_heads", "head_dim"))
@@ -344,12 +349,12 @@ class Attention(nnx.Module):
       k, v = write_kv(k_cache, k, slots.index), write_kv(v_cache, v, slots.index)
       window = self.window if local is None else jnp.where(local, self.window, 0)
       out = attend_cached(q, k, v, segment_ids, positions, slots.segment_ids, slots.positions,
-                          attention.Variant(window, self.softcap, 1.0))
+                          attention.Variant(window, self.softcap, scale))
       return self.o(constrain(out, ("batch", "length", "heads", "head_dim"))), (k, v)
 
     def run(window):  # causal, never across documents
       return attend(self.backend, q, k, v, segment_ids, positions, self.block_size,
-                    attention.Variant(window, self.softcap, 1.0))
+                    attention.Variant(window, self.softcap, scale))
     if self.mixed and local is None:
       raise ValueError("a stack of local and global layers passes each layer's kind (local=) to its attention")
     # Interleaved local and global layers: both kinds compiled, one run per layer (each keeps its own shape of

@@ -86,30 +86,31 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
   update_shardings = (trained_shardings, state_shardings.opt_state) if state_shardings is not None else None
   passes = 1 if pipeline is not None else microbatches
 
-  def objective(params, batch, aux_scale):
-    """Summed token losses + aux_scale x the weighted aux losses: with aux_scale = (all tokens of the batch) /
-    passes, the gradient divided by all tokens is that of the mean objective."""
+  def objective(params, batch, tokens):
+    """(Summed token losses + (tokens / passes) x the weighted aux losses) / tokens, ``tokens`` being the real
+    target tokens of the whole batch (at least 1 in the division): the mean objective, or a microbatch's share of
+    it. Divided here, the gradient comes out of the backward pass divided (no pass of its own over it)."""
     out = forward_losses(model, params, batch, pipeline, len(sources))
     value = out["loss_sum"]
     if aux_weights:  # (no term at all without aux losses: the same program as a plain language model)
-      value = value + aux_scale * sum(w * out["aux"][n] / out["forwards"] for n, w in aux_weights.items())
-    return value, out
+      value = value + tokens / passes * sum(w * out["aux"][n] / out["forwards"] for n, w in aux_weights.items())
+    return value / jnp.maximum(tokens, 1.0), out
 
-  def grad_fn(params, batch, aux_scale):  # the gradient with respect to the trained params only
+  def grad_fn(params, batch, tokens):  # the gradient with respect to the trained params only
     trained, frozen = model.split_trainable(params)
-    return jax.value_and_grad(lambda t: objective(model.join_trainable(t, frozen), batch, aux_scale),
+    return jax.value_and_grad(lambda t: objective(model.join_trainable(t, frozen), batch, tokens),
                               has_aux=True)(trained)
 
   def train_step(state: TrainState, batch, skip):
     batch = context_lib.balance(batch, context)
-    aux_scale = jnp.sum(batch["loss_mask"].astype(jnp.float32)) / passes
+    tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))  # the batch's real target tokens
     trained, frozen = model.split_trainable(state.params)
     if passes == 1:
-      (_, out), grads = grad_fn(state.params, batch, aux_scale)
+      (_, out), grads = grad_fn(state.params, batch, tokens)
       aux = jax.tree.map(lambda v: v / out["forwards"], (out["aux"], out["metrics"]))
     else:
       def accumulate(carry, microbatch):
-        (_, out), g = grad_fn(state.params, microbatch, aux_scale)
+        (_, out), g = grad_fn(state.params, microbatch, tokens)
         mean = jax.tree.map(lambda v: v / out["forwards"], (out["aux"], out["metrics"]))
         return jax.tree.map(jnp.add, carry, (out["loss_sum"], out["tokens"], mean, g, out.get("by_source"))), None
       zero_grads = jax.tree.map(jnp.zeros_like, trained)
@@ -121,16 +122,15 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
       zero_aux, zero_by_source = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32),
                                               ((shapes["aux"], shapes["metrics"]), shapes.get("by_source")))
       init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero_aux, zero_grads, zero_by_source)
-      (loss_sum, tokens, aux, grads, by_source), _ = jax.lax.scan(accumulate, init, micro,
+      (loss_sum, counted, aux, grads, by_source), _ = jax.lax.scan(accumulate, init, micro,
                                                                    unroll=scans.unroll())
       aux = jax.tree.map(lambda v: v / microbatches, aux)
-      out = {"loss_sum": loss_sum, "tokens": tokens, "by_source": by_source}
-    denom = jnp.maximum(out["tokens"], 1.0)
-    grads = jax.tree.map(lambda g: g / denom, grads)
+      out = {"loss_sum": loss_sum, "tokens": counted, "by_source": by_source}
     # The optimizer sees the whole params tree (frozen params: zero gradients it ignores, no state).
     full_grads = model.join_trainable(grads, jax.tree.map(jnp.zeros_like, frozen))
     updates, opt_state = tx.update(full_grads, state.opt_state, state.params)
     new_trained = optax.apply_updates(trained, model.split_trainable(updates)[0])
+    denom = jnp.maximum(out["tokens"], 1.0)
     loss, grad_norm = out["loss_sum"] / denom, optax.tree.norm(grads)
     finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
               & integrity.all_finite((new_trained, opt_state), update_shardings))
