@@ -123,7 +123,7 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
                                               ((shapes["aux"], shapes["metrics"]), shapes.get("by_source")))
       init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero_aux, zero_grads, zero_by_source)
       (loss_sum, counted, aux, grads, by_source), _ = jax.lax.scan(accumulate, init, micro,
-                                                                   unroll=scans.unroll())
+                                                                    unroll=scans.unroll())
       aux = jax.tree.map(lambda v: v / microbatches, aux)
       out = {"loss_sum": loss_sum, "tokens": counted, "by_source": by_source}
     # The optimizer sees the whole params tree (frozen params: zero gradients it ignores, no state).
