@@ -379,8 +379,8 @@ def segment_runs(segment_ids: jax.Array, max_runs: int):
   max_runs + 1]`` (each run's first index, then -1), ``lengths`` ``[batch, max_runs]`` (each run's length, then -1)
   and ``count`` ``[batch]`` (the row's runs; where it exceeds ``max_runs`` the first two describe only part of the
   row). Padding (segment 0) is a run like any other, so every token is covered, as in :func:`visible`."""
-  b, t = segment_ids.shape
-  starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  t = segment_ids.shape[1]
+  starts = _run_starts(segment_ids)
   index = jax.vmap(lambda s: jnp.nonzero(s, size=max_runs + 1, fill_value=t)[0])(starts)  # [b, max_runs + 1]
   lengths = jnp.where(index[:, :-1] < t, index[:, 1:] - index[:, :-1], -1)
   offsets = jnp.where(index < t, index, -1)
@@ -422,13 +422,15 @@ def cudnn(q, k, v, segment_ids, positions, block_size=512, variant: Variant = PL
   return per_shard(local, q, k, v, segment_ids)
 
 
+def _run_starts(segment_ids: jax.Array) -> jax.Array:
+  """``[batch, length]`` bool: whether each token starts a run of equal segment ids."""
+  return jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+
+
 def _index_positions(segment_ids: jax.Array) -> jax.Array:
   """Each token's index within its run of equal segment ids: the positions that index-causal masking implies."""
-  t = segment_ids.shape[1]
-  index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
-  starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]],
-                           axis=1)
-  return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+  index = jnp.broadcast_to(jnp.arange(segment_ids.shape[1], dtype=jnp.int32), segment_ids.shape)
+  return index - jax.lax.cummax(jnp.where(_run_starts(segment_ids), index, 0), axis=1)
 
 
 AUTO_XLA_MAX_LEN = 2048  # auto off TPU: XLA's attention up to this many tokens (one fused matmul), blockwise above
