@@ -22,21 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxtrain.models import attention  # noqa: E402
-
-
-def packed_rows(length: int, docs: list[list[int]], first_positions: list[int]):
-  """Rows of consecutive documents (lengths ``docs[r]``), padding (segment 0) after them; row r's first document
-  starts at position ``first_positions[r]`` (a document continued from the row before)."""
-  seg = np.zeros((len(docs), length), np.int32)
-  pos = np.zeros((len(docs), length), np.int32)
-  for r, lengths in enumerate(docs):
-    at = 0
-    for i, n in enumerate(lengths):
-      seg[r, at:at + n] = i + 1
-      pos[r, at:at + n] = np.arange(n) + (first_positions[r] if i == 0 else 0)
-      at += n
-    pos[r, at:] = np.arange(length - at)
-  return jnp.asarray(seg), jnp.asarray(pos)
+from tests.test_attention import _loader_rows  # noqa: E402  (rows as the loader packs them)
 
 
 def errors(fn, q, k, v, seg, pos, variant, reference):
@@ -76,7 +62,7 @@ def cases() -> list[dict]:
   ]
   out = []
   for name, length, docs, first, window in specs:
-    seg, pos = packed_rows(length, docs, first)
+    seg, pos = _loader_rows(length, docs, first)
     keys = jax.random.split(jax.random.key(len(out)), 3)
     q = jax.random.normal(keys[0], (2, length, 8, 64), jnp.bfloat16)
     k, v = (jax.random.normal(x, (2, length, 2, 64), jnp.bfloat16) for x in keys[1:])

@@ -11,8 +11,8 @@ step waited for; the median is the step time. Reported: tokens/s, model TFLOP/s 
 bf16 FLOP/s (jaxtrain.metrics: 989 TFLOP/s for H100 and H200), with the model's FLOPs as training logs them
 (PaLM's count: 6 x the matmul parameters + 12 x layers x heads x head_dim x seq_len per token, the attention term
 for the full square as PaLM and MaxText count it) and, beside it, ``MFU causal`` with the attention term halved
-(the FLOPs a causal kernel does). Also the compiled step's peak memory (XLA's memory analysis) and the first step's loss (the same batch for every run,
-so the backends' losses agree).
+(the FLOPs a causal kernel does). Also the compiled step's peak memory (XLA's memory analysis) and the first
+step's loss (the same batch for every run, so the backends' losses agree).
 
 ``--attention`` first times one layer's attention alone (forward + backward, 1 x seq_len tokens, the model's
 heads): each backend, and cuDNN's packed call without the fallback's ``lax.cond``.
@@ -30,9 +30,18 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
-import _bench  # noqa: E402  (tools/ is on sys.path when a script runs)
+import _bench  # noqa: E402  (tools/ is on sys.path when a script runs; no _bench.setup(): real devices only)
+from jaxtrain import config as config_lib  # noqa: E402
+from jaxtrain import data as data_lib  # noqa: E402
+from jaxtrain import metrics  # noqa: E402
+from jaxtrain.data.synthetic import SyntheticSource  # noqa: E402
+from jaxtrain.models import attention  # noqa: E402
+from jaxtrain.train import trainer  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "configs/llama3_1b.py", "Config file (configs/x.py[:variant]).")
 _RUNS = flags.DEFINE_list("runs", ["cudnn:4096:8:none", "cudnn:8192:4:none", "blockwise:4096:8:none",
@@ -45,7 +54,6 @@ _OUT = flags.DEFINE_string("out", "benchmarks/results/gpu_llama3_1b.json", "Wher
 
 
 def _time(fn, *args, steps: int = 10) -> float:
-  import jax
   jax.block_until_ready(fn(*args))
   times = []
   for _ in range(steps):
@@ -57,10 +65,6 @@ def _time(fn, *args, steps: int = 10) -> float:
 
 def time_attention(config, seq_len: int) -> list[dict]:
   """One layer's attention, forward + backward, 1 row of ``seq_len`` tokens, bf16: ms per backend."""
-  import jax
-  import jax.numpy as jnp
-
-  from jaxtrain.models import attention
   m = config.model
   keys = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(keys[0], (1, seq_len, m.num_heads, m.head_dim), jnp.bfloat16)
@@ -85,16 +89,6 @@ def time_attention(config, seq_len: int) -> list[dict]:
 
 
 def bench(config_file: str, spec: str, steps: int, overrides: list[str]) -> dict:
-  import jax
-  import numpy as np
-
-  from jaxtrain import config as config_lib
-  from jaxtrain import data as data_lib
-  from jaxtrain import metrics
-  from jaxtrain.data.synthetic import SyntheticSource
-  from jaxtrain.models import attention
-  from jaxtrain.train import trainer
-
   backend, seq_len, rows, remat = spec.split(":")
   seq_len, rows = int(seq_len), int(rows)
   config = config_lib.load_file(config_file, [
@@ -131,11 +125,11 @@ def bench(config_file: str, spec: str, steps: int, overrides: list[str]) -> dict
   mem = step_fn.memory_analysis()
   result.update(
       step_s=step, step_s_min=min(times), step_s_max=max(times), tokens_per_s=result["tokens"] / step,
-      tflops=per_token * result["tokens"] / step / 1e12, mfu=per_token * result["tokens"] / step / peak if peak else None,
+      tflops=per_token * result["tokens"] / step / 1e12,
+      mfu=per_token * result["tokens"] / step / peak if peak else None,
       mfu_causal=causal * result["tokens"] / step / peak if peak else None, first_loss=losses[0], losses=losses,
       peak_gib=int(mem.peak_memory_in_bytes) / 2**30, temp_gib=int(mem.temp_size_in_bytes) / 2**30,
-      chosen=attention.resolve(
-          backend, jax.default_backend(), seq_len, dtype=m.dtype))
+      chosen=attention.resolve(backend, jax.default_backend(), seq_len, dtype=m.dtype))
   return result
 
 
@@ -145,9 +139,6 @@ def _pct(x) -> str:
 
 def main(argv):
   del argv
-  import jax
-
-  from jaxtrain import config as config_lib
   logging.set_verbosity(logging.WARNING)
   header = {"config": _CONFIG.value, "overrides": _SET.value, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "steps": _STEPS.value}
