@@ -15,7 +15,9 @@ for the full square as PaLM and MaxText count it) and, beside it, ``MFU causal``
 step's loss (the same batch for every run, so the backends' losses agree).
 
 ``--attention`` first times one layer's attention alone (forward + backward, 1 x seq_len tokens, the model's
-heads): each backend, and cuDNN's packed call without the fallback's ``lax.cond``.
+heads): each backend, and cuDNN's packed call without the fallback's ``lax.cond``. ``--matmul`` first times the
+MLP's up projection alone ([rows x seq_len, d_model] x [d_model, mlp_dim], forward + both backward matmuls) in
+bf16 and through each ``model.quantization`` recipe: whether the quantized matmul itself pays, apart from the step.
 
 XLA's GPU flags are process-wide: run the script once per flag set (``XLA_FLAGS=... python tools/bench_gpu.py
 --out=...``); the JSON records them. A run that does not fit the GPU is reported as such and the others go on.
@@ -40,7 +42,7 @@ from jaxtrain import config as config_lib  # noqa: E402
 from jaxtrain import data as data_lib  # noqa: E402
 from jaxtrain import metrics  # noqa: E402
 from jaxtrain.data.synthetic import SyntheticSource  # noqa: E402
-from jaxtrain.models import attention  # noqa: E402
+from jaxtrain.models import attention, quantization  # noqa: E402
 from jaxtrain.train import trainer  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "configs/llama3_1b.py", "Config file (configs/x.py[:variant]).")
@@ -49,6 +51,7 @@ _RUNS = flags.DEFINE_list("runs", ["cudnn:4096:8:none", "cudnn:8192:4:none", "bl
                           "backend:seq_len:rows:remat per run.")
 _STEPS = flags.DEFINE_integer("steps", 5, "Timed steps per run (after 2 warm-up steps).")
 _ATTENTION = flags.DEFINE_bool("attention", False, "First time one layer's attention alone per backend.")
+_MATMUL = flags.DEFINE_bool("matmul", False, "First time one MLP matmul per quantization recipe.")
 _SET = flags.DEFINE_multi_string("set", [], "More key=value overrides for every run.")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/gpu_llama3_1b.json", "Where to write the JSON results.")
 
@@ -85,6 +88,30 @@ def time_attention(config, seq_len: int) -> list[dict]:
     except Exception as e:  # noqa: BLE001 - a backend that does not fit is reported, the others go on
       rows.append({"backend": name, "seq_len": seq_len, "error": str(e).splitlines()[0][:200]})
     print(rows[-1], flush=True)
+  return rows
+
+
+def time_matmul(config, tokens: int) -> list[dict]:
+  """The MLP's up projection, forward + backward (3 matmuls), ``tokens`` rows, bf16 operands: ms per recipe."""
+  m = config.model
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (tokens, m.d_model), jnp.bfloat16)
+  w = jax.random.normal(kw, (m.d_model, m.mlp_dim), jnp.bfloat16) * m.d_model ** -0.5
+  flops = 3 * 2 * tokens * m.d_model * m.mlp_dim
+  rows = []
+  for name in quantization.QUANTIZATION.names():
+    dot = quantization.dot_general(name)
+    loss = lambda x, w, dot=dot: jnp.sum(dot(x, w, (((1,), (0,)), ((), ()))).astype(jnp.float32) ** 2)
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    try:
+      ms = _time(fn, x, w) * 1e3
+    except Exception as e:  # noqa: BLE001 - a recipe the GPU cannot run: reported, the others go on
+      rows.append({"quantization": name, "tokens": tokens, "error": str(e).splitlines()[0][:300]})
+      print(f"matmul {name:<6} {tokens} tokens: {rows[-1]['error']}", flush=True)
+      continue
+    rows.append({"quantization": name, "tokens": tokens, "ms": ms, "tflops": flops / ms / 1e9})
+    print(f"matmul {name:<6} {tokens} x {m.d_model} x {m.mlp_dim}: {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s",
+          flush=True)
   return rows
 
 
@@ -142,7 +169,12 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   header = {"config": _CONFIG.value, "overrides": _SET.value, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "steps": _STEPS.value}
-  summary = {**header, "attention": [], "results": []}
+  summary = {**header, "attention": [], "matmul": [], "results": []}
+  if _MATMUL.value:
+    config = config_lib.load_file(_CONFIG.value, _SET.value)
+    for tokens in sorted({int(s.split(":")[1]) * int(s.split(":")[2]) for s in _RUNS.value}):
+      summary["matmul"] += time_matmul(config, tokens)
+      _bench.write_json(_OUT.value, summary)
   if _ATTENTION.value:
     config = config_lib.load_file(_CONFIG.value, _SET.value)
     for seq_len in sorted({int(s.split(":")[1]) for s in _RUNS.value}):
