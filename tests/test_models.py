@@ -119,6 +119,26 @@ def _next_token_loss(model, tokens):
   return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
 
+def test_the_tpu_programs_fusion_points_keep_values_and_gradients_bitwise():
+  """Programs compiled for TPU rotate bfloat16 q and k by a signed-permutation matmul and write the gated MLP's
+  product and the final norm's cotangent to memory (jaxtrain.models.fusion): the same loss, logits and gradients as
+  the default program, bitwise (bf16 compute), and the traced TPU program does hold the matmul and the barriers."""
+  from jaxtrain.models import attention
+  model, params = _model_and_params(dtype="bfloat16")
+  tokens = _inputs(np.random.default_rng(0).integers(0, 256, (2, 16)))
+  default = _next_token_loss(model, tokens)(params)
+  trace = lambda: str(jax.make_jaxpr(jax.grad(lambda p: jnp.sum(model.apply(p, *tokens))))(params))  # noqa: E731
+  plain = trace()
+  with attention.compiling_for("tpu"):
+    tpu = _next_token_loss(model, tokens)(params)
+    program = trace()
+  # The MLP's product in the layers' scan body and its cotangent in the backward scan's, the final norm's cotangent.
+  assert (plain.count("optimization_barrier"), program.count("optimization_barrier")) == (0, 3)
+  # q's and k's rotations: forward, and each one's input gradient (a constant rotation has no weight gradient).
+  assert program.count("dot_general") - plain.count("dot_general") == 4
+  jax.tree.map(np.testing.assert_array_equal, default, tpu)
+
+
 @pytest.mark.slow
 def test_bf16_compute_keeps_fp32_params():
   model, params = _model_and_params(dtype="bfloat16")

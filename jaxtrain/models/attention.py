@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.models import scans
+from jaxtrain.models import fusion, scans
 from jaxtrain.registry import Registry
 from jaxtrain.sharding import constrain
 
@@ -347,6 +347,9 @@ def splash(q, k, v, segment_ids, positions, block_size=512, variant: Variant = P
     ks, vs = (jnp.moveaxis(x, 1, 2) for x in (k, v))  # [b, kv_heads, t, h]
     per_kv_head = jax.vmap(lambda qq, kk, vv, ids: kernel(qq, kk, vv, segment_ids=ids), in_axes=(0, 0, 0, None))
     out = jax.vmap(per_kv_head)(qs, ks, vs, sk.SegmentIds(q=seg, kv=seg))  # [b, kv_heads, groups, t, h]
+    # The output's gradient written as the kernel's backward reads it: fused into the output projection's gradient,
+    # the compiler writes it sequence-minor and copies it twice (jaxtrain.models.fusion).
+    out = fusion.cotangent_barrier(out)
     return jnp.moveaxis(out.reshape(b, n, t, h), 1, 2).astype(q.dtype)
 
   return per_shard(local, q, k, v, segment_ids)

@@ -10,11 +10,12 @@ import dataclasses
 import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxtrain import models
 from jaxtrain.errors import ConfigError, check_positive
-from jaxtrain.models import attention, quantization, scans
+from jaxtrain.models import attention, fusion, quantization, scans
 from jaxtrain.models.attention import KV_AXES, KVCache, attend, attend_cached, write_kv
 from jaxtrain.sharding import constrain, mesh_axes
 
@@ -207,6 +208,17 @@ def rope(x: jax.Array, positions: jax.Array, theta: float | None = None,
   # The rotation itself in x's dtype, as transformers (and MaxText) compute it: for bfloat16 no float32 copies of
   # q and k (forward, and their gradients backward) for XLA to write.
   sin, cos = ((f(angle) * scale)[:, :, None, :].astype(x.dtype) for f in (jnp.sin, jnp.cos))
+  if x.dtype == jnp.bfloat16 and attention.target_platform() == "tpu":
+    # rotate_half(x) = (-x2, x1) as a matmul with a signed permutation (exact: one +-1 per column, float32
+    # accumulation): on TPU the MXU moves the halves, and q and k stay whole 128-lane rows that the projections
+    # write in the attention kernel's layout. Split into 64-wide halves, the compiler stores q and k sequence-minor
+    # and copies them twice into the kernel's layout (Llama 3 8B: -0.35 ms a layer on v5p, for 0.4% more FLOPs).
+    half = x.shape[-1] // 2
+    rotation = np.zeros((2 * half, 2 * half), np.float32)
+    rotation[np.arange(half) + half, np.arange(half)] = -1
+    rotation[np.arange(half), np.arange(half) + half] = 1
+    rotated = jnp.einsum("btnh,hk->btnk", x, jnp.asarray(rotation, x.dtype), preferred_element_type=x.dtype)
+    return x * jnp.concatenate([cos, cos], -1) + rotated * jnp.concatenate([sin, sin], -1)
   x1, x2 = jnp.split(x, 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
@@ -375,6 +387,8 @@ class MLP(nnx.Module):
   def __call__(self, x):
     gate, up = checkpoint_name(self.gate(x), "mlp_gate"), checkpoint_name(self.up(x), "mlp_up")
     h = constrain(self.activation(gate) * up, ("batch", "length", "mlp"))
+    if attention.target_platform() == "tpu":  # not fused into the down projection, nor its gradient into gate's
+      h = fusion.materialize(h)
     return checkpoint_name(self.down(h), "mlp_down")
 
 
@@ -441,6 +455,8 @@ class Llama(nnx.Module):
 
   def head(self, x):
     x = self.final_norm(x)
+    if attention.target_platform() == "tpu":  # its backward not fused into the head's input gradient
+      x = fusion.cotangent_barrier(x)
     logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
     if self.final_softcap:  # Gemma 2: c tanh(logits / c), in float32
       logits = (self.final_softcap * jnp.tanh(logits.astype(jnp.float32) / self.final_softcap)).astype(logits.dtype)

@@ -52,8 +52,11 @@ def _one_pass(x, labels):
 
   def combine(a, b):
     (m1, s1, l1), (m2, s2, l2) = a, b
-    m = jnp.maximum(m1, m2)
-    return m, s1 * jnp.exp(m1 - m) + s2 * jnp.exp(m2 - m), l1 + l2
+    # The larger maximum's sum plus the other's rescaled: one exponential a pair (exp(0) = 1 not computed), the
+    # same values as s1 exp(m1 - m) + s2 exp(m2 - m).
+    first = m1 > m2
+    return (jnp.maximum(m1, m2), jnp.where(first, s1, s2) + jnp.where(first, s2, s1) * jnp.exp(-jnp.abs(m1 - m2)),
+            l1 + l2)
 
   # A finite identity (never -inf: XLA may combine two identities, and exp(-inf - -inf) is NaN); -inf logits and an
   # all -inf row come out as in logsumexp (exp(-inf) = 0, log(0) = -inf).
