@@ -170,13 +170,12 @@ def main(argv):
   header = {"config": _CONFIG.value, "overrides": _SET.value, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "steps": _STEPS.value}
   summary = {**header, "attention": [], "matmul": [], "results": []}
+  config = config_lib.load_file(_CONFIG.value, _SET.value)
   if _MATMUL.value:
-    config = config_lib.load_file(_CONFIG.value, _SET.value)
     for tokens in sorted({int(s.split(":")[1]) * int(s.split(":")[2]) for s in _RUNS.value}):
       summary["matmul"] += time_matmul(config, tokens)
       _bench.write_json(_OUT.value, summary)
   if _ATTENTION.value:
-    config = config_lib.load_file(_CONFIG.value, _SET.value)
     for seq_len in sorted({int(s.split(":")[1]) for s in _RUNS.value}):
       summary["attention"] += time_attention(config, seq_len)
       _bench.write_json(_OUT.value, summary)
