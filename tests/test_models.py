@@ -137,6 +137,14 @@ def test_the_tpu_programs_fusion_points_keep_values_and_gradients_bitwise():
   # q's and k's rotations: forward, and each one's input gradient (a constant rotation has no weight gradient).
   assert program.count("dot_general") - plain.count("dot_general") == 4
   jax.tree.map(np.testing.assert_array_equal, default, tpu)
+  # save_dots keeps matmul outputs, but not the rotations' (the backward never reads them): no more temporaries.
+  model, params = _model_and_params(dtype="bfloat16", remat="save_dots", num_layers=4)
+  tokens = _inputs(np.random.default_rng(0).integers(0, 256, (2, 64)))
+  loss = lambda p: jnp.mean(model.apply(p, *tokens).astype(jnp.float32) ** 2)  # noqa: E731
+  temp = lambda: jax.jit(jax.value_and_grad(loss)).lower(params).compile().memory_analysis().temp_size_in_bytes  # noqa: E731
+  plain = temp()
+  with attention.compiling_for("tpu"):
+    assert temp() <= plain
 
 
 @pytest.mark.slow

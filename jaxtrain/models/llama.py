@@ -217,7 +217,10 @@ def rope(x: jax.Array, positions: jax.Array, theta: float | None = None,
     rotation = np.zeros((2 * half, 2 * half), np.float32)
     rotation[np.arange(half) + half, np.arange(half)] = -1
     rotation[np.arange(half), np.arange(half) + half] = 1
-    rotated = jnp.einsum("btnh,hk->btnk", x, jnp.asarray(rotation, x.dtype), preferred_element_type=x.dtype)
+    # Heads as the matmul's batch dimension: remat policies that keep matmuls without one (save_dots) do not keep
+    # this rotation's output, which the backward pass never reads.
+    rotation = jnp.broadcast_to(jnp.asarray(rotation, x.dtype), (x.shape[2], *rotation.shape))
+    rotated = jnp.einsum("btnh,nhk->btnk", x, rotation, preferred_element_type=x.dtype)
     return x * jnp.concatenate([cos, cos], -1) + rotated * jnp.concatenate([sin, sin], -1)
   x1, x2 = jnp.split(x, 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
