@@ -320,13 +320,13 @@ SPLASH_MIN_BLOCK = 128  # the kernel's tiles: the sequence must be a multiple of
 
 @BACKENDS.register("splash")
 def splash(q, k, v, segment_ids, positions, block_size=512, variant: Variant = PLAIN):
-  """The TPU splash-attention Pallas kernel (``jax.experimental.pallas.ops.tpu.splash_attention``) with segment ids:
-  a causal mask by token index and'ed with "same segment", which is this module's mask for the loader's rows
-  (positions count up within a document); skips fully masked blocks. Grouped-query heads: the kernel's MQA form per
-  KV head (vmapped), and per row. A sliding window is the kernel's ``LocalMask`` (by token index, as its causal
-  mask; it skips the blocks outside the window) and soft-capping its ``attn_logits_soft_cap``. Run in ``jax.shard_map`` over the mesh with the rules' layouts (rows over the
-  batch axes, heads over tensor); not with context parallelism (its static causal mask is by index). Off TPU it
-  runs in Pallas' interpret mode (slow; the tests' correctness check)."""
+  """The TPU splash-attention Pallas kernel (``jax.experimental.pallas.ops.tpu.splash_attention``) with segment ids: a
+  causal mask by token index and'ed with "same segment", which is this module's mask for the loader's rows (positions
+  count up within a document); skips fully masked blocks. Grouped-query heads: the kernel's MQA form per KV head
+  (vmapped), and per row. A sliding window is the kernel's ``LocalMask`` (by token index, as its causal mask; it
+  skips the blocks outside the window) and soft-capping its ``attn_logits_soft_cap``. Run in ``jax.shard_map`` over
+  the mesh with the rules' layouts (rows over the batch axes, heads over tensor); not with context parallelism (its
+  static causal mask is by index). Off TPU it runs in Pallas' interpret mode (slow; the tests' correctness check)."""
   del positions
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm

@@ -43,10 +43,11 @@ def _one_pass(x, labels):
   """The same in one pass over the logits: one reduction of (running maximum, sum of exponentials below it, label's
   logit), each pair combined by rescaling the smaller maximum's sum (an online softmax's normalizer). A pass less
   over the ``[tokens, vocab]`` logits (Llama 3 8B at 8k tokens a chip: 2.1 GB), and one exponential an element, as
-  two passes take (the pairwise combine computes only the smaller maximum's rescaling). The TPU compiler's estimate of the loss alone falls 1.28 ms on v6e and 0.89 on v5p; of Llama 3
-  8B's whole step on v5p-128 2.3 ms, with 1 GiB less peak memory (on v6e-64 unchanged: docs/benchmarks.md). On CPU
-  it runs 2.5x slower than two passes, so only programs for TPU use it (GPUs: not measured). Within float32
-  rounding of :func:`_two_passes`, not bitwise (another order of summation)."""
+  two passes take (the pairwise combine computes only the smaller maximum's rescaling). The TPU compiler's estimate
+  of the loss alone falls 1.28 ms on v6e and 0.89 on v5p; of Llama 3 8B's whole step on v5p-128 2.3 ms, with 1 GiB
+  less peak memory (on v6e-64 unchanged: docs/benchmarks.md). On CPU it runs 2.5x slower than two passes, so only
+  programs for TPU use it (GPUs: not measured). Within float32 rounding of :func:`_two_passes`, not bitwise (another
+  order of summation)."""
   vocab = jax.lax.broadcasted_iota(labels.dtype, x.shape, x.ndim - 1)
   label = jnp.where(vocab == labels[..., None], x, 0.0)
 
