@@ -119,24 +119,39 @@ def _next_token_loss(model, tokens):
   return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
 
-def test_the_tpu_programs_fusion_points_keep_values_and_gradients_bitwise():
-  """Programs compiled for TPU rotate bfloat16 q and k by a signed-permutation matmul and write the gated MLP's
-  product and the final norm's cotangent to memory (jaxtrain.models.fusion): the same loss, logits and gradients as
-  the default program, bitwise (bf16 compute), and the traced TPU program does hold the matmul and the barriers."""
-  from jaxtrain.models import attention
+def test_the_tpu_programs_fusion_points_keep_values_and_gradients(monkeypatch):
+  """Programs compiled for TPU project q, k and v by one matmul, rotate bfloat16 q and k by a signed-permutation
+  matmul, write the gated MLP's product and the final norm's cotangent to memory (jaxtrain.models.fusion) and,
+  backward, each layer norm's direct term summed with the residual's cotangent (RMSNorm.beside_residual): the same
+  loss and logits as the default program, bitwise (bf16 compute), and its gradients within bfloat16 rounding (the
+  projections' input gradient is one sum, not three rounded ones added; the norms' sum is rounded once more); the
+  traced TPU program does hold those matmuls and the barriers; without the two, its gradients are bitwise the
+  default's."""
+  from jaxtrain.models import attention, llama
   model, params = _model_and_params(dtype="bfloat16")
   tokens = _inputs(np.random.default_rng(0).integers(0, 256, (2, 16)))
   default = _next_token_loss(model, tokens)(params)
   trace = lambda: str(jax.make_jaxpr(jax.grad(lambda p: jnp.sum(model.apply(p, *tokens))))(params))  # noqa: E731
   plain = trace()
   with attention.compiling_for("tpu"):
-    tpu = _next_token_loss(model, tokens)(params)
+    (loss, logits), grads = _next_token_loss(model, tokens)(params)
     program = trace()
-  # The MLP's product in the layers' scan body and its cotangent in the backward scan's, the final norm's cotangent.
-  assert (plain.count("optimization_barrier"), program.count("optimization_barrier")) == (0, 3)
-  # q's and k's rotations: forward, and each one's input gradient (a constant rotation has no weight gradient).
-  assert program.count("dot_general") - plain.count("dot_general") == 4
-  jax.tree.map(np.testing.assert_array_equal, default, tpu)
+    monkeypatch.setattr(llama.Attention, "_fuse_projections", lambda self: False)
+    monkeypatch.setattr(llama.RMSNorm, "beside_residual", lambda self, x: (x, self(x)))
+    unfused = _next_token_loss(model, tokens)(params)
+    monkeypatch.undo()
+  # The MLP's product in the layers' scan body and its cotangent in the backward scan's, the final norm's cotangent,
+  # and in the backward scan's body the two norms' direct terms beside the residual's cotangent.
+  assert (plain.count("optimization_barrier"), program.count("optimization_barrier")) == (0, 5)
+  # q's and k's rotations: forward, and each one's input gradient (a constant rotation has no weight gradient), 4
+  # more; q, k and v projected by one matmul: its forward, input gradient and weight gradient, 6 fewer.
+  assert program.count("dot_general") - plain.count("dot_general") == 4 - 6
+  jax.tree.map(np.testing.assert_array_equal, default, unfused)
+  np.testing.assert_array_equal(loss, default[0][0])
+  np.testing.assert_array_equal(logits, default[0][1])
+  errors = jax.tree.map(lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(
+      b.astype(jnp.float32))), grads, default[1])
+  assert 0 < max(jax.tree.leaves(errors)) < 1e-2, errors
   # save_dots keeps matmul outputs, but not the rotations' (the backward never reads them): no more temporaries.
   model, params = _model_and_params(dtype="bfloat16", remat="save_dots", num_layers=4)
   tokens = _inputs(np.random.default_rng(0).integers(0, 256, (2, 64)))
@@ -145,7 +160,43 @@ def test_the_tpu_programs_fusion_points_keep_values_and_gradients_bitwise():
     return jax.jit(jax.value_and_grad(loss)).lower(params).compile().memory_analysis().temp_size_in_bytes
   plain = temp()
   with attention.compiling_for("tpu"):
+    # (The norms' backward holds its one written sum a little longer: compared without it.)
+    monkeypatch.setattr(llama.RMSNorm, "beside_residual", lambda self, x: (x, self(x)))
     assert temp() <= plain
+
+
+@pytest.mark.parametrize("dtype,plus_one", [("float32", False), ("float32", True), ("bfloat16", False)])
+def test_the_norm_beside_the_residual_has_the_plain_norms_values_and_gradients(dtype, plus_one):
+  """The norm of RMSNorm.beside_residual in a residual block ``x + f(norm(x))`` (TPU programs: its backward writes
+  the residual's cotangent plus the norm's direct term once): RMSNorm's values bitwise, its gradients for x and the
+  scale within float32 rounding in float32 and within bfloat16 rounding of that sum in bfloat16 (Gemma's 1 + w
+  too). The model-level check is test_the_tpu_programs_fusion_points_keep_values_and_gradients."""
+  from jaxtrain.models import llama
+  dt = jnp.dtype(dtype)
+  scale = jax.random.normal(jax.random.key(2), (64,)) * 0.3 + (0.0 if plus_one else 1.0)
+  x = (jax.random.normal(jax.random.key(0), (2, 8, 64)) * 3).astype(dt)
+  w = jax.random.normal(jax.random.key(1), (64, 64)).astype(dt) / 8
+
+  def plain(x, scale):  # RMSNorm.__call__
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+    return x, (y * (1.0 + scale if plus_one else scale)).astype(dt)
+
+  def block(x, scale, split):
+    skip, h = split(x, scale)
+    return jnp.sum((skip + jnp.tanh(h @ w)).astype(jnp.float32) ** 2)
+
+  beside = lambda x, scale: llama._norm_beside_residual(x, scale, 1e-6, plus_one, dt)  # noqa: E731
+  np.testing.assert_array_equal(beside(x, scale)[1], plain(x, scale)[1])
+  reference = jax.value_and_grad(block, argnums=(0, 1))(x, scale, plain)
+  ours = jax.value_and_grad(block, argnums=(0, 1))(x, scale, beside)
+  program = str(jax.make_jaxpr(jax.grad(block, argnums=(0, 1)), static_argnums=2)(x, scale, beside))
+  assert program.count("optimization_barrier") == 1
+  np.testing.assert_array_equal(ours[0], reference[0])
+  tolerance = 2e-6 if dtype == "float32" else 2 ** -7
+  for a, b in zip(ours[1], reference[1]):
+    error = jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32))
+    assert error < tolerance, (error, tolerance)
 
 
 @pytest.mark.slow

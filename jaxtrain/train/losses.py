@@ -5,7 +5,8 @@ logits would give a bfloat16 loss, and casting them to float32 first makes XLA k
 ``[tokens, vocab]`` logits for the backward pass (Llama 3 8B at 8k tokens per chip: 4.2 GB, read and written
 several times). :func:`cross_entropy` takes the logits in whatever dtype the head computed them, does its
 arithmetic in float32 (optax's formula, in the same order: float32 logits give optax's values bitwise; programs
-compiled for TPU take the normalizer in one pass instead, :func:`_one_pass`, within float32 rounding), keeps only
+compiled for TPU take the normalizer from sums that fuse into the head's matmul instead, :func:`_windowed_sums`,
+within float32 rounding for rows whose largest logit lies in [-100, 309]), keeps only
 the logits themselves and one float32 per token (the log normalizer) for the backward pass, and returns the
 logits' gradient in their own dtype, as the head's matmul consumes it.
 """
@@ -29,7 +30,7 @@ def _forward(logits, labels):
   # The log normalizer (one float32 per token: all the backward keeps besides the logits) and the label's logit,
   # picked by a comparison in a pass over the logits the normalizer makes anyway (a gather would be a pass of its
   # own, and from a float32 ``x`` would make XLA write all of ``x`` to memory for it).
-  lse, label_logits = (_one_pass if target_platform() == "tpu" else _two_passes)(x, labels)
+  lse, label_logits = (_windowed_sums if target_platform() == "tpu" else _two_passes)(x, labels)
   return lse - label_logits, (logits, labels, lse)
 
 
@@ -39,31 +40,36 @@ def _two_passes(x, labels):
   return jax.nn.logsumexp(x, axis=-1), jnp.sum(jnp.where(vocab == labels[..., None], x, 0.0), axis=-1)
 
 
-def _one_pass(x, labels):
-  """The same in one pass over the logits: one reduction of (running maximum, sum of exponentials below it, label's
-  logit), each pair combined by rescaling the smaller maximum's sum (an online softmax's normalizer). A pass less
-  over the ``[tokens, vocab]`` logits (Llama 3 8B at 8k tokens a chip: 2.1 GB), and one exponential an element, as
-  two passes take (the pairwise combine computes only the smaller maximum's rescaling). The TPU compiler's estimate
-  of the loss alone falls 1.28 ms on v6e and 0.89 on v5p; of Llama 3 8B's whole step on v5p-128 2.3 ms, with 1 GiB
-  less peak memory (on v6e-64 unchanged: docs/benchmarks.md). On CPU it runs 2.5x slower than two passes, so only
-  programs for TPU use it (GPUs: not measured). Within float32 rounding of :func:`_two_passes`, not bitwise (another
-  order of summation)."""
+# The shifts of :func:`_windowed_sums`: 136 apart, so that when one window's sum overflows the next one up holds the
+# row's largest logit within 60 of its shift (see there).
+SHIFTS = (-40.0, 96.0, 232.0)
+
+
+def _windowed_sums(x, labels):
+  """The log normalizer and the label's logit from sums alone: for each shift c in :data:`SHIFTS`, ``sum(exp(x -
+  c))`` over the row, and the normalizer ``c + log(sum)`` from the lowest shift whose sum did not overflow.
+
+  Why sums: the TPU compiler fuses a row reduction that is a plain sum into the output of the matmul that writes
+  the logits (the head's), where it costs nothing more than the matmul; a maximum, or a running (maximum, sum) pair,
+  it computes in a pass of its own over the ``[tokens, vocab]`` logits (Llama 3 8B at 8k tokens a chip: 2.1 GB,
+  0.87 ms of the whole step on v5p-128 by the compiler's estimate, docs/benchmarks.md).
+
+  Range: the lowest shift whose sum is finite is taken. The window below it overflowed, so (a vocab under 2^18
+  terms of at most exp(m - c) each) the row's largest logit m lies above that shift + 76.7, that is above this
+  window's shift - 60: the terms flushed to zero (below exp(-87.3)) add up to under 4e-7 of the sum. The lowest
+  window has none below it and is exact while m >= -100; the highest overflows past m = 309. So a row whose largest
+  logit lies in [-100, 309] gets logsumexp's normalizer within float32 rounding; beyond, the loss is not finite and
+  the step is skipped as non-finite (jaxtrain.train.step), as for a NaN or infinite logit anywhere. Each shift adds
+  one exponential an element to the matmul's output; the compiler's estimate prices each at 0.005 ms there.
+  """
   vocab = jax.lax.broadcasted_iota(labels.dtype, x.shape, x.ndim - 1)
-  label = jnp.where(vocab == labels[..., None], x, 0.0)
-
-  def combine(a, b):
-    (m1, s1, l1), (m2, s2, l2) = a, b
-    # The larger maximum's sum plus the other's rescaled: one exponential a pair (exp(0) = 1 not computed), the
-    # same values as s1 exp(m1 - m) + s2 exp(m2 - m).
-    first = m1 > m2
-    return (jnp.maximum(m1, m2), jnp.where(first, s1, s2) + jnp.where(first, s2, s1) * jnp.exp(-jnp.abs(m1 - m2)),
-            l1 + l2)
-
-  # A finite identity (never -inf: XLA may combine two identities, and exp(-inf - -inf) is NaN); -inf logits and an
-  # all -inf row come out as in logsumexp (exp(-inf) = 0, log(0) = -inf).
-  low = jnp.finfo(jnp.float32).min
-  m, total, label_logits = jax.lax.reduce((x, jnp.ones_like(x), label), (low, 0.0, 0.0), combine, (x.ndim - 1,))
-  return m + jnp.log(total), label_logits
+  label_logits = jnp.sum(jnp.where(vocab == labels[..., None], x, 0.0), axis=-1)
+  lse = None
+  for shift in reversed(SHIFTS):  # the highest first, so that the lowest finite one is chosen last
+    total = jnp.sum(jnp.exp(x - shift), axis=-1)
+    this = shift + jnp.log(total)
+    lse = this if lse is None else jnp.where(total < jnp.inf, this, lse)
+  return lse, label_logits
 
 
 def _backward(residuals, g):
