@@ -324,7 +324,6 @@ class RMSNorm(nnx.Module):
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + self.eps)
     return (y * (1.0 + self.scale[...] if self.plus_one else self.scale[...])).astype(self.dtype)
 
-
   def beside_residual(self, x):
     """``(x, self(x))`` for a residual block ``x + f(self(x))``: the same values. In programs for TPU the backward
     pass then adds the residual's cotangent to the norm's direct term ``r s g`` (g: the cotangent of the norm's
