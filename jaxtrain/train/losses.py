@@ -57,10 +57,10 @@ def _windowed_sums(x, labels):
   Range: the lowest shift whose sum is finite is taken. The window below it overflowed, so (a vocab under 2^18
   terms of at most exp(m - c) each) the row's largest logit m lies above that shift + 76.7, that is above this
   window's shift - 60: the terms flushed to zero (below exp(-87.3)) add up to under 4e-7 of the sum. The lowest
-  window has none below it and is exact while m >= -100; the highest overflows past m = 309. So a row whose largest
-  logit lies in [-100, 309] gets logsumexp's normalizer within float32 rounding; beyond, the loss is not finite and
-  the step is skipped as non-finite (jaxtrain.train.step), as for a NaN or infinite logit anywhere. Each shift adds
-  one exponential an element to the matmul's output; the compiler's estimate prices each at 0.005 ms there.
+  window has none below it and is exact while m >= -100; the highest may overflow from m = 309 on. So a row whose
+  largest logit lies in [-100, 309] gets logsumexp's normalizer within float32 rounding; beyond, the loss is not
+  finite and the step is skipped as non-finite (jaxtrain.train.step), as for a NaN or infinite logit anywhere. Each
+  shift adds one exponential an element to the matmul's output; the compiler's estimate prices each at 0.005 ms.
   """
   vocab = jax.lax.broadcasted_iota(labels.dtype, x.shape, x.ndim - 1)
   label_logits = jnp.sum(jnp.where(vocab == labels[..., None], x, 0.0), axis=-1)
