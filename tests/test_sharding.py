@@ -143,11 +143,13 @@ def test_hybrid_mesh_puts_dcn_axis_across_processes(make_config):
 
 
 @pytest.mark.parametrize("preset,sizes", [("fsdp", dict(fsdp=8)), ("fsdp_tp", dict(data=2, fsdp=2, tensor=2)),
-                                          ("fsdp", dict(data=2, fsdp=2, expert=2)), ("dp", dict(data=4, fsdp=2))])
+                                          ("fsdp_tp", dict(fsdp=8)), ("fsdp", dict(data=2, fsdp=2, expert=2)),
+                                          ("dp", dict(data=4, fsdp=2))])
 def test_embedding_lookup_and_its_gradient_equal_a_plain_take_under_every_layout(preset, sizes):
   """llama.lookup looks rows up where an FSDP-split table is (ids all-gathered, one all-to-all back; vocab-parallel
   under tensor; what TPU and GPU compile), or from the gathered table (CPU's choice, and the dp preset's): the rows
-  and the float32 table gradient equal ``table[tokens]``'s."""
+  and the float32 table gradient equal ``table[tokens]``'s. A vocabulary named on a tensor axis of 1 is not split:
+  no masking and no sum over that axis in the program."""
   import types
 
   import jax.numpy as jnp
@@ -176,6 +178,11 @@ def test_embedding_lookup_and_its_gradient_equal_a_plain_take_under_every_layout
           jax.device_put(table, layout("vocab", "embed")), jax.device_put(tokens, layout("batch", "length")), dtype,
           where_the_table_is)
     assert rows.dtype == dtype and grad.dtype == jnp.float32
+    if where_the_table_is:
+      with jax.set_mesh(mesh), sharding.axis_rules(rules):
+        program = str(jax.make_jaxpr(objective, static_argnums=(2, 3))(
+            jax.device_put(table, layout("vocab", "embed")), tokens, dtype, where_the_table_is))
+      assert ("psum" in program) == (preset == "fsdp_tp" and sizes.get("tensor", 1) > 1), program
     np.testing.assert_array_equal(rows, reference_rows.astype(dtype))
     # The rows' gradient arrives in their dtype; the table's is summed in float32 (token 7's four rows included).
     expected = jnp.zeros_like(table).at[tokens].add(weights.astype(dtype).astype(jnp.float32))
