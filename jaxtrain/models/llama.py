@@ -319,10 +319,7 @@ class RMSNorm(nnx.Module):
     self.eps, self.dtype, self.plus_one = eps, dtype, plus_one
 
   def __call__(self, x):
-    x32 = x.astype(jnp.float32)
-    axes = tuple(range(-self.scale.ndim, 0))
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + self.eps)
-    return (y * (1.0 + self.scale[...] if self.plus_one else self.scale[...])).astype(self.dtype)
+    return _rms_norm(x, self.scale[...], self.eps, self.plus_one, self.dtype)[0]
 
   def beside_residual(self, x):
     """``(x, self(x))`` for a residual block ``x + f(self(x))``: the same values. In programs for TPU the backward
@@ -339,15 +336,21 @@ class RMSNorm(nnx.Module):
     return _norm_beside_residual(x, self.scale[...], self.eps, self.plus_one, self.dtype)
 
 
+def _rms_norm(x, scale, eps, plus_one, dtype):
+  """RMSNorm over ``x``'s trailing ``scale.ndim`` axes: the output in ``dtype`` and the float32 per-row scale r."""
+  x32 = x.astype(jnp.float32)
+  r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=tuple(range(-scale.ndim, 0)), keepdims=True) + eps)
+  return (x32 * r * (1.0 + scale if plus_one else scale)).astype(dtype), r
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _norm_beside_residual(x, scale, eps, plus_one, dtype):
   return _norm_beside_residual_forward(x, scale, eps, plus_one, dtype)[0]
 
 
 def _norm_beside_residual_forward(x, scale, eps, plus_one, dtype):
-  x32 = x.astype(jnp.float32)
-  r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)  # as RMSNorm.__call__, in the same order
-  return (x, (x32 * r * (1.0 + scale if plus_one else scale)).astype(dtype)), (x, scale, r)
+  y, r = _rms_norm(x, scale, eps, plus_one, dtype)
+  return (x, y), (x, scale, r)
 
 
 def _norm_beside_residual_backward(eps, plus_one, dtype, residuals, cotangents):
