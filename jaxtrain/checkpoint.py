@@ -51,16 +51,18 @@ def defaults() -> ml_collections.ConfigDict:
       "restore_mode": "params",  # params | state: what restore_from takes from that checkpoint
       # A node-local tier (jaxtrain.local_checkpoint): each process saves its own shards to this folder on its
       # own disk (a local NVMe, /dev/shm; empty: off) every local_every_steps, keeping local_keep_last of them.
+      # A failed local save is counted and the run goes on; after local_max_failures in a row the tier is off.
       "local_dir": "",
       "local_every_steps": 0,
       "local_keep_last": 2,
+      "local_max_failures": 3,
   })
 
 
 def validate(config) -> None:
   check_positive(config, ["checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.keep_every"],
                  allow_zero=True)
-  check_positive(config, ["checkpoint.keep_last", "checkpoint.local_keep_last"])
+  check_positive(config, ["checkpoint.keep_last", "checkpoint.local_keep_last", "checkpoint.local_max_failures"])
   check_positive(config, ["checkpoint.local_every_steps"], allow_zero=True)
   c = config.checkpoint
   if c.local_dir and not c.local_every_steps:

@@ -72,6 +72,9 @@ def base_config(model: str = "llama") -> ml_collections.ConfigDict:
       sample_every=0,
       sample_prompts=("ROMEO:",),
       sample_tokens=32,
+      # Output z-loss (PaLM's): this weight x the mean over real target tokens of (log Z)^2, Z the softmax's
+      # normalizer, added to the objective to keep log Z near 0 (PaLM: 1e-4); logged as z_loss. 0 = off.
+      z_loss_weight=0.0,
   ))
   c.eval = ml_collections.ConfigDict(dict(
       every_steps=0,  # eval loss and perplexity on the held-out split every N steps (0: off)
@@ -152,7 +155,7 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
   check_positive(cfg, ["train.steps", "train.global_batch_size", "train.log_every"])
   check_positive(cfg, ["train.microbatches", "train.max_rows_per_device", "eval.every_steps", "eval.max_batches"],
                  allow_zero=True)
-  check_positive(cfg, ["train.sample_every"], allow_zero=True)
+  check_positive(cfg, ["train.sample_every", "train.z_loss_weight"], allow_zero=True)
   check_positive(cfg, ["train.sample_tokens"])
   prompts = cfg.train.sample_prompts
   if cfg.train.sample_every and (isinstance(prompts, str) or not prompts or

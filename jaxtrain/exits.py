@@ -6,6 +6,8 @@ One table (:data:`CODES`), read by ``main``, the launchers under ``tools/launch`
 - ``0`` the run reached ``train.steps`` (or its workdir already had): done, do not restart;
 - ``1`` a bug, or training stopped on purpose (the NaN policy): restarting would do the same, stop;
 - ``2`` a user mistake (config, data, paths), reported before anything was touched: fix it, do not restart;
+- ``3`` restartable failures keep coming: more restarts in the last hour than ``distributed.max_restarts_per_hour``
+  (:mod:`jaxtrain.restarts`; the launchers count theirs too): a restart does not cure this, stop;
 - ``75`` (``EX_TEMPFAIL`` of sysexits.h) training stopped early for a cause a restart cures: a preemption or time
   limit (after its checkpoint), a lost peer process, a hang the watchdog caught. Restart the same command: it
   resumes from the newest checkpoint;
@@ -17,6 +19,7 @@ from __future__ import annotations
 DONE = 0
 BUG = 1
 USER_ERROR = 2
+RESTARTS_EXHAUSTED = 3
 RESTART = 75
 INTERRUPTED = 130
 
@@ -24,6 +27,8 @@ CODES: dict[int, str] = {
     DONE: "train.steps reached (or already reached): done",
     BUG: "a bug, or training stopped by the NaN policy: do not restart",
     USER_ERROR: "a mistake in the config, data or paths, reported before anything was touched: fix it",
+    RESTARTS_EXHAUSTED: "more restarts in the last hour than distributed.max_restarts_per_hour: a restart does not "
+                        "cure this: do not restart",
     RESTART: "stopped early for a cause a restart cures (preemption or time limit after its save, a lost peer, "
              "a hang): restart the same command",
     INTERRUPTED: "a second SIGTERM/SIGINT: stopped at once, nothing new saved: do not restart",
@@ -33,3 +38,8 @@ CODES: dict[int, str] = {
 class Restart(Exception):
   """Training stopped before ``train.steps`` for a cause a restart cures; ``main`` prints it as one line and exits
   :data:`RESTART`. ``str(e)`` says why and what was saved."""
+
+
+class RestartsExhausted(Exception):
+  """The run did not start: the restarts of the last hour exceed ``distributed.max_restarts_per_hour``; ``main``
+  prints it as one line and exits :data:`RESTARTS_EXHAUSTED`."""

@@ -1,8 +1,12 @@
 """Goodput: how much of a workdir's wall time, over all its runs and restarts, went into training that was kept.
 
-Process 0 appends a few events per run to ``<workdir>/goodput.jsonl`` (:class:`Recorder`; local workdirs only,
-like ``train.log``: object stores cannot append): the process's start, the loop's start (after compile and restore),
-its progress at every logged step and checkpoint, and its end. :func:`account` turns them into one account:
+Process 0 records a few events per run (:class:`Recorder`): the process's start, the loop's start (after compile
+and restore), its progress at every logged step and checkpoint, each NaN rollback, and its end. A run keeps its
+events in memory and, at each event, writes them whole as one object of ``<workdir>/goodput/`` (a new object every
+:data:`PART_EVENTS` events, so that a write stays small): object stores cannot append, so nothing here appends,
+and a workdir on ``gs://`` records like a local one. A kill loses at most the event being written. (Workdirs of
+earlier versions hold their runs' events in ``<workdir>/goodput.jsonl``: still read.) :func:`account` turns every
+run's events into one account:
 
 - ``productive``: the loop's time of steps whose update was kept (the loop's time less the parts below);
 - ``startup``: from the process's start to the loop's (imports, joining the job, compile, init), less restore;
@@ -10,7 +14,8 @@ its progress at every logged step and checkpoint, and its end. :func:`account` t
 - ``checkpoint``: the loop blocked by saves;
 - ``eval``: evaluations and samples;
 - ``data_wait``: the loop waiting for batches;
-- ``lost``: the productive time of steps a later run trained again (those after the checkpoint it resumed from);
+- ``lost``: the productive time of steps thrown away and trained again: those after the checkpoint a later run
+  resumed from, and those after the checkpoint a NaN rollback went back to (its restore included);
 - ``down``: from a run's last event to the next run's start (a crash's last seconds, the scheduler's delay);
 - ``other``: the rest of the loop's time (logging, the end of a run).
 
@@ -27,20 +32,27 @@ disruption -> ``lost``, and the time between a failure and the restart -> ``down
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import time
+from typing import Callable
 
 import jax
+from absl import logging
 from etils import epath
 
 from jaxtrain import paths
 
-EVENTS = "goodput.jsonl"
+FOLDER = "goodput"  # <workdir>/goodput/<run>-<part>.jsonl: each run's events
+LEGACY_EVENTS = "goodput.jsonl"  # the events of runs recorded by earlier versions (appended to one file)
 SUMMARY = "goodput.json"
 PARTS = ("productive", "startup", "restore", "checkpoint", "eval", "data_wait", "lost", "down", "other")
+LOOP_PARTS = ("productive", "checkpoint", "eval", "data_wait")  # what progress events count (cumulative seconds)
+PART_EVENTS = 1000  # events per object: at most ~200 KB rewritten per event
 _IMPORTED = time.time()
 _runs_in_this_process = [0]
+_recorders = itertools.count()
 
 
 def process_start_time() -> float:
@@ -55,25 +67,55 @@ def process_start_time() -> float:
 
 
 class Recorder:
-  """Appends this run's events to ``<workdir>/goodput.jsonl`` (process 0, local workdirs; otherwise a no-op)."""
+  """Records this run's events under ``<workdir>/goodput/`` (process 0; a no-op on the others).
 
-  def __init__(self, workdir: str):
-    local = jax.process_index() == 0 and not paths.is_url(workdir)
-    self.path = epath.Path(workdir) / EVENTS if local else None
-    self.workdir = workdir
+  ``clock``: the time of every event, the start included (Unix seconds; tests pass a fake one). By default the
+  wall clock, and a process's first run starts at the process's start."""
 
-  def _write(self, event: str, **fields) -> None:
-    if self.path is not None:
-      with self.path.open("a") as f:
-        f.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
+  def __init__(self, workdir: str, clock: Callable[[], float] | None = None):
+    self.workdir, self.clock = workdir, clock
+    self.folder = epath.Path(workdir) / FOLDER if jax.process_index() == 0 else None
+    # Names this run's objects: its time (ms), process and recorder, as a sort key and to be unique.
+    self.run = f"{int(1000 * (clock or time.time)()):013d}-{os.getpid()}-{next(_recorders)}"
+    self.events: list[dict] = []  # those of the object being written (its part number: self.part)
+    self.part = 0
+    self.made = False  # the folder
+    self.failed = False  # a write failed (warned once)
+
+  def _write(self, event: str, t: float | None = None, **fields) -> None:
+    """Adds the event and writes this run's newest object whole (a failed write is warned about once and made good
+    by the next event's)."""
+    if self.folder is None:
+      return
+    self.events.append({"event": event, "t": (self.clock or time.time)() if t is None else t, **fields})
+    text = "".join(json.dumps(e) + "\n" for e in self.events)
+    if self._stored(lambda: self._write_whole(f"{self.run}-{self.part:05d}.jsonl", text), "write events to"):
+      if len(self.events) >= PART_EVENTS:
+        self.events, self.part = [], self.part + 1
+
+  def _write_whole(self, name: str, text: str) -> bool:
+    """``text`` as ``goodput/<name>``, never half written: an object store's write is whole when it is visible at
+    all; a local file is written aside and renamed over the old one."""
+    if not self.made:
+      self.folder.mkdir(parents=True, exist_ok=True)
+      self.made = True
+    path = self.folder / name
+    if paths.is_url(os.fspath(self.workdir)):
+      path.write_text(text)
+    else:
+      aside = path.with_name(name + ".tmp")
+      aside.write_text(text)
+      aside.replace(path)
+    return True
 
   def start(self) -> None:
     """The run starts: at the process's start for its first run, now for a later one in the same process."""
     first = _runs_in_this_process[0] == 0
     _runs_in_this_process[0] += 1
-    if self.path is not None:
-      with self.path.open("a") as f:
-        f.write(json.dumps({"event": "start", "t": process_start_time() if first else time.time()}) + "\n")
+    if self.clock is not None:
+      self._write("start", t=self.clock())
+    else:
+      self._write("start", t=process_start_time() if first else time.time())
 
   def ready(self, step: int, restore_s: float) -> None:
     """The loop starts at ``step`` (a resumed one, or 0), after ``restore_s`` seconds of reading its checkpoint."""
@@ -83,26 +125,68 @@ class Recorder:
     """Up to ``step``, the loop spent ``spent`` (cumulative seconds: productive, checkpoint, eval, data_wait)."""
     self._write("progress", step=step, **spent)
 
+  def rollback(self, reached: int, step: int, spent: dict[str, float]) -> None:
+    """A NaN rollback: the loop, at step ``reached`` having spent ``spent`` (as :meth:`progress`), went back to
+    the checkpoint of ``step`` (restored): the steps after it are trained again."""
+    self._write("rollback", step=step, reached=reached, **spent)
+
   def end(self, step: int) -> dict | None:
     """The loop ended at ``step``; rewrites ``goodput.json`` and returns the account (None: not recorded)."""
     self._write("end", step=step)
-    if self.path is None:
+    if self.folder is None:
       return None
-    summary = account(read_events(self.workdir))
-    (epath.Path(self.workdir) / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+    events = self._stored(lambda: read_events(self.workdir), "read the events of")
+    if events is None:
+      return None
+    summary = account(events)
+    self._stored(lambda: (epath.Path(self.workdir) / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n"),
+                 f"write {SUMMARY} in")
     return summary
 
+  def _stored(self, action, what: str):
+    """``action()``'s result, or None if the storage failed: warned about once (accounting never ends a run)."""
+    try:
+      return action()
+    except Exception as e:  # noqa: BLE001 - each storage backend raises its own
+      if not self.failed:
+        logging.warning("goodput: could not %s %s (%s); the next event tries again", what, self.workdir, e)
+      self.failed = True
+      return None
 
-def read_events(workdir: str) -> list[dict]:
-  """The events of ``<workdir>/goodput.jsonl`` (a line cut short by a kill is skipped)."""
-  path = epath.Path(workdir) / EVENTS
+
+def _parse(text: str) -> list[dict]:
+  """The events of one file (a line cut short, as a kill leaves one in an appended legacy file, is skipped)."""
   events = []
-  for line in path.read_text().splitlines() if path.exists() else []:
+  for line in text.splitlines():
     try:
       events.append(json.loads(line))
     except json.JSONDecodeError:
       continue
   return events
+
+
+def read_events(workdir: str) -> list[dict]:
+  """Every run's events in a workdir (``goodput/``, and an older workdir's ``goodput.jsonl``), run after run in
+  the order they started."""
+  root = epath.Path(workdir)
+  runs: list[list[dict]] = []
+  legacy = root / LEGACY_EVENTS
+  for e in _parse(legacy.read_text()) if legacy.exists() else []:
+    if e["event"] == "start":
+      runs.append([])
+    if runs:
+      runs[-1].append(e)
+  folder, parts = root / FOLDER, {}
+  for path in folder.glob("*.jsonl") if folder.exists() else []:
+    run, _, part = path.stem.rpartition("-")
+    if run and part.isdigit():
+      parts.setdefault(run, []).append((int(part), path))
+  for objects in parts.values():
+    events = [e for _, path in sorted(objects) for e in _parse(path.read_text())]
+    if events and events[0]["event"] == "start":  # a recorder never started (a Loop built by hand) is no run
+      runs.append(events)
+  runs.sort(key=lambda events: events[0]["t"])
+  return [e for events in runs for e in events]
 
 
 @dataclasses.dataclass
@@ -117,13 +201,14 @@ class _Run:
   def first(self, kind: str) -> dict | None:
     return next((e for e in self.events if e["event"] == kind), None)
 
-  def progress(self) -> list[dict]:
-    return [e for e in self.events if e["event"] == "progress"]
-
 
 def account(events: list[dict]) -> dict:
   """The goodput account of a workdir's events: seconds per part (:data:`PARTS`), their shares of the wall time,
-  ``goodput`` (the productive share), the wall time, the number of runs and the steps trained again."""
+  ``goodput`` (the productive share), the wall time, the number of runs and the steps trained again.
+
+  The training's timeline is followed across runs as the productive seconds of each stretch between two records,
+  labelled with the step it reached; a run resuming from a checkpoint, or a rollback to one, cuts the timeline
+  back to that checkpoint's step: the stretches past it are lost, and what remains at the end is productive."""
   runs: list[_Run] = []
   for e in events:
     if e["event"] == "start":
@@ -131,33 +216,41 @@ def account(events: list[dict]) -> dict:
     elif runs:
       runs[-1].events.append(e)
   seconds = dict.fromkeys(PARTS, 0.0)
-  lost_steps = 0
+  timeline: list[tuple[int, float]] = []  # (step reached, productive seconds of the stretch), kept so far
+  trained_again = 0
+
+  def back_to(step: int) -> None:
+    nonlocal trained_again
+    if timeline and timeline[-1][0] > step:
+      trained_again += timeline[-1][0] - step
+    while timeline and timeline[-1][0] > step:
+      seconds["lost"] += timeline.pop()[1]
+
   for k, run in enumerate(runs):
+    if k:
+      seconds["down"] += run.start - runs[k - 1].last
     ready = run.first("ready")
     if ready is None:  # never got to train: all of it was start-up
       seconds["startup"] += run.last - run.start
       continue
     seconds["restore"] += ready["restore_s"]
     seconds["startup"] += ready["t"] - run.start - ready["restore_s"]
-    records = run.progress()
-    final = records[-1] if records else {"step": ready["step"], "t": ready["t"]}
-    spent = {p: final.get(p, 0.0) for p in ("productive", "checkpoint", "eval", "data_wait")}
-    resumed_at = runs[k + 1].first("ready") if k + 1 < len(runs) else None
-    if resumed_at is not None and resumed_at["step"] < final["step"]:
-      # Steps after the checkpoint the next run resumed from were trained again there: lost.
-      kept = [r for r in records if r["step"] <= resumed_at["step"]]
-      kept_productive = kept[-1]["productive"] if kept else 0.0
-      seconds["lost"] += spent["productive"] - kept_productive
-      lost_steps += final["step"] - resumed_at["step"]
-      spent["productive"] = kept_productive
-    for part, value in spent.items():
-      seconds[part] += value
-    seconds["other"] += run.last - ready["t"] - sum(final.get(p, 0.0) for p in spent)
-    if k + 1 < len(runs):
-      seconds["down"] += runs[k + 1].start - run.last
+    back_to(ready["step"])  # a run resumed from a checkpoint older than the timeline's end
+    spent = dict.fromkeys(LOOP_PARTS, 0.0)  # the run's cumulative seconds at its newest record
+    for e in run.events:
+      if e["event"] in ("progress", "rollback"):
+        reached = e["reached"] if e["event"] == "rollback" else e["step"]
+        timeline.append((reached, e["productive"] - spent["productive"]))
+        spent = {p: e.get(p, 0.0) for p in LOOP_PARTS}
+        if e["event"] == "rollback":
+          back_to(e["step"])
+    for part in ("checkpoint", "eval", "data_wait"):
+      seconds[part] += spent[part]
+    seconds["other"] += run.last - ready["t"] - sum(spent.values())
+  seconds["productive"] = sum(s for _, s in timeline)
   wall = (runs[-1].last - runs[0].start) if runs else 0.0
   shares = {p: (v / wall if wall > 0 else 0.0) for p, v in seconds.items()}
-  return {"goodput": shares["productive"], "wall_s": wall, "runs": len(runs), "steps_trained_again": lost_steps,
+  return {"goodput": shares["productive"], "wall_s": wall, "runs": len(runs), "steps_trained_again": trained_again,
           "seconds": seconds, "shares": shares}
 
 

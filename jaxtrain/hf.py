@@ -22,8 +22,9 @@ their ``1 + w`` weights are stored as they are (jaxtrain's RMSNorm adds the 1: `
 rotates the two halves of head_dim, which is HF's ``rotate_half`` convention: q and k need no permutation.
 
 Every mistake in the input (another architecture, biases it has not, an unknown RoPE type, missing or truncated files,
-shapes that disagree with the config, an existing output) is a :class:`HFError` (a UserError), raised before
-anything is written; outputs are built in a temporary folder next to the output and renamed into place.
+an index naming files outside the folder, shapes that disagree with the config, an existing output) is a
+:class:`HFError` (a UserError), raised before anything is written; outputs are built in a temporary folder next to
+the output and renamed into place.
 """
 
 from __future__ import annotations
@@ -400,6 +401,12 @@ def _find_weights(hf_dir: str) -> dict[str, _Entry]:
       weight_map = json.loads(open(index).read())["weight_map"]
     except (ValueError, KeyError) as e:
       raise HFError(index, f"is not a safetensors index ({e})", "download it again") from None
+    if not isinstance(weight_map, dict):
+      raise HFError(index, "is not a safetensors index (its weight_map is not a mapping)", "download it again")
+    for name, file in weight_map.items():  # file names in the folder; read as written (a hub cache's are links)
+      if not isinstance(file, str) or os.path.isabs(file) or os.path.normpath(file).split(os.sep)[0] in ("..", "."):
+        raise HFError(index, f"maps {name} to {file!r}, not a file in the folder", "an index names files next to "
+                      "it: download the model again, or write the entry as the file's name in the folder")
     files = sorted(set(weight_map.values()))
   else:
     files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
@@ -514,14 +521,16 @@ def _to_jax(tree: dict) -> dict:
   return tree
 
 
-_CONFIG_PY = '''"""{name}: imported by tools/convert_hf.py from the Hugging Face checkpoint
-{source}
+_CONFIG_PY = '''"""A jaxtrain config: the model tools/convert_hf.py imported from the Hugging Face folder SOURCE.
 
 Fine-tune (starts from the imported params; set data.* for your data, prepared with the tokenizer in hf/):
-  python -m jaxtrain.main --config={path}
+  python -m jaxtrain.main --config=CONFIG
 """
 
 from jaxtrain.config import base_config
+
+SOURCE = {source!r}  # the Hugging Face folder imported
+CONFIG = {path!r}  # this file
 
 
 def get_config():
@@ -574,8 +583,8 @@ def import_model(hf_dir: str, output: str) -> dict:
       if os.path.exists(os.path.join(hf_dir, f)):
         shutil.copy2(os.path.join(hf_dir, f), os.path.join(tmp, "hf", f))
     with open(os.path.join(tmp, "config.py"), "w") as fh:
-      fh.write(_CONFIG_PY.format(
-          name=os.path.basename(staging.output), source=os.path.abspath(hf_dir),
+      fh.write(_CONFIG_PY.format(  # every string a repr(): a path may hold quotes, backslashes, anything
+          source=os.path.abspath(hf_dir),
           path=os.path.join(staging.output, "config.py"), workdir=config.workdir, family=model.name,
           model="\n".join(f"      {k}={v!r}," for k, v in model.items() if k not in ("name", "lora")),
           checkpoints=os.path.join(staging.output, "checkpoints")))

@@ -1,17 +1,30 @@
-"""The node-local checkpoint tier: frequent saves of every process's own shards to its own disk (``checkpoint.local_dir``,
-e.g. a local NVMe or ``/dev/shm``), beside the rarer persistent tier of :mod:`jaxtrain.checkpoint`.
+"""The node-local checkpoint tier: frequent saves of every process's own shards to its own disk
+(``checkpoint.local_dir``, e.g. a local NVMe or ``/dev/shm``), beside the rarer persistent tier of
+:mod:`jaxtrain.checkpoint`.
 
-Each process writes ``<local_dir>/process_<i>-of-<n>/<step>/``: its addressable shards (``shards.npz``, each
-distinct shard once), its data position and the step's ``meta`` with the fingerprints of the whole state. The
-device-to-host copy blocks the loop; the file is written by a background thread into ``<step>.tmp`` and committed
-by renaming it, so a killed save is never taken for a checkpoint. The newest ``keep_last`` steps are kept.
+Each process writes ``<local_dir>/run-<key>/process_<i>-of-<n>/<step>/``: its addressable shards (``shards.npz``,
+each distinct shard once), its data position and the step's ``meta`` with the fingerprints of the whole state.
+``<key>`` is a short hash of the run's persistent checkpoint folder, so runs that share ``local_dir`` never see, prune
+or delete each other's steps. The device-to-host copy blocks the loop; the files are written by a background thread
+into ``<step>.tmp``, synced (files, then the folder) and committed by renaming it, then the parent folder is synced:
+a killed save is never taken for a checkpoint. A step saved again is replaced by renames (the old one aside, the new
+one in, the old one deleted), so a failed replace keeps the old step. The newest ``keep_last`` steps are kept, and
+never fewer than the newest step every process has plus the one being written.
+
+The tier is optional, and it never ends a run. A failed write (a full disk or ``/dev/shm``) is settled at the next
+save, on every process at once: a step that failed on any process is deleted on all of them (no restore can mix it
+in), the first failure is warned about in one line, every one is counted (:attr:`LocalCheckpointer.failures`, logged
+as ``checkpoint/local_failures``) and the run goes on with the persistent tier; after ``max_failures`` in a row the
+tier is switched off for the rest of the run, on every process.
 
 On restart every process lists the committed local steps that fit this run's layout (the same process count,
 mesh and shardings: each process reads back exactly its shards) and are newer than the newest persistent step;
 the processes agree on the newest step that all of them have (one gather), restore it and check the fingerprints
 on the whole state (a step any process cannot read, or whose fingerprints differ, is set aside everywhere and the
 next one tried). A replaced host, with an empty local disk, has no such step: every process then resumes from the
-persistent tier (:meth:`jaxtrain.checkpoint.Checkpointer.restore`), which restores onto any layout.
+persistent tier (:meth:`jaxtrain.checkpoint.Checkpointer.restore`), which restores onto any layout. Whatever a run
+resumes or rolls back to, :meth:`LocalCheckpointer.forget_after` then deletes the local steps newer than it on every
+process before training goes on: they belong to the abandoned timeline, and a crash must never resume one.
 
 Why not Orbax here: Orbax's ordinary CheckpointManager assumes one storage every process sees (process 0 commits
 the step), which node-local disks are not; its emergency (multi-tier) CheckpointManager saves the train state
@@ -21,6 +34,8 @@ multi-slice mesh. So this tier writes each process's shards itself, with numpy.
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import shutil
@@ -34,9 +49,17 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from jaxtrain import integrity
-from jaxtrain.checkpoint import CheckpointError, CorruptCheckpoint, DataPosition, NonFiniteState, describe
+from jaxtrain.checkpoint import CorruptCheckpoint, DataPosition, NonFiniteState, describe
 
 _MAX_STEPS = 32  # local steps each process offers for the agreement on restore
+# Leftovers of an interrupted write or delete: removed at the next start (with the steps set aside, corrupt-*).
+_STALE_SUFFIXES = (".tmp", ".trash")
+
+
+def run_key(owner: str) -> str:
+  """The name of a run's folder in ``local_dir``: ``run-`` and 12 hex digits of the SHA-256 of ``owner`` (the
+  run's resolved persistent checkpoint folder)."""
+  return "run-" + hashlib.sha256(owner.encode()).hexdigest()[:12]
 
 
 def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
@@ -46,85 +69,158 @@ def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
 
 class LocalCheckpointer:
 
-  def __init__(self, directory: str, every_steps: int, keep_last: int = 2, owner: str = ""):
-    """``owner``: the persistent checkpoint folder of the run (recorded with every local step: a local folder
-    shared by several runs never hands one run's steps to another)."""
+  def __init__(self, directory: str, every_steps: int, keep_last: int = 2, owner: str = "", max_failures: int = 3):
+    """``owner``: the persistent checkpoint folder of the run (it names the run's folder in ``directory`` and is
+    recorded with every local step). ``max_failures``: failed saves in a row after which the tier is switched
+    off. Removes what an interrupted save or an earlier restore left in this process's folder."""
     self.root, self.owner = os.path.abspath(directory), owner
-    self.directory = os.path.join(self.root, f"process_{jax.process_index()}-of-{jax.process_count()}")
-    self.every_steps, self.keep_last = every_steps, keep_last
+    self.run_dir = os.path.join(self.root, run_key(owner))
+    self.directory = os.path.join(self.run_dir, f"process_{jax.process_index()}-of-{jax.process_count()}")
+    self.every_steps, self.keep_last, self.max_failures = every_steps, keep_last, max_failures
+    self.enabled = True  # the same on every process once restore() has run: agreed there and at each failure
+    self.failures = 0  # failed saves in all (a save failed if it failed on any process): checkpoint/local_failures
+    self.in_a_row = 0
+    self._warned = False
+    self._writer: threading.Thread | None = None
+    self._pending: int | None = None  # the step written last, until its outcome is settled on every process
+    self._error: BaseException | None = None  # why this process's write of it failed
+    self._committed = False  # whether this process's write of it reached its commit
+    self.last_save_blocked_s = 0.0
     try:
       os.makedirs(self.directory, exist_ok=True)
+      self._remove_leftovers()
     except OSError as e:
-      raise CheckpointError(directory, f"cannot use the local checkpoint folder ({e.strerror or e})",
-                            "set checkpoint.local_dir to a writable node-local folder") from None
-    self._writer: threading.Thread | None = None
-    self._error: BaseException | None = None
-    self.last_save_blocked_s = 0.0
+      self._switch_off(f"its folder cannot be used ({describe(e)})")
 
   def steps(self) -> list[int]:
     """This process's committed local steps."""
-    return sorted(int(p) for p in os.listdir(self.directory)
-                  if p.isdigit() and os.path.exists(os.path.join(self.directory, p, "meta.json")))
+    try:
+      names = os.listdir(self.directory)
+    except OSError:
+      return []
+    return sorted(int(p) for p in names if p.isdigit() and os.path.exists(os.path.join(self.directory, p,
+                                                                                        "meta.json")))
 
   def should_save(self, step: int) -> bool:
-    return bool(self.every_steps) and step % self.every_steps == 0
+    return self.enabled and bool(self.every_steps) and step % self.every_steps == 0
 
   def save(self, step: int, state: Any, data_iterator, meta: dict,
            summary: tuple[dict[str, int], list[str]] | None = None) -> None:
-    """Copies this process's shards of ``state`` to host memory (the loop waits for that) and writes them with the
-    data position and ``meta`` in the background. Raises NonFiniteState (nothing written) for a non-finite state,
-    CheckpointError when the previous write failed."""
+    """Settles the previous write (:meth:`wait`), then copies this process's shards of ``state`` to host memory
+    (the loop waits for that) and writes them with the data position and ``meta`` in the background. Raises
+    NonFiniteState (nothing written) for a non-finite state; a failed write raises nothing (see the module's
+    docstring). Every process must call it at the same steps."""
     t = time.perf_counter()
     self.wait()
+    if not self.enabled:  # switched off just now
+      self.last_save_blocked_s = time.perf_counter() - t
+      return
     fingerprints, nonfinite = summary if summary is not None else integrity.summarize(state)
     if nonfinite:
       raise NonFiniteState(f"non-finite values in {nonfinite[0]}")
+    self._pending, self._error, self._committed = step, None, False
     arrays, shards = {}, {}
-    for name, array in integrity.named(state).items():
-      seen = {}
-      for shard in array.addressable_shards:
-        where = json.dumps(_index(shard.index, array.shape))
-        if where not in seen:
-          seen[where] = f"a{len(arrays)}"
-          # device -> host: what the loop waits for. A copy, never a view: on CPU np.asarray may alias the
-          # device buffer, which the next step (donating the state) may reuse while the thread writes.
-          arrays[seen[where]] = np.array(shard.data, copy=True)
-        shards.setdefault(name, []).append({"device": shard.device.id, "index": json.loads(where),
-                                            "key": seen[where]})
+    try:
+      for name, array in integrity.named(state).items():
+        seen = {}
+        for shard in array.addressable_shards:
+          where = json.dumps(_index(shard.index, array.shape))
+          if where not in seen:
+            seen[where] = f"a{len(arrays)}"
+            # device -> host: what the loop waits for. A copy, never a view: on CPU np.asarray may alias the
+            # device buffer, which the next step (donating the state) may reuse while the thread writes.
+            arrays[seen[where]] = np.array(shard.data, copy=True)
+          shards.setdefault(name, []).append({"device": shard.device.id, "index": json.loads(where),
+                                              "key": seen[where]})
+    except MemoryError as e:  # the host is out of memory for the copy: a failed save like any other
+      self._error = e
+      self.last_save_blocked_s = time.perf_counter() - t
+      return
     position = data_iterator.get_state() if isinstance(data_iterator, DataPosition) else None
     record = {**meta, "fingerprints": fingerprints, "shards": shards, "position": position,
               "layout": self._layout()}
-    self._writer = threading.Thread(target=self._write, args=(step, arrays, record), daemon=True,
+    # Every step on disk is settled (agreed) by now: the newest keep_last - 1 of them stay beside this one, and the
+    # newest always (if this one fails on any process, it is what a restart has).
+    prune = self.steps()[:-max(self.keep_last - 1, 1)]
+    self._writer = threading.Thread(target=self._write, args=(step, arrays, record, prune), daemon=True,
                                     name=f"jaxtrain-local-save-{step}")
     self._writer.start()
     self.last_save_blocked_s = time.perf_counter() - t
 
-  def _write(self, step: int, arrays: dict[str, np.ndarray], record: dict) -> None:
+  def _write(self, step: int, arrays: dict[str, np.ndarray], record: dict, prune: list[int]) -> None:
+    for old in prune:  # first: the space they take may be what this write needs
+      _remove(os.path.join(self.directory, str(old)))
     tmp, final = os.path.join(self.directory, f"{step}.tmp"), os.path.join(self.directory, str(step))
     try:
-      shutil.rmtree(tmp, ignore_errors=True)
+      _remove(tmp)
       os.makedirs(tmp)
       # Raw bytes: np.load cannot read every dtype back (bfloat16 comes back as void); the record keeps the dtype.
-      np.savez(os.path.join(tmp, "shards.npz"), **{k: a.reshape(-1).view(np.uint8) for k, a in arrays.items()})
+      with open(os.path.join(tmp, "shards.npz"), "wb") as f:
+        np.savez(f, **{k: a.reshape(-1).view(np.uint8) for k, a in arrays.items()})
+        _sync(f)
       record["arrays"] = {k: [str(a.dtype), list(a.shape)] for k, a in arrays.items()}
       with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(record, f)
-      shutil.rmtree(final, ignore_errors=True)
-      os.rename(tmp, final)  # the commit
-      for old in self.steps()[:-self.keep_last]:
-        shutil.rmtree(os.path.join(self.directory, str(old)), ignore_errors=True)
-    except BaseException as e:  # noqa: BLE001 - reported by the next save or wait
+        _sync(f)
+      _sync_folder(tmp)
+      self._commit(tmp, final)
+    except Exception as e:  # noqa: BLE001 - settled on every process by the next save or wait
       self._error = e
+      _remove(tmp)  # the space the partial files took
+
+  def _commit(self, tmp: str, final: str) -> None:
+    """``tmp`` renamed to ``final``; a ``final`` already there is renamed aside first and deleted after, so that a
+    failed rename keeps it."""
+    aside = f"{final}.old" if os.path.exists(final) else None
+    if aside:
+      _remove(aside)
+      os.rename(final, aside)
+    try:
+      os.rename(tmp, final)  # the commit
+    except BaseException:
+      if aside:
+        os.rename(aside, final)
+      raise
+    self._committed = True
+    try:
+      _sync_folder(self.directory)
+    finally:
+      if aside:
+        _remove(aside)
 
   def wait(self) -> None:
-    """Blocks until the write in flight is committed; raises CheckpointError if it failed."""
+    """Blocks until the write in flight is done, then settles its outcome on every process (a gather on a
+    multi-process job: every process must call it). A step that failed anywhere is deleted everywhere; the first
+    failure is warned about, every one counted; ``max_failures`` in a row switch the tier off."""
     if self._writer is not None:
       self._writer.join()
       self._writer = None
-    if self._error is not None:
-      e, self._error = self._error, None
-      raise CheckpointError(self.directory, f"saving a local checkpoint failed ({describe(e)})",
-                            "free space on the node-local disk or set checkpoint.local_dir elsewhere")
+    step, error, committed = self._pending, self._error, self._committed
+    if step is None:
+      return  # the same on every process: all of them save at the same steps
+    self._pending, self._error = None, None
+    if _everywhere(error is None):
+      self.in_a_row = 0
+      return
+    self.failures += 1
+    self.in_a_row += 1
+    if committed:  # written here, failed on another process (or after its commit): restorable nowhere
+      _remove(os.path.join(self.directory, str(step)))
+    if not self._warned:
+      self._warned = True
+      cause = f"({describe(error)})" if error is not None else "on another process (its log names the cause)"
+      logging.warning("local checkpoint step %d not saved to %s %s; the run goes on with the persistent tier, "
+                      "failures are counted in checkpoint/local_failures, and after %d in a row the local tier is "
+                      "switched off (checkpoint.local_max_failures)", step, self.directory, cause,
+                      self.max_failures)
+    if self.in_a_row >= self.max_failures:
+      self._switch_off(f"{self.in_a_row} saves in a row failed (checkpoint.local_max_failures={self.max_failures})")
+
+  def _switch_off(self, why: str) -> None:
+    if self.enabled:
+      logging.warning("local checkpoint tier %s switched off for the rest of this run: %s; the persistent tier goes "
+                      "on", self.directory, why)
+    self.enabled = False
 
   def _layout(self) -> dict:
     return {"run": self.owner, "processes": jax.process_count(), "process": jax.process_index(),
@@ -150,8 +246,12 @@ class LocalCheckpointer:
   def restore(self, abstract_state: Any, data_iterator, newer_than: int) -> tuple[Any, dict] | None:
     """The newest local step newer than ``newer_than`` that every process has, fits this layout and verifies,
     restored onto ``abstract_state``'s shardings with its data position; None if there is none (then the caller
-    restores the persistent tier). Every process must call it."""
+    restores the persistent tier). Every process must call it, before any save: it also agrees on whether the
+    tier is on (a process whose folder cannot be used switches it off everywhere)."""
     self.wait()
+    if not _everywhere(self.enabled):
+      self._switch_off("another process cannot use its local folder (its log says why)")
+      return None
     mine = [s for s in self.steps() if s > newer_than and self._fits(s, abstract_state)][-_MAX_STEPS:]
     for step in reversed(_common(mine)):
       loaded, problem = None, None
@@ -176,18 +276,22 @@ class LocalCheckpointer:
     return None
 
   def forget_after(self, step: int) -> None:
-    """The run resumes from ``step`` (0: from scratch): this process's local steps past it belong to a timeline
-    that was abandoned, and so do the steps of other layouts (another process count) on this disk; deleted."""
-    for folder in os.listdir(self.root):
-      path = os.path.join(self.root, folder)
-      if not folder.startswith("process_") or not os.path.isdir(path):
-        continue
-      mine = path == self.directory
-      if not mine and folder.endswith(f"-of-{jax.process_count()}"):
-        continue  # another process of this job: its own to clean
-      for name in os.listdir(path):
-        if name.isdigit() and (not mine or int(name) > step):
-          shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+    """The run resumes or rolls back to ``step`` (0: starts from scratch): the local steps past it belong to an
+    abandoned timeline and are deleted, on every process, before any of them goes on (a write in flight is
+    settled first; one gather at the end: every process must call it). So are the folders of this run's other
+    layouts on this disk (another process count), which this layout cannot restore."""
+    self.wait()
+    for old in self.steps():
+      if old > step:
+        _remove(os.path.join(self.directory, str(old)))
+    try:
+      folders = os.listdir(self.run_dir)
+    except OSError:
+      folders = []
+    for folder in folders:
+      if folder.startswith("process_") and not folder.endswith(f"-of-{jax.process_count()}"):
+        _remove(os.path.join(self.run_dir, folder))
+    _everywhere(True)  # no process saves on the new timeline before every process has deleted the old one
 
   def _load(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
     folder = os.path.join(self.directory, str(step))
@@ -205,11 +309,63 @@ class LocalCheckpointer:
     return state, record
 
   def _set_aside(self, step: int, why: str) -> None:
-    logging.warning("local checkpoint step %d in %s cannot be restored (%s); set aside, falling back", step,
-                    self.directory, why)
+    logging.warning("local checkpoint step %d in %s cannot be restored (%s); set aside until the next start, "
+                    "falling back", step, self.directory, why)
     folder = os.path.join(self.directory, str(step))
     if os.path.exists(folder):
       os.rename(folder, os.path.join(self.directory, f"corrupt-{step}-{int(time.time())}"))
+
+  def _remove_leftovers(self) -> None:
+    """What an interrupted write or delete left (``.tmp``, ``.trash``) and the steps set aside at an earlier
+    restore (``corrupt-*``) are deleted; a step renamed aside by an interrupted replace (``<step>.old``) is put
+    back if its replacement was never committed. So is an interrupted delete of one of this run's other layouts."""
+    for name in os.listdir(self.run_dir):
+      if name.endswith(".trash"):
+        _remove(os.path.join(self.run_dir, name))
+    for name in os.listdir(self.directory):
+      path = os.path.join(self.directory, name)
+      if name.endswith(_STALE_SUFFIXES) or name.startswith("corrupt-"):
+        _remove(path)
+      elif name.endswith(".old"):
+        final = path[:-len(".old")]
+        if os.path.exists(final):
+          _remove(path)
+        else:
+          os.rename(path, final)
+
+
+def _remove(path: str) -> None:
+  """Deletes a folder: first renamed (atomic: a step is gone at once, whatever interrupts the deletion), then
+  its files; nothing if it is not there."""
+  trash = path if path.endswith(".trash") else f"{path}.trash"
+  try:
+    if trash != path:
+      shutil.rmtree(trash, ignore_errors=True)
+      os.rename(path, trash)
+  except OSError:
+    if os.path.exists(path):
+      shutil.rmtree(path, ignore_errors=True)
+    return
+  shutil.rmtree(trash, ignore_errors=True)
+
+
+def _sync(f) -> None:
+  """A written file's data on the disk."""
+  f.flush()
+  os.fsync(f.fileno())
+
+
+def _sync_folder(path: str) -> None:
+  """A folder's entries (the files created or renamed in it) on the disk. A file system that cannot sync a
+  folder (EINVAL) keeps none to sync."""
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  except OSError as e:
+    if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+      raise
+  finally:
+    os.close(fd)
 
 
 def _common(steps: list[int]) -> list[int]:
@@ -223,7 +379,7 @@ def _common(steps: list[int]) -> list[int]:
 
 
 def _everywhere(ok: bool) -> bool:
-  """Whether ``ok`` holds on every process."""
+  """Whether ``ok`` holds on every process (a gather on a multi-process job: every process must call it)."""
   if jax.process_count() == 1:
     return ok
   return bool(np.asarray(multihost_utils.process_allgather(np.int32(ok))).min())

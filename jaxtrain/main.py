@@ -4,24 +4,33 @@ from __future__ import annotations
 
 import logging as std_logging
 import os
+import secrets
 import sys
+import time
 
 import jax
+import numpy as np
 from absl import app, flags, logging
+from jax.experimental import multihost_utils
 from ml_collections import config_flags
 from ml_collections.config_flags import config_flags as config_flags_impl  # its file parser, to subclass
 
+from jaxtrain import _compat
 from jaxtrain import config as config_lib
 from jaxtrain import distributed
+from jaxtrain import errors
 from jaxtrain import exits
 from jaxtrain import models
 from jaxtrain import paths
+from jaxtrain import restarts
 from jaxtrain.checkpoint import CheckpointError, SaveFailed, describe
 from jaxtrain.train import trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).",
                                           lock_config=True)
 flags.mark_flag_as_required("config")
+_CONFIG_VALUE = flags.DEFINE_string("config_value", None, "Print the value of this config key (the config file's, "
+                                    "with the --config.* overrides) and exit, starting nothing: for launchers.")
 _ARGV: list[str] = []  # the command line being parsed
 
 
@@ -57,7 +66,8 @@ def _model_name_override(argv: list[str]) -> str | None:
 
 def _fail(message: str, code: int = exits.USER_ERROR, at_once: bool = False) -> None:
   print(f"jaxtrain: error: {message}", file=sys.stderr)
-  if at_once:
+  # On a multi-process job the others stop too, by this cause and with this code (not as a lost peer).
+  if distributed.stop_job(code, message) or at_once:
     _leave(code)
   sys.exit(code)
 
@@ -111,9 +121,39 @@ def use_compilation_cache(config) -> None:
     jax.config.update("jax_compilation_cache_dir", paths.resolve(config.compilation_cache_dir))
 
 
+def check_restart_budget(config) -> None:
+  """Raises :class:`jaxtrain.exits.RestartsExhausted` when the workdir's restarts of the last hour exceed
+  ``distributed.max_restarts_per_hour`` (:mod:`jaxtrain.restarts`), else arms the recording of this start's
+  restartable exits. Process 0 reads the records and every process gets its verdict, so that all stop or none."""
+  distributed.validate(config)
+  workdir, budget = paths.resolve(config.workdir), config.distributed.max_restarts_per_hour
+  verdict = None
+  if jax.process_index() == 0:
+    try:
+      restarts.prune(workdir)
+      verdict = restarts.check(workdir, budget)
+    except Exception as e:  # noqa: BLE001 - an unreadable workdir: the run's own start reports it
+      logging.warning("could not read the restarts of %s: %s", workdir, e)
+  # Whether to stop, and this start's name (its time and a random number, from process 0).
+  header = np.array([verdict is not None, int(time.time()), secrets.randbits(31)], np.int32)
+  if jax.process_count() > 1:
+    header = np.asarray(multihost_utils.broadcast_one_to_all(header))
+  if header[0]:
+    raise exits.RestartsExhausted(verdict or "the restarts of the last hour exceed distributed.max_restarts_per_hour "
+                                  "(process 0 names them)")
+  restarts.arm(workdir, f"{int(header[1]):010d}-{int(header[2]):08x}", jax.process_index())
+
+
 def main(argv: list[str]) -> None:
   del argv
   config = _CONFIG.value
+  if _CONFIG_VALUE.value is not None:  # a launcher asks for one value: nothing starts
+    key = _CONFIG_VALUE.value
+    if key not in config_lib.flat_keys(config):
+      _fail(str(config_lib.unknown_key_error(key, config)))
+    print(errors.value(config, key))
+    return
+  _compat.warn_if_untested()
   use_compilation_cache(config)  # before the first compile
   try:
     distributed.initialize(config.distributed)  # before anything starts JAX's backends
@@ -127,18 +167,24 @@ def main(argv: list[str]) -> None:
     if config.dry_run:
       trainer.dry_run(config)
       return
+    check_restart_budget(config)
     trainer.train(config)
   except config_lib.UserError as e:
     _fail(str(e), at_once=isinstance(e, CheckpointError))
+  except exits.RestartsExhausted as e:
+    print(f"jaxtrain: stopped: {e} (exit {exits.RESTARTS_EXHAUSTED})", file=sys.stderr)
+    sys.exit(exits.RESTARTS_EXHAUSTED)
   except exits.Restart as e:
+    restarts.record("preempted", str(e))
     print(f"jaxtrain: stopped: {e}; restart the same command to resume (exit {exits.RESTART})", file=sys.stderr)
     sys.exit(exits.RESTART)
   except trainer.TrainingStopped as e:
     print(f"jaxtrain: stopped: {e}", file=sys.stderr)
     sys.exit(exits.BUG)
   except Exception as e:  # not the user's mistake: a lost peer, or a bug here or in a library
-    if distributed.lost_peer(e):  # a collective failed because another process went away: restart the job
-      distributed.exit_lost_peer(describe(e))
+    cause = distributed.lost_peer(e)
+    if cause:  # another process went away (by the error's type and status code): restart the job
+      distributed.exit_lost_peer(f"{cause}: {describe(e)}")
     log_file = getattr(e, "log_file", None)
     if log_file is None:  # it happened before the run had a log file: the traceback goes to the console
       raise

@@ -9,6 +9,7 @@ reach the state or a checkpoint); what the run does next is the ``monitor.nan_po
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import faulthandler
 import math
@@ -19,9 +20,11 @@ import threading
 import time
 from typing import Callable, Literal
 
-from absl import logging
+import jax
 import ml_collections
-from jaxtrain import exits
+from absl import logging
+
+from jaxtrain import _compat, exits, restarts
 from jaxtrain.errors import check_positive
 from jaxtrain.registry import Registry
 
@@ -80,6 +83,7 @@ def defaults() -> ml_collections.ConfigDict:
       watchdog_multiple=10.0,  # exit 75 (restartable; stacks in train.log) if no step finishes in this x the median
       watchdog_min_s=120.0,  # ... but never sooner than this
       watchdog_timeout_s=0.0,  # a hard limit instead (0: use the multiple)
+      watchdog_compile_s=3600.0,  # compiles are not counted in a step's time; one compile may take this long (0: any)
       straggler_threshold=0.15,  # name a process whose data wait exceeds the median process's by this fraction of
       # the step time (0: off) ...
       straggler_logs=3,  # ... over this many logged steps; the same window for a slowdown of the whole job:
@@ -90,6 +94,7 @@ def defaults() -> ml_collections.ConfigDict:
 def validate(config) -> None:
   NAN_POLICIES.check(config)
   check_positive(config, ["monitor.spike_sigma", "monitor.stagnation_logs", "monitor.watchdog_timeout_s",
+                          "monitor.watchdog_compile_s",
                           "monitor.straggler_threshold", "monitor.slowdown_threshold"], allow_zero=True)
   check_positive(config, ["monitor.spike_window", "monitor.watchdog_multiple", "monitor.watchdog_min_s",
                           "monitor.max_consecutive_nonfinite", "monitor.straggler_logs"])
@@ -194,43 +199,112 @@ class Stragglers:
 class Watchdog:
   """A daemon thread that ends the process if no heartbeat arrives in time.
 
-  The limit is ``multiple`` x the median gap between heartbeats seen so far (at least ``min_s``; 10 x ``min_s``
-  before the first one), or ``timeout_s`` when given. When it fires it writes what ``describe()`` says (where the
-  loop is) and every thread's Python stack to stderr and to ``log_path`` (train.log), then exits 75: crashes are
-  better than hangs, and a hang is something a restart cures (:data:`jaxtrain.exits.RESTART`).
+  Its limit depends on the phase of the loop (docs/observability.md):
+
+  - the first step (until the loop's first heartbeat: the first batch, the first run of the compiled step):
+    10 x ``min_s``;
+  - every later step: ``multiple`` x the median gap between heartbeats so far, at least ``min_s``;
+  - ``timeout_s``, when given, replaces both;
+  - compiles are not counted. The loop's thread compiles when a jit call misses its caches (the evaluator's first
+    call, a recompile, anything compiled lazily): JAX reports each such compile on the compiling thread through
+    ``jax.monitoring`` (its trace, lowering and backend compile, in that order; jaxtrain._compat), and the span from
+    the trace's start to the backend compile's end is left out of the gap. A compile in progress is not counted
+    either: it is bounded on its own by ``compile_s`` (0: unbounded). Around a call known to compile (the
+    evaluator's first), the loop says so with :meth:`compiling`, which also covers the trace before JAX reports it.
+
+  When it fires it writes what ``describe()`` says (where the loop is) and every thread's Python stack to stderr and
+  to ``log_path`` (train.log), records the exit (:mod:`jaxtrain.restarts`), then exits 75: crashes are better than
+  hangs, and a hang is something a restart cures (:data:`jaxtrain.exits.RESTART`) up to the restart budget.
   """
 
   EXIT_CODE = exits.RESTART
 
   def __init__(self, multiple: float = 10.0, min_s: float = 60.0, timeout_s: float = 0.0, clock=time.monotonic,
-               log_path: str | None = None, describe: Callable[[], str] = lambda: ""):
-    self.multiple, self.min_s, self.timeout_s = multiple, min_s, timeout_s
+               log_path: str | None = None, describe: Callable[[], str] = lambda: "", compile_s: float = 3600.0):
+    self.multiple, self.min_s, self.timeout_s, self.compile_s = multiple, min_s, timeout_s, compile_s
     self.log_path, self.describe = log_path, describe
     self._clock = clock  # seconds, monotonic; tests pass a fake one
     self._last = clock()
     self._gaps = collections.deque(maxlen=100)
+    self._lock = threading.Lock()  # the loop's thread (beats, compiles) and the watchdog's (checks)
+    self._excluded = 0.0  # seconds of finished compiles since the last heartbeat
+    self._compile: list | None = None  # [since, what, said by compiling()] of a compile in progress
+    self._loop = threading.get_ident()  # the thread whose compiles count: the one that starts the watchdog
+    self._listening = False
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name="jaxtrain-watchdog", daemon=True)
 
   def start(self) -> "Watchdog":
-    self._last = self._clock()
+    self._last, self._loop = self._clock(), threading.get_ident()
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+    self._listening = True
     self._thread.start()
     return self
 
   def beat(self) -> None:
-    now = self._clock()
-    self._gaps.append(now - self._last)
-    self._last = now
+    with self._lock:
+      now = self._clock()
+      self._gaps.append(max(0.0, now - self._last - self._excluded - self._compiling_for(now)))
+      self._last, self._excluded = now, 0.0
+      if self._compile is not None:
+        if self._compile[2]:
+          self._compile[0] = now  # still inside compiling(): the rest of it is the next gap's
+        else:
+          self._compile = None  # a trace JAX reported with no compile after it (a cache hit): over by now
 
   def limit(self) -> float:
+    """The limit of a step in this phase (the first step, or any later one)."""
     if self.timeout_s:
       return self.timeout_s
-    return max(self.min_s, self.multiple * statistics.median(self._gaps)) if self._gaps else self.min_s * 10
+    gaps = list(self._gaps)  # a copy: the loop's thread appends
+    return max(self.min_s, self.multiple * statistics.median(gaps)) if gaps else self.min_s * 10
+
+  @contextlib.contextmanager
+  def compiling(self, what: str):
+    """Leaves the time inside out of the step's (the loop's thread compiles ``what``), up to ``compile_s``."""
+    self._began(self._clock(), what, said=True)
+    try:
+      yield
+    finally:
+      self._ended(said=True)
+
+  def _on_event(self, event: str, duration: float, **kwargs) -> None:
+    """jax.monitoring's duration events: a compile on the loop's thread began before a trace or a lowering ended,
+    and is over when its backend compile ends."""
+    del kwargs
+    if threading.get_ident() != self._loop:
+      return  # another thread's compile does not hold up the loop
+    if event in (_compat.TRACE_EVENT, _compat.LOWER_EVENT):
+      self._began(self._clock() - duration, "a jit compile", said=False)
+    elif event == _compat.BACKEND_COMPILE_EVENT:
+      self._ended(said=False)
+
+  def _began(self, since: float, what: str, said: bool) -> None:
+    with self._lock:
+      if self._compile is None:
+        self._compile = [max(since, self._last), what, said]
+      elif said:
+        self._compile[1:] = [what, True]
+
+  def _ended(self, said: bool) -> None:
+    with self._lock:
+      if self._compile is not None and (said or not self._compile[2]):
+        self._excluded += self._compiling_for(self._clock())
+        self._compile = None
+
+  def _compiling_for(self, now: float) -> float:
+    return now - self._compile[0] if self._compile is not None else 0.0
 
   def overdue(self) -> float | None:
-    """Seconds since the last heartbeat (or the start) when that is past the limit, else None."""
-    waited = self._clock() - self._last
-    return waited if waited > self.limit() else None
+    """Seconds since the last heartbeat (or the start), compiles left out, when that is past the limit; or the
+    seconds of a compile in progress past ``compile_s``; else None."""
+    with self._lock:
+      now = self._clock()
+      if self._compile is not None:
+        spent = self._compiling_for(now)
+        return spent if self.compile_s and spent > self.compile_s else None
+      waited = now - self._last - self._excluded
+      return waited if waited > self.limit() else None
 
   def _run(self) -> None:
     while not self._stop.wait(min(1.0, self.limit() / 10)):
@@ -244,8 +318,14 @@ class Watchdog:
       where = self.describe()
     except Exception as e:  # noqa: BLE001 - the report must not keep the process alive
       where = f"(could not say where the loop is: {e!r})"
-    message = (f"jaxtrain: watchdog: no step finished for {waited:.1f}s (limit {self.limit():.1f}s): {where}; "
-               f"stacks of all threads follow, then exit {self.EXIT_CODE} (restartable)\n")
+    compile_ = self._compile
+    if compile_ is not None:
+      what = f"{compile_[1]} has run for {waited:.1f}s (limit {self.compile_s:.1f}s, monitor.watchdog_compile_s)"
+    else:
+      what = f"no step finished for {waited:.1f}s (limit {self.limit():.1f}s)"
+    message = (f"jaxtrain: watchdog: {what}: {where}; stacks of all threads follow, then exit {self.EXIT_CODE} "
+               "(restartable)\n")
+    restarts.record("hang", f"{what}: {where}")
     targets = [sys.stderr]
     if self.log_path:
       try:
@@ -261,5 +341,8 @@ class Watchdog:
 
   def stop(self) -> None:
     self._stop.set()
+    if self._listening:
+      jax.monitoring.unregister_event_duration_listener(self._on_event)
+      self._listening = False
     if self._thread.is_alive():
       self._thread.join(timeout=5)

@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import types
 
@@ -23,7 +24,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import distributed, exits
+from jaxtrain import distributed, exits, local_checkpoint, restarts
 from jaxtrain.metrics import read_records
 from tests import forked, multiprocess
 
@@ -136,9 +137,10 @@ def test_elastic_restarts_on_fewer_then_more_devices_keep_the_global_batch_and_t
                              rtol=1e-5)
 
 
-def _local_steps(root, process: int) -> list[int]:
-  """Committed steps of process ``process``'s node-local tier (of a 2-process job)."""
-  folder = pathlib.Path(root) / f"process_{process}-of-2"
+def _local_steps(tier, process: int) -> list[int]:
+  """Committed steps of process ``process``'s node-local tier (of a 2-process job; ``tier``: the run's folder in
+  checkpoint.local_dir)."""
+  folder = pathlib.Path(tier) / f"process_{process}-of-2"
   return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and (p / "meta.json").exists()) \
       if folder.exists() else []
 
@@ -154,6 +156,7 @@ def test_two_tiers_resume_from_the_newest_local_step_all_share_else_from_the_per
   run = [*ARGS, f"--config.workdir={workdir}", f"--config.train.steps={end}", "--config.checkpoint.every_steps=4",
          f"--config.checkpoint.local_dir={local}", "--config.checkpoint.local_every_steps=1",
          "--config.checkpoint.local_keep_last=3"]
+  tier = local / local_checkpoint.run_key(str(workdir / "checkpoints"))  # this run's folder in the local one
 
   def start_and_kill(after):
     """Starts the job, waits until ``after(procs)`` holds, kills both processes; process 0's stderr."""
@@ -165,37 +168,37 @@ def test_two_tiers_resume_from_the_newest_local_step_all_share_else_from_the_per
     return procs[0].err_path.read_text()
 
   def local_ahead(by):  # both processes' local tiers hold a step `by` past the newest persistent one
-    return lambda procs: _committed(workdir) and min(max(_local_steps(local, i), default=0) for i in (0, 1)) >= \
+    return lambda procs: _committed(workdir) and min(max(_local_steps(tier, i), default=0) for i in (0, 1)) >= \
         _committed(workdir)[-1] + by
 
   start_and_kill(local_ahead(2))
   # 1. Killed: the restart resumes from the newest local step both processes hold, newer than the persistent one.
-  common = max(set(_local_steps(local, 0)) & set(_local_steps(local, 1)))
+  common = max(set(_local_steps(tier, 0)) & set(_local_steps(tier, 1)))
   assert common > _committed(workdir)[-1]
   err = start_and_kill(lambda procs: "resumed from checkpoint step" in procs[0].err_path.read_text())
   assert _resumed_from(err) == (common, f"local tier, {local}"), err[-3000:]
   # 2. Process 1's host is replaced (an empty local disk): both resume from the newest persistent step.
-  shutil.rmtree(local / "process_1-of-2")
+  shutil.rmtree(tier / "process_1-of-2")
   persistent = _committed(workdir)[-1]
   err = start_and_kill(local_ahead(2))
   assert _resumed_from(err) == (persistent, str(workdir / "checkpoints")), err[-3000:]
   # 3. Process 0's newest common local step is corrupt (flipped bytes): set aside everywhere, and the newest
   # step that remains is used (an older common local one, else the persistent one).
-  common = sorted(set(_local_steps(local, 0)) & set(_local_steps(local, 1)))
+  common = sorted(set(_local_steps(tier, 0)) & set(_local_steps(tier, 1)))
   persistent = _committed(workdir)[-1]
   assert common and common[-1] > persistent, (common, persistent)
   expected = (common[-2], f"local tier, {local}") if len(common) > 1 and common[-2] > persistent else \
       (persistent, str(workdir / "checkpoints"))
-  shards = local / "process_0-of-2" / str(common[-1]) / "shards.npz"
+  shards = tier / "process_0-of-2" / str(common[-1]) / "shards.npz"
   data = bytearray(shards.read_bytes())
   data[len(data) // 2] ^= 0xFF
   shards.write_bytes(bytes(data))
   procs = _start_main(run)
   assert multiprocess.wait_all(procs, 300) == [0, 0], procs[0].err_path.read_text()[-3000:]
   err = procs[0].err_path.read_text()
-  assert f"local checkpoint step {common[-1]} in {local / 'process_0-of-2'} cannot be restored" in err, err[-3000:]
+  assert f"local checkpoint step {common[-1]} in {tier / 'process_0-of-2'} cannot be restored" in err, err[-3000:]
   assert _resumed_from(err) == expected, err[-3000:]
-  assert list((local / "process_1-of-2").glob(f"corrupt-{common[-1]}-*")), "process 1 set it aside too"
+  assert list((tier / "process_1-of-2").glob(f"corrupt-{common[-1]}-*")), "process 1 set it aside too"
   # Every loss, the steps trained again included, is bitwise that of an uninterrupted run.
   assert _losses(workdir) == _losses(two_processes(end)[0])
 
@@ -274,9 +277,12 @@ def test_a_scheduler_restarting_on_exit_75_drives_a_two_process_run_through_fail
   assert "watchdog: no step finished for " in log and "in _step" in log, log[-3000:]  # its stacks, kept
   for err in seen[1:]:
     assert "resumed from checkpoint step " in err, err[-3000:]
-  # The goodput account saw the four runs; its parts add up to the wall time.
+  # Each restartable exit was recorded in the workdir, one per start of the job (jaxtrain.restarts): the restart
+  # budget's count.
+  assert [r["cause"] for r in restarts.recent(str(workdir))] == ["preempted", "lost peer", "hang"]
+  # The goodput account saw the four runs and the time between them (its arithmetic: tests/test_goodput.py).
   summary = json.loads((workdir / "goodput.json").read_text())
-  assert summary["runs"] == 4 and sum(summary["shares"].values()) == pytest.approx(1.0, abs=1e-9), summary
+  assert summary["runs"] == 4, summary
   assert summary["seconds"]["down"] > 0 and summary["seconds"]["productive"] > 0, summary
   # Every loss, the steps trained again after each failure included, is bitwise that of an uninterrupted run.
   assert _losses(workdir) == _losses(two_processes(end)[0])
@@ -294,6 +300,32 @@ def test_a_second_sigterm_ends_a_stuck_run_at_once_with_exit_130_and_commits_not
   codes = multiprocess.wait_all(procs, 15)  # at once: the signal handler exits, waiting for nothing
   assert codes == [exits.INTERRUPTED] * processes, (codes, procs[0].err_path.read_text()[-3000:])
   assert not _committed(tmp_path)
+
+
+def test_the_restart_budget_turns_a_loop_of_restartable_exits_into_one_stop(tmp_path):
+  """tools/launch/local.sh over a run that exits 75 at every start (its watchdog fires at once: a limit of 1 ms),
+  with distributed.max_restarts_per_hour=2: it restarts it twice, then, at the third restartable exit within the
+  hour, stops with exit 3 and one line. jaxtrain counts the same exits in the workdir: started again by hand, it
+  refuses to start, naming them, with the same code, before anything is compiled."""
+  workdir = tmp_path / "run"
+  overrides = ["--config.train.steps=50", "--config.data.seq_len=32", "--config.train.global_batch_size=8",
+               "--config.monitor.watchdog_timeout_s=0.001", "--config.distributed.max_restarts_per_hour=2"]
+  r = subprocess.run(["bash", "tools/launch/local.sh", "configs/tiny.py", str(workdir), *overrides], cwd=ROOT,
+                     env=forked.run_env({**os.environ, "PYTHON": sys.executable}), capture_output=True, text=True,
+                     timeout=600)
+  assert r.returncode == exits.RESTARTS_EXHAUSTED, r.stderr[-3000:]
+  assert r.stderr.count("jaxtrain: watchdog: no step finished for ") == 3, r.stderr[-3000:]
+  assert r.stderr.count("jaxtrain exited 75 (restartable): starting it again") == 2
+  assert r.stderr.rstrip().splitlines()[-1].startswith(
+      "jaxtrain: stopped: it exited 75 again after 2 restarts in the last hour, the most "
+      "distributed.max_restarts_per_hour=2 allows: a restart does not cure this"), r.stderr[-2000:]
+  assert [rec["cause"] for rec in restarts.recent(str(workdir))] == ["hang"] * 3
+  again = forked.run(["-m", "jaxtrain.main", "--config=configs/tiny.py", f"--config.workdir={workdir}", *overrides])
+  lines = [line for line in again.stderr.splitlines() if line.startswith("jaxtrain:")]
+  assert again.returncode == exits.RESTARTS_EXHAUSTED and len(lines) == 1, again.stderr[-3000:]
+  assert lines[0].startswith("jaxtrain: stopped: 3 restarts in the last hour (hang x3), more than "
+                             "distributed.max_restarts_per_hour=2: a restart does not cure this"), lines
+  assert "compiled and initialized" not in again.stderr
 
 
 HEARTBEAT_S = 5
@@ -333,6 +365,91 @@ def test_peer_watch_names_a_silent_peer_after_the_timeout_and_not_one_that_finis
   assert watch.check(beats) == "process 1 has not been heard from for 10s"
 
 
+def _lost(stdout: str) -> dict[str, list[str]]:
+  """tests/dist_lost_peer_worker.py's report: what the error was -> [lost_peer's verdict, type and status code,
+  whether its message says Broken pipe]."""
+  return {line.split(" | ")[0].removeprefix("LOST "): line.split(" | ")[1:] for line in stdout.splitlines()
+          if line.startswith("LOST ")}
+
+
+@pytest.mark.compat
+def test_a_lost_peer_is_known_by_the_errors_type_and_status_code_and_a_broken_pipe_elsewhere_is_not():
+  """Two real processes. A host callback's error and a plain RuntimeError that say "Broken pipe" (the words that
+  once meant a lost peer) are not one; the error a collective gives when its peer was SIGKILLed is (gloo's
+  transport, status UNKNOWN, a ValueError where the next dispatch finds it); so is a barrier of the coordination
+  service that a killed peer never reached (DEADLINE_EXCEEDED with the service's payload)."""
+  survivor, victim = multiprocess.run("tests/dist_lost_peer_worker.py", ["collective"], local_devices=1, timeout=120)
+  assert victim.returncode == -signal.SIGKILL, victim.stderr[-2000:]
+  assert _lost(survivor.stdout) == {
+      "a host callback's error": ["None", "JaxRuntimeError INTERNAL", "says Broken pipe: True"],
+      "a RuntimeError": ["None", "RuntimeError None", "says Broken pipe: True"],
+      "a collective whose peer was killed": ["a collective lost its connection to a peer (gloo)", ANY_RUNTIME_ERROR,
+                                             "says Broken pipe: False"],
+  }, survivor.stdout + survivor.stderr[-3000:]
+  survivor, victim = multiprocess.run("tests/dist_lost_peer_worker.py", ["barrier"], local_devices=1, timeout=120)
+  assert victim.returncode == -signal.SIGKILL, victim.stderr[-2000:]
+  assert _lost(survivor.stdout) == {"a barrier whose peer was killed": [
+      "a peer did not reach a barrier of the coordination service in time", "JaxRuntimeError DEADLINE_EXCEEDED",
+      "says Broken pipe: False"]}, survivor.stdout + survivor.stderr[-3000:]
+
+
+class _AnyRuntimeError(str):
+  """Equal to the type and code of a failed collective as the survivor meets it: a JaxRuntimeError where it reads
+  the result, a ValueError where its next dispatch finds the failure (which one depends on timing)."""
+
+  def __eq__(self, other):
+    return other in ("JaxRuntimeError UNKNOWN", "ValueError UNKNOWN")
+
+  __hash__ = str.__hash__
+
+
+ANY_RUNTIME_ERROR = _AnyRuntimeError("JaxRuntimeError or ValueError, UNKNOWN")
+
+
+@pytest.mark.compat
+def test_when_the_coordination_service_goes_jax_aborts_the_other_processes_which_the_launchers_restart():
+  """The coordination service lives in process 0: when that process is killed, JAX's agent in every other process
+  aborts it (SIGABRT) from its own thread, whatever Python is doing; no error reaches jaxtrain to classify. The
+  launchers restart a death by a signal (test_slurm_launcher..., test_tpu_vm_launcher...: 134). If a jax release
+  raised an error instead, this fails, and jaxtrain.distributed.peer_loss should learn it."""
+  coordinator, survivor = multiprocess.run("tests/dist_lost_peer_worker.py", ["coordinator"], local_devices=1,
+                                           timeout=120)
+  assert coordinator.returncode == -signal.SIGKILL, coordinator.stderr[-2000:]
+  assert survivor.returncode == -signal.SIGABRT, (survivor.returncode, survivor.stderr[-3000:])
+  assert "Terminating process because the JAX distributed service detected fatal errors" in survivor.stderr
+
+
+@pytest.mark.compat
+def test_a_preemption_notice_posted_through_compat_stops_every_process_at_the_same_step():
+  """jaxtrain posts XLA's preemption notice by its key (jaxtrain._compat): process 1 posts it at step 3 and both
+  processes reach JAX's preemption sync point at one step, that one or a later one (the protocol picks it)."""
+  results = multiprocess.run("tests/dist_notice_worker.py", [], local_devices=1, timeout=120)
+  assert [r.returncode for r in results] == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+  synced = [re.findall(r"^SYNC (\d+)$", r.stdout, re.M) for r in results]
+  assert synced[0] == synced[1] and len(synced[0]) == 1 and 3 <= int(synced[0][0]) < 10, synced
+
+
+# jaxtrain.main that raises, on every process, a RuntimeError saying "Broken pipe" when it logs step 2: a bug (exit 1),
+# not a lost peer (exit 75 and a restart).
+_BROKEN_PIPE_AT_STEP_2 = ("import runpy, sys; from jaxtrain.train import loop\n"
+                          "log = loop.Loop._log\n"
+                          "def failing(self, step):\n"
+                          "  if step == 2: raise RuntimeError('writing the report: [Errno 32] Broken pipe')\n"
+                          "  return log(self, step)\n"
+                          "loop.Loop._log = failing; sys.argv[0:1] = ['jaxtrain.main']\n"
+                          "runpy.run_module('jaxtrain.main', run_name='__main__')")
+
+
+def test_an_unrelated_error_saying_broken_pipe_ends_a_two_process_job_as_a_bug_not_a_restart(tmp_path):
+  procs = _start_main([*ARGS, f"--config.workdir={tmp_path}", "--config.train.steps=6"],
+                      entry=("-c", _BROKEN_PIPE_AT_STEP_2))
+  codes = multiprocess.wait_all(procs, 300)
+  err = procs[0].err_path.read_text()
+  assert codes == [exits.BUG, exits.BUG], (codes, err[-3000:])
+  assert "jaxtrain: error: unexpected RuntimeError: writing the report: [Errno 32] Broken pipe" in err, err[-3000:]
+  assert "a process of the job is gone" not in err and not (tmp_path / "restarts").exists()
+
+
 def test_unreachable_coordinator_is_a_clear_error(tmp_path):
   r = forked.run(["-m", "jaxtrain.main", *ARGS, f"--config.workdir={tmp_path}",
                   "--config.distributed.coordinator_address=127.0.0.1:1", "--config.distributed.num_processes=2",
@@ -353,6 +470,7 @@ def _metadata_server(key: str) -> tuple[str, int]:
   return "", 200
 
 
+@pytest.mark.compat  # JAX's cluster detection, through jaxtrain._compat
 @pytest.mark.filterwarnings("ignore:Kubernetes environment detected")
 @pytest.mark.parametrize("env,expected", [
     # srun, 2 nodes x 8 tasks: the first node of the step, a port from the job id (4242 % 4096 + 61440).
@@ -376,10 +494,9 @@ def test_cluster_auto_detection(monkeypatch, env, expected):
   """What distributed.initialize joins in each cluster's environment: (coordinator, processes, process id) as
   jax.distributed.initialize resolves them from its arguments and the environment (JAX's own detection, which
   jaxtrain defers to), or None when it stays a single process."""
-  from jax._src import clusters
-  from jax._src.clusters import cloud_tpu_cluster, cluster
-
+  from jaxtrain import _compat
   from jaxtrain import config as config_lib
+  clusters, cloud_tpu_cluster, cluster = _compat.jax_clusters()
   from jaxtrain import distributed
   for name in list(os.environ):
     if name.startswith(_CLUSTER_VARIABLES):
@@ -452,8 +569,11 @@ _EXTRA = ["--config.mesh.fsdp=-1", "--config.checkpoint.dir=/shared/ckpt with sp
 
 
 def test_slurm_launcher_runs_jaxtrain_main_once_per_task_under_srun_and_requeues_on_exit_75(tmp_path):
-  bin_dir = _stubs(tmp_path, "srun", "scontrol")
-  env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+  bin_dir = _stubs(tmp_path, "srun", "scontrol", "python")
+  (bin_dir / "python").write_text('#!/bin/sh\nprintf \'%s\\0\' "$PWD" "$@" > "$(dirname "$0")/python.argv"\n'
+                                  'echo "${STUB_BUDGET:-6}"\n')  # jaxtrain answering --config_value
+  env = {**{k: v for k, v in os.environ.items() if k != "PYTHON"}, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+         "SLURM_SUBMIT_DIR": str(tmp_path)}
   r = subprocess.run(["bash", "tools/launch/slurm.sbatch", "configs/llama3_8b.py", "/shared/runs/llama3 8b", *_EXTRA],
                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
   assert r.returncode == 0, r.stderr
@@ -467,15 +587,33 @@ def test_slurm_launcher_runs_jaxtrain_main_once_per_task_under_srun_and_requeues
                 if line.startswith("#SBATCH")]
   assert "--signal=TERM@120" in directives and "--requeue" in directives, directives
   # srun's exit code -> whether the job requeued itself: restartable (75) and deaths by a signal (128 + N: an OOM
-  # kill, a lost node) do, up to MAX_RESTARTS; done, a bug, a user mistake and an interrupt (130) do not.
-  for code, restarts, requeued in [(75, 0, True), (137, 3, True), (75, 100, False), (0, 0, False), (1, 0, False),
-                                   (2, 0, False), (130, 0, False)]:
-    r = subprocess.run(["bash", "tools/launch/slurm.sbatch", "configs/llama3_8b.py", "/shared/run"], cwd=ROOT,
-                       env={**env, "STUB_EXIT_srun": str(code), "SLURM_JOB_ID": "42",
-                            "SLURM_RESTART_COUNT": str(restarts)}, capture_output=True, text=True, timeout=60)
-    assert r.returncode == code, (code, r.stderr)
+  # kill, a lost node, JAX's abort when the coordinator's process is gone) do, up to MAX_RESTARTS in all and
+  # distributed.max_restarts_per_hour (asked of jaxtrain: the stub answers STUB_BUDGET) in the last hour, counted
+  # across requeues in the submit folder; done, a bug, a user mistake, exhausted restarts (3) and an interrupt (130)
+  # do not.
+  requeues = tmp_path / ".jaxtrain-restarts-42"
+  for code, restarts, budget, requeued, ends in [
+      (75, 0, 6, True, 75), (137, 3, 6, True, 137), (134, 4, 6, True, 134), (75, 100, 6, False, 75),
+      (0, 0, 6, False, 0), (1, 0, 6, False, 1), (2, 0, 6, False, 2), (3, 0, 6, False, 3), (130, 0, 6, False, 130),
+      (75, 5, 4, True, 75),  # 3 requeues in the last hour (and 2 before it, written below): a 4th is allowed
+      (75, 6, 4, False, 3),  # a 5th is not
+      (75, 7, 0, True, 75)]:  # 0: no budget
+    if restarts == 5:
+      now = time.time()
+      requeues.write_text(f"{int(now - 7200)}\n{int(now - 3601)}\n" + requeues.read_text())
+    r = subprocess.run(["bash", "tools/launch/slurm.sbatch", "configs/llama3_8b.py", "/shared/run", "--config.x=1"],
+                       cwd=ROOT, env={**env, "STUB_EXIT_srun": str(code), "SLURM_JOB_ID": "42",
+                                      "SLURM_RESTART_COUNT": str(restarts), "STUB_BUDGET": str(budget)},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == ends, (code, restarts, r.stderr)
     assert _called(bin_dir, "scontrol") == ([str(ROOT), "requeue", "42"] if requeued else None), (code, restarts)
     (bin_dir / "scontrol.argv").unlink(missing_ok=True)
+    if (code, ends) == (75, 3):
+      assert "after 4 restarts in the last hour, the most distributed.max_restarts_per_hour=4 allows" in r.stderr
+  assert len(requeues.read_text().split()) == 2 + 5  # the two old ones, and one line per requeue
+  assert _called(bin_dir, "python")[1:] == ["-m", "jaxtrain.main", "--config=configs/llama3_8b.py",
+                                            "--config.workdir=/shared/run", "--config.x=1",
+                                            "--config_value=distributed.max_restarts_per_hour"]
   (bin_dir / "srun.argv").unlink()
   r = subprocess.run(["bash", "tools/launch/slurm.sbatch", "configs/llama3_8b.py"], cwd=ROOT, env=env,
                      capture_output=True, text=True, timeout=60)
@@ -505,6 +643,7 @@ def test_tpu_vm_launcher_runs_the_same_jaxtrain_main_on_every_worker_and_again_o
                      env={**os.environ, "PATH": path, "HOME": str(remote_home), "STUB_EXIT_python": "75"},
                      text=True, timeout=60)
   assert r.returncode == 75 and r.stdout.splitlines()[-1] == "jaxtrain-exit-code=75", (r.stdout, r.stderr)
+  assert r.stdout.splitlines()[0].startswith("jaxtrain-restart-budget="), r.stdout  # asked of jaxtrain first
   checkout = str(remote_home / "jaxtrain")
   assert _called(bin_dir, "pip") == [checkout, "install", "-q", "-e", ".[tpu]"]
   argv = _called(bin_dir, "python")
@@ -512,29 +651,37 @@ def test_tpu_vm_launcher_runs_the_same_jaxtrain_main_on_every_worker_and_again_o
                   "--config.workdir=gs://my-bucket/runs/llama3-8b", *_EXTRA], argv
   _assert_jaxtrain_flags(argv[3:])
   # The workers' exit codes, one ssh session after another -> the script's exit code and how many sessions ran:
-  # 75 (or no report at all: the session or the hosts went away) runs every worker again; 0 ends it; 1, 2 and 130
-  # end it with that code.
-  for sessions, code, calls in [("75 75;0 0", 0, 2), ("75;75 75;2 75", 2, 3), ("- -;0 0", 0, 2), ("1 75", 1, 1),
-                                ("130 130", 130, 1), ("75 75;75 75;75 75;0 0", 75, 3)]:
-    _gcloud_reporting(bin_dir, sessions)
+  # 75, a death by a signal (134: JAX's abort when the coordinator's process is gone) or no report at all (the
+  # session or the hosts went away) runs every worker again, at most MAX_RESTARTS times and at most the budget the
+  # workers report (distributed.max_restarts_per_hour) in an hour; 0 ends it; 1, 2, 3 and 130 end it with that code.
+  for sessions, budget, code, calls in [
+      ("75 75;0 0", None, 0, 2), ("75;75 75;2 75", None, 2, 3), ("- -;0 0", None, 0, 2), ("1 75", None, 1, 1),
+      ("130 130", None, 130, 1), ("3 75", None, 3, 1), ("134 -9;0 0", None, 0, 2),
+      ("75 75;75 75;75 75;0 0", None, 75, 3),  # MAX_RESTARTS=2
+      ("75 75;75 75;0 0", 1, 3, 2), ("75 75;75 75;0 0", 0, 0, 3)]:  # a budget of 1 an hour; none
+    _gcloud_reporting(bin_dir, sessions, budget)
     r = subprocess.run(["bash", "tools/launch/tpu_vm.sh"], cwd=ROOT, env={**env, "MAX_RESTARTS": "2"},
                        capture_output=True, text=True, timeout=60)
     assert (r.returncode, (bin_dir / "gcloud.calls").read_text().count("\n")) == (code, calls), (sessions, r.stderr)
+    if budget == 1:
+      assert "after 1 restarts in the last hour, the most distributed.max_restarts_per_hour=1 allows" in r.stderr
   (bin_dir / "gcloud.argv").unlink()
   r = subprocess.run(["bash", "tools/launch/tpu_vm.sh"], cwd=ROOT, env={**env, "TPU_NAME": ""},
                      capture_output=True, text=True, timeout=60)
   assert r.returncode != 0 and "set TPU_NAME" in r.stderr and _called(bin_dir, "gcloud") is None, r.stderr
 
 
-def _gcloud_reporting(bin_dir: pathlib.Path, sessions: str) -> None:
+def _gcloud_reporting(bin_dir: pathlib.Path, sessions: str, budget: int | None = None) -> None:
   """A ``gcloud`` stub that records its arguments and, on its i-th call, prints what the workers of the i-th
-  ``;``-separated session report (``-``: a worker that reports nothing)."""
+  ``;``-separated session report (``-``: a worker that reports nothing), each its restart budget first when
+  ``budget`` is given."""
   (bin_dir / "gcloud.calls").write_text("")
   (bin_dir / "gcloud").write_text(f"""#!/bin/bash
 printf '%s\\0' "$PWD" "$@" > "$(dirname "$0")/gcloud.argv"
 echo 1 >> "$(dirname "$0")/gcloud.calls"
 IFS=';' read -ra sessions <<< '{sessions}'
 for code in ${{sessions[$(( $(wc -l < "$(dirname "$0")/gcloud.calls") - 1 ))]}}; do
+  {f'echo jaxtrain-restart-budget={budget}' if budget is not None else ':'}
   [ "$code" = - ] || echo "jaxtrain-exit-code=$code"
 done
 """)
@@ -559,6 +706,9 @@ def test_k8s_jobset_runs_jaxtrain_main_on_every_host_of_the_slice():
   assert job["parallelism"] == job["completions"] == hosts == 2
   assert job["backoffLimit"] == 0 and pod["restartPolicy"] == "Never" and jobset["spec"]["failurePolicy"][
       "maxRestarts"] > 0
+  # Exit codes a restart does not cure fail the JobSet at once: every code of exits.CODES but 0 and 75.
+  [rule] = job["podFailurePolicy"]["rules"]
+  assert rule["action"] == "FailJob" and set(rule["onExitCodes"]["values"]) == set(exits.CODES) - {0, exits.RESTART}
   assert pod["terminationGracePeriodSeconds"] >= 60  # SIGTERM, then time to finish the step and save
 
 
@@ -682,10 +832,12 @@ def test_estimate_matches_compiled_memory(config_file, overrides):
 
 @pytest.mark.parametrize("name,target", [("llama3_8b", "v5p"), ("llama3_8b", "v6e"), ("llama3_70b", "v5p"),
                                          ("llama3_70b", "v6e"), ("mixtral_8x7b", "v5p")])
-def test_target_variants_are_the_measured_settings_and_fit_their_chip(name, target):
+def test_target_variants_are_the_measured_settings_and_their_estimate_fits_their_chip(name, target):
   """configs/<name>.py:<target> (64 chips) is the base config with the overrides tools/bench_tpu.py measured
-  fastest (benchmarks/results/tpu_<name>_<target>.json): its recorded compile fits the chip's HBM, and
-  tools/estimate.py agrees within 15%."""
+  fastest (benchmarks/results/tpu_<name>_<target>.json), and tools/estimate.py's figure for it, computed here,
+  fits the chip's HBM and is within 15% of the peak the TPU compiler gave for it there. (Compiling for the TPU
+  topology needs libtpu, which the test environment has not: the recorded peak is the estimate's reference, not
+  the test's evidence that the variant fits.)"""
   from jaxtrain import config as config_lib
   from jaxtrain import topology
   estimate = _estimate_module()
@@ -701,7 +853,7 @@ def test_target_variants_are_the_measured_settings_and_fit_their_chip(name, targ
   assert result["topology"].startswith(f"{target}:") and result["chips"] == 64
   hbm = topology.HBM_GIB[target] * 2**30
   total = estimate.estimate(config, 64)["bytes_per_device"]["total"]
-  assert result["peak_bytes"] < hbm and total < hbm and config.workdir == f"runs/{name}_{target}"
+  assert total < hbm and config.workdir == f"runs/{name}_{target}"
   # (Mixtral's save_dots x 2 sequences missed this until the estimate stopped counting the routed experts' outputs
   # as kept: 50.0 GiB against the compiler's 25.1, now 22.0.)
   assert total == pytest.approx(result["peak_bytes"], rel=0.15), (total, result["peak_bytes"])

@@ -213,12 +213,23 @@ def _break(folder, how):
   elif how == "biases":
     c = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**c, "attention_bias": True}))
+  elif how.startswith("weight_map_"):  # an index naming a whole, readable copy of the weights outside the folder
+    outside = folder.parent.parent / f"{folder.parent.name}-outside"
+    outside.mkdir()
+    (outside / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    file = str(outside / "model.safetensors") if how == "weight_map_absolute" else \
+        f"../../{outside.name}/model.safetensors"
+    names = sorted(load_file(str(folder / "model.safetensors")))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: file for n in names}}))
 
 
 BAD = [("not_llama", "is a 'gpt2' model"), ("shape_mismatch", "model.layers.0.mlp.gate_proj.weight is [96, 64], "
                                                               "config.json says [100, 64]"),
        ("truncated", "is not a readable safetensors file"), ("missing_config", "has no config.json"),
-       ("biases", "sets attention_bias=true")]
+       ("biases", "sets attention_bias=true"),
+       ("weight_map_parent", "model.safetensors.index.json: maps lm_head.weight to '../../weight_map_parent"),
+       ("weight_map_absolute", "/model.safetensors', not a file in the folder; an index names files next to it: "
+                               "download the model again")]
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +253,24 @@ def test_bad_input_gives_one_line_and_exit_2(case, bad_imports):
   assert len(lines) == 1 and message in lines[0], result.stderr
   assert "Traceback" not in result.stderr
   assert sorted(p.name for p in folder.iterdir()) == ["src"]  # no output, no leftover temporary folder
+
+
+def test_the_generated_config_names_its_paths_exactly_whatever_they_hold(tmp_path):
+  """Folders named with quotes, triple quotes, a newline and (the source's) backslashes: OUT/config.py loads, and
+  its SOURCE, CONFIG and checkpoint.restore_from are the paths, character for character. (The output folder has
+  no backslash: TensorStore, under Orbax, reads one as a path separator.)"""
+  odd = tmp_path / 'it\'s """a\n" '
+  source, output = odd / 'src\\"""\\', odd / "out"
+  _hf_model(source, **CONFIGS["mha_tied"])
+  hf.import_model(str(source), str(output))
+  spec = importlib.util.spec_from_file_location("imported_config", output / "config.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  assert (module.SOURCE, module.CONFIG) == (str(source), str(output / "config.py"))
+  config = module.get_config()
+  assert config.checkpoint.restore_from == str(output / "checkpoints") and config.workdir == f"runs/{output.name}"
+  _, _, params = _restore(output)  # the checkpoint it names restores
+  assert params["embed"]["embedding"].shape == (128, 64)
 
 
 def test_export_refuses_existing_output_and_missing_step(tmp_path):

@@ -15,11 +15,12 @@ import pytest
 
 from configs import llama3_8b
 from jaxtrain import data as data_lib
-from jaxtrain import exits, integrity, metrics, models, monitor
+from jaxtrain import _compat, exits, integrity, metrics, models, monitor
 from jaxtrain.data import loader, prepare
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.metrics import read_records
 from jaxtrain.train import loop, trainer
+from jaxtrain.train import step as step_lib
 from tests import forked
 from tests.conftest import count_dispatched_steps
 
@@ -423,6 +424,96 @@ def test_watchdog_thread_fires_once_a_step_overruns_the_default_limit():
     assert dog.waited == 2.75
   finally:
     dog.stop()
+
+
+@pytest.mark.compat  # JAX's compile events (jaxtrain._compat)
+def test_watchdog_leaves_the_loop_threads_compiles_out_and_bounds_one_on_its_own():
+  """A jit compile on the watched thread, however long (the fake clock jumps 500 s as JAX reports its backend
+  compile's end), is not counted in the step, nor in the median; a compile on another thread is; a compile in
+  progress is bounded by compile_s, not by the step's limit."""
+  clock = FakeClock()
+  dog = monitor.Watchdog(multiple=10.0, min_s=5.0, timeout_s=60.0, clock=clock, compile_s=900.0)
+
+  def slow_backend(event, duration, **kwargs):  # registered first: runs before the watchdog hears the event
+    if event == _compat.BACKEND_COMPILE_EVENT:
+      clock.now += 500.0
+
+  jax.monitoring.register_event_duration_secs_listener(slow_backend)
+  dog.start()
+  try:
+    clock.now += 10.0
+    jax.jit(lambda x: x * 3.0 + 1.0)(np.arange(7.0)).block_until_ready()  # a cache miss: trace, lower, compile
+    clock.now += 10.0
+    assert dog.overdue() is None  # 520 s since the start, 20 s of them outside the compile
+    dog.beat()
+    assert list(dog._gaps) == [pytest.approx(20.0, abs=0.1)]
+    # On another thread (orbax's, the data pipeline's) a compile does not hold up the loop: it is counted.
+    other = threading.Thread(target=lambda: jax.jit(lambda x: x - 2.0)(np.arange(5.0)).block_until_ready())
+    other.start()
+    other.join(60)
+    assert dog.overdue() == pytest.approx(500.0)
+    dog.beat()
+    # A compile the loop announces: its time is not counted until compile_s, then it is overdue on its own.
+    with dog.compiling("the eval step's first call (its compile)"):
+      clock.now += 800.0
+      assert dog.overdue() is None  # past the step's 60 s, within compile_s
+      clock.now += 200.0
+      assert dog.overdue() == pytest.approx(1000.0)
+    clock.now += 5.0
+    assert dog.overdue() is None
+  finally:
+    dog.stop()
+    jax.monitoring.unregister_event_duration_listener(slow_backend)
+  excluded = dog._excluded
+  jax.jit(lambda x: x / 4.0)(np.arange(3.0)).block_until_ready()
+  assert dog._excluded == excluded  # stopped: it no longer hears JAX's compiles
+
+
+def test_a_first_eval_compile_longer_than_the_limit_does_not_fire_but_a_stalled_step_does(make_config, monkeypatch):
+  """The whole loop with the watchdog's clock faked and its verdict taken at every heartbeat (whenever its thread
+  would have looked): tracing the eval step (its first call) takes 1,000 s of that clock and the limit is 100 s: not
+  overdue; the batch of step 5 then takes 1,000 s: overdue, as a step."""
+  clock, late = FakeClock(), []
+
+  class Recorded(monitor.Watchdog):
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, clock=clock, **kwargs)
+
+    def _run(self):  # no thread: the verdict is taken at each heartbeat instead
+      pass
+
+    def beat(self):
+      waited = self.overdue()
+      if waited is not None:
+        late.append((waited, self.describe()))
+      super().beat()
+
+  make_eval_step = step_lib.make_eval_step
+
+  def slow_to_trace(*args, **kwargs):
+    step = make_eval_step(*args, **kwargs)
+
+    def traced(params, batch):
+      clock.now += 1000.0  # runs while jax traces it: at its first call
+      return step(params, batch)
+    return traced
+
+  class StallsAtFive(SyntheticSource):
+    def __next__(self):
+      if self.step == 4:  # the batch of step 5
+        clock.now += 1000.0
+      return super().__next__()
+
+  monkeypatch.setattr(monitor, "Watchdog", Recorded)
+  monkeypatch.setattr(step_lib, "make_eval_step", slow_to_trace)
+  config = make_config(fsdp=8)
+  config.train.update(steps=6, log_every=1)
+  config.eval.update(every_steps=2, max_batches=1)
+  config.monitor.update(watchdog_timeout_s=100.0)
+  trainer.train(config, data=StallsAtFive(32, 256, 16, 0))
+  assert [r["step"] for r in read_records(config.workdir) if "eval_loss" in r] == [2, 4, 6]
+  [(waited, where)] = late
+  assert waited == pytest.approx(1000.0) and where.startswith("step 5 dispatched"), late
 
 
 @pytest.mark.slow

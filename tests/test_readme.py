@@ -371,5 +371,5 @@ def test_local_launcher_starts_a_run_stopped_by_sigterm_again_and_it_resumes(use
   assert (user.repo / "runs/long/goodput.png").stat().st_size > 10_000
   # A workdir with no run: one line, exit 2.
   r = user.run("python tools/goodput.py runs/nothing")
-  assert r.returncode == 2 and r.stderr == "goodput: error: runs/nothing/goodput.jsonl: no run recorded there; " \
-      "pass the workdir of a run (a local one: runs on object stores keep no goodput events)\n", r.stderr
+  assert r.returncode == 2 and r.stderr == "goodput: error: runs/nothing: no run recorded there (no events in " \
+      "goodput/); pass the workdir of a run\n", r.stderr

@@ -147,7 +147,8 @@ def test_hybrid_mesh_puts_dcn_axis_across_processes(make_config):
                                           ("dp", dict(data=4, fsdp=2))])
 def test_embedding_lookup_and_its_gradient_equal_a_plain_take_under_every_layout(preset, sizes):
   """llama.lookup looks rows up where an FSDP-split table is (ids all-gathered, one all-to-all back; vocab-parallel
-  under tensor; what TPU and GPU compile), or from the gathered table (CPU's choice, and the dp preset's): the rows
+  under tensor; what every platform compiles), or from the gathered table (the dp preset's, and the other path
+  asked for): the rows
   and the float32 table gradient equal ``table[tokens]``'s. A vocabulary named on a tensor axis of 1 is not split:
   no masking and no sum over that axis in the program."""
   import types

@@ -2,8 +2,9 @@
 
   python tools/goodput.py WORKDIR [--out=goodput.png] [--json=FILE]
 
-Reads ``WORKDIR/goodput.jsonl`` (jaxtrain.goodput explains the parts); the plot shows each run as a bar of its
-parts on the wall-clock axis, the gaps between runs as down time.
+Reads the events under ``WORKDIR/goodput/`` (WORKDIR local or a URL such as ``gs://``; an older workdir's
+``goodput.jsonl`` too; jaxtrain.goodput explains the parts); the plot shows each run as a bar on the wall-clock axis,
+the gaps between runs as down time.
 """
 
 from __future__ import annotations
@@ -70,8 +71,7 @@ def main() -> None:
   args = parser.parse_args()
   events = goodput.read_events(args.workdir)
   if not any(e["event"] == "start" for e in events):
-    _fail(f"{pathlib.Path(args.workdir) / goodput.EVENTS}: no run recorded there; pass the workdir of a run (a "
-          "local one: runs on object stores keep no goodput events)")
+    _fail(f"{args.workdir}: no run recorded there (no events in {goodput.FOLDER}/); pass the workdir of a run")
   if args.out:
     try:
       import matplotlib  # noqa: F401 - the plot's only dependency, an extra

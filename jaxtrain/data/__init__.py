@@ -1,11 +1,14 @@
 """Data sources, chosen by ``data.source`` from :data:`SOURCES`. Every source yields per-process numpy batches in
-the format of :mod:`jaxtrain.data.batch`; :func:`to_global` assembles them into global jax.Arrays. A new source is
-one ``SOURCES.register(name, Source(...))``: its train stream (a :class:`jaxtrain.checkpoint.DataPosition`, so that
-checkpoints hold its position), its eval batches, and where a batch's rows came from (for bad-batch reports)."""
+the format of :mod:`jaxtrain.data.batch`; :func:`to_global` assembles them into global jax.Arrays, after checking
+their token ids against the model's vocabulary (:mod:`jaxtrain.data.ids`; eval batches: :func:`eval_sets`). A new
+source is one ``SOURCES.register(name, Source(...))``: its train stream (a :class:`jaxtrain.checkpoint.DataPosition`,
+so that checkpoints hold its position), its eval batches, and where a batch's rows came from (for bad-batch
+reports)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import os
 from typing import Any, Callable, Iterator
@@ -16,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxtrain import paths
-from jaxtrain.data import folders, loader, mixture, prepare, stream
+from jaxtrain.data import folders, ids, loader, mixture, prepare, stream
 from jaxtrain.data.batch import KEYS
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.errors import ConfigError, check_positive
@@ -113,11 +116,51 @@ def resolve(config) -> None:
     mixture.replace(config.eval, "sets", mixture.format_named(sets, "eval.sets"))
 
 
-def to_global(local_batch: dict, sharding: NamedSharding) -> dict:
+def to_global(local_batch: dict, sharding: NamedSharding, config=None) -> dict:
   """This process's rows -> global arrays laid out with ``sharding`` (works on one host and on many).
-  Host-side fields (``doc_ids``: provenance) stay behind; a mixture's ``sources`` go along."""
+  Host-side fields (``doc_ids``: provenance) stay behind; a mixture's ``sources`` go along. With ``config`` (the
+  rows of its training stream), a token id outside [0, model.vocab_size) is refused first: a
+  :class:`jaxtrain.data.ids.TokenIdError` naming the source, the document and the position."""
+  if config is not None:
+    ids.check(local_batch, config.model.vocab_size, functools.partial(_document, config, "train"))
   keys = KEYS + (("sources",) if "sources" in local_batch else ())
   return {k: jax.make_array_from_process_local_data(sharding, local_batch[k]) for k in keys}
+
+
+_REPREPARE = "re-prepare the data with the model's tokenizer (tools/prepare_data.py --tokenizer)"
+_RETOKENIZE = "set data.tokenizer to the model's tokenizer"
+
+
+def _document(config, split: str, doc: int | None) -> tuple[str, str]:
+  """Document ``doc`` (a ``doc_ids`` value) of the training stream (``split="train"``) or of the eval batches
+  (``"eval"``) of the configured source, named for errors: :data:`jaxtrain.data.ids.Where`."""
+  if mixture.components(config):  # (a mixture's eval batches are checked per component: _held_out_document)
+    if doc is None:
+      return "data.mixture", f"{_REPREPARE}, or {_RETOKENIZE} (raw components)"
+    folder, doc = mixture.component_of(config, doc)
+    return _in_folder(folder, "data.mixture", folder.train, doc)
+  name = config.data.source
+  if name == "arrayrecord":
+    root = data_root(config)
+    if doc is None:
+      return root, _REPREPARE
+    return loader.TokenSource(root, loader.load_manifest(root, verify_checksums=False), split).where(doc), _REPREPARE
+  if name == "raw":
+    files = config.data.eval_path if split == "eval" and config.data.eval_path else config.data.path
+    return (stream.build_index(files, config.data.field).where(doc) if doc is not None else files), _RETOKENIZE
+  return (f"data.source '{name}'" + (f" ({split})" if split == "eval" else "")
+          + (f", document {doc}" if doc is not None else "")), f"fix data.source '{name}'"
+
+
+def _in_folder(folder: folders.Folder, key: str, documents, doc: int | None) -> tuple[str, str]:
+  """Document ``doc`` of ``documents`` (``folder.train`` or ``folder.held_out``) of a named folder (a mixture's
+  component, an eval set), named for errors."""
+  subject = f"{key} ({folder.name}): " + (documents.where(doc) if doc is not None else folder.path)
+  return subject, _REPREPARE if folder.kind == "prepared" else _RETOKENIZE
+
+
+def _held_out_document(folder: folders.Folder, key: str, doc: int | None) -> tuple[str, str]:
+  return _in_folder(folder, key, folder.held_out, doc)
 
 
 def data_root(config) -> str:
@@ -153,18 +196,23 @@ class EvalSet:
 
 def eval_sets(config) -> list[EvalSet]:
   """Everything the evaluator runs: the training data's eval split (per component for a mixture), then
-  ``eval.sets``. This process's rows; at most ``eval.max_batches`` batches each."""
+  ``eval.sets``. This process's rows; at most ``eval.max_batches`` batches each. Their token ids are checked here,
+  once (:mod:`jaxtrain.data.ids`): a TokenIdError names the set, the document and the position."""
   if mixture.components(config):
-    out = [EvalSet(name, batches, True) for name, batches in mixture.eval_splits(config)]
+    out = [(EvalSet(f.name, batches, True), functools.partial(_held_out_document, f, "data.mixture"))
+           for f, batches in mixture.eval_splits(config)]
   else:
-    out = [EvalSet(None, open_eval(config), True)]
+    out = [(EvalSet(None, open_eval(config), True), functools.partial(_document, config, "eval"))]
   named = mixture.parse_named(config.eval.sets, "eval.sets", weighted=False)
   opened = [folders.open_folder(name, paths.resolve(path), config, f"eval.sets ({name})", whole=True)
             for name, path, _ in named]
   for folder in opened:
-    out.append(EvalSet(folder.name, mixture.eval_batches(folder, config, jax.process_index(), jax.process_count()),
-                       False))
-  return [s for s in out if s.batches]
+    batches = mixture.eval_batches(folder, config, jax.process_index(), jax.process_count())
+    out.append((EvalSet(folder.name, batches, False), functools.partial(_held_out_document, folder, "eval.sets")))
+  for s, where in out:
+    for batch in s.batches:
+      ids.check(batch, config.model.vocab_size, where)
+  return [s for s, _ in out if s.batches]
 
 
 def provenance(config, step: int, doc_ids) -> dict:

@@ -82,15 +82,22 @@ class TokenSource(grain.sources.RandomAccessDataSource):
   (``masked``), int32 [2, n]: its token ids and their trained flags (1: the token's prediction is trained)."""
 
   def __init__(self, root: str, manifest: dict, split: str):
-    files = [os.fspath(epath.Path(root) / s["file"]) for s in manifest["shards"] if split in (None, s["split"])]
+    shards = [s for s in manifest["shards"] if split in (None, s["split"])]
+    files = [os.fspath(epath.Path(root) / s["file"]) for s in shards]
     if not files:
       raise DataError(root, f"no '{split or 'any'}' shards in the manifest", "prepare the data with that split")
+    self._files, self._ends = files, np.cumsum([s["documents"] for s in shards])
     self._source = grain.sources.ArrayRecordDataSource(files)
     self._dtype = np.dtype(manifest["dtype"])
     self.masked = bool(manifest.get("loss_mask", False))
 
   def __len__(self) -> int:
     return len(self._source)
+
+  def where(self, index: int) -> str:
+    """Document ``index``'s shard file and record number in it (for errors that name it)."""
+    shard = int(np.searchsorted(self._ends, index, side="right"))
+    return f"{self._files[shard]} (record {index - (int(self._ends[shard - 1]) if shard else 0)})"
 
   def __getitem__(self, index: int) -> np.ndarray:
     record = self._source[index]

@@ -334,10 +334,18 @@ def eval_batches(folder: folders.Folder, c, process_index: int, process_count: i
                                     max_batches=c.eval.max_batches)
 
 
-def eval_splits(c) -> list[tuple[str, list[dict]]]:
+def eval_splits(c) -> list[tuple[folders.Folder, list[dict]]]:
   """``[(component, this process's eval batches)]`` for each component that holds an eval split."""
-  return [(f.name, eval_batches(f, c, jax.process_index(), jax.process_count()))
+  return [(f, eval_batches(f, c, jax.process_index(), jax.process_count()))
           for f in open_folders(c, verify=False) if f.held_out_docs]  # (training verified the shards)
+
+
+def component_of(c, doc_id: int) -> tuple[folders.Folder, int]:
+  """A training batch's document (its ``doc_ids`` value: component << SOURCE_SHIFT | document) -> the component's
+  folder (opened, shards not re-verified) and the document's id in its ``train`` source."""
+  comp = components(c)[doc_id >> packing_lib.SOURCE_SHIFT]
+  folder = folders.open_folder(comp.name, comp.path, c, f"data.mixture ({comp.name})", verify=False)
+  return folder, doc_id & ((1 << packing_lib.SOURCE_SHIFT) - 1)
 
 
 def provenance(c, step: int, doc_ids) -> dict:

@@ -245,6 +245,10 @@ class RawSource:
       self._tokenizer = tokenizers.load(self.tokenizer)
     return self._tokenizer.encode(self.text(self.first + int(i)))
 
+  def where(self, i: int) -> str:
+    """Document ``i``'s ``file:line`` (``file:row N``: Parquet), for errors that name it."""
+    return self.index.where(self.first + int(i))
+
   def text(self, doc_id: int) -> str:
     """Document ``doc_id``'s text (by its id in the index, not in this source)."""
     f, i = self.index.locate(doc_id)

@@ -394,7 +394,8 @@ def _cudnn_packed(q, k, v, segment_ids, variant: Variant, max_runs: int):
   """cuDNN's fused attention over each row's runs of equal segment ids, causal by index within a run."""
   # The public jax.nn.dot_product_attention(implementation="cudnn") takes sequence lengths but no segments; the
   # function under it takes cuDNN's packed layout (segment offsets and lengths), which is what packed rows need.
-  from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+  from jaxtrain._compat import cudnn_fused_attention  # a private jax module, imported where it is used
+  cudnn_attention = cudnn_fused_attention()
   offsets, lengths, _ = segment_runs(segment_ids, max_runs)
   return cudnn_attention.dot_product_attention(
       q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,

@@ -203,7 +203,9 @@ def rope(x: jax.Array, positions: jax.Array, theta: float | None = None,
   is split in halves (x1, x2) rotated pairwise, the convention of Hugging Face's ``rotate_half`` (so HF Llama
   q/k weights need no permutation). ``scaling``: see :func:`rope_frequencies`; ``freq``: the frequencies
   themselves, instead of ``theta`` and ``scaling``; ``scale``: multiplies the result, folded into the rotation's
-  cos and sin (the queries' attention scale, at no cost of its own)."""
+  cos and sin (the queries' attention scale, at no cost of its own; every platform alike). ``cos x scale`` is
+  rounded to x's dtype once, as ``cos`` is: within the rounding of rotating and then scaling, and bitwise that for
+  a power-of-two scale (head_dim 64 or 256: ``tests/test_models.py``)."""
   freq = rope_frequencies(x.shape[-1], theta, scaling) if freq is None else freq
   angle = positions[..., None].astype(jnp.float32) * freq  # [b, t, half], float32: exact up to 2^24 positions
   # The rotation itself in x's dtype, as transformers (and MaxText) compute it: for bfloat16 no float32 copies of
@@ -230,10 +232,12 @@ def rope(x: jax.Array, positions: jax.Array, theta: float | None = None,
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _take_rows(table, tokens, dtype):
   """``table[tokens]`` in ``dtype``: the table cast first, so the gathered rows are read and written in the compute
-  dtype (Llama 3 8B on v5p-128, a float32 gather and its layout copies: 0.7 ms of the step's estimate), the same
-  values as the float32 rows cast. The gradient is summed in float32 all the same (a token seen a thousand times in
-  a batch adds a thousand rows, which bfloat16 would round). Token ids are in range (the data loaders check them
-  against ``model.vocab_size``): no fill for ids out of range, whose select was a pass of its own."""
+  dtype (Llama 3 8B on v5p-128, a float32 gather and its layout copies: 0.7 ms of the step's estimate), bitwise the
+  float32 rows cast (a gather copies values; the cast is elementwise). The gradient is summed in float32 all the
+  same (a token seen a thousand times in a batch adds a thousand rows, which bfloat16 would round). Ids are clamped
+  into the table (XLA's gather does that itself: no select): the global batch is checked for ids outside
+  ``model.vocab_size`` where it is assembled (jaxtrain.data), and :func:`lookup` clamps the same way on every path,
+  so no program, on any platform or layout, reads another row than another does for any id."""
   return jnp.take(table.astype(dtype), tokens, axis=0, mode="clip")
 
 
@@ -250,7 +254,7 @@ def _take_rows_backward(dtype, residuals, g):
 _take_rows.defvjp(_take_rows_forward, _take_rows_backward)
 
 
-def lookup(embed: nnx.Embed, tokens, where_the_table_is: bool | None = None):
+def lookup(embed: nnx.Embed, tokens, where_the_table_is: bool = True):
   """The token embeddings ``[batch, length, embed]`` in the embedding's compute dtype.
 
   With the table's embed dim split over mesh axes that also split the batch (FSDP), each device holds a slice of
@@ -262,13 +266,15 @@ def lookup(embed: nnx.Embed, tokens, where_the_table_is: bool | None = None):
   range and sums the parts over those axes. Otherwise (the table's embed dim whole: data parallelism) the local
   tokens' rows are read from the table.
 
-  ``where_the_table_is``: None picks by the platform compiled for: off CPU as above (Llama 3 8B on v5p-128: 11.8 GB
-  and 4.9 ms less per step, docs/benchmarks.md; GPU not measured), on CPU the gathered table (its simulated devices
-  pay for the two extra collectives: the tiny config's step ~6% slower)."""
+  Every platform takes the same path for a layout (Llama 3 8B on v5p-128: 11.8 GB and 4.9 ms less per step than
+  the gathered table, docs/benchmarks.md), so that no platform sums the table's gradient in another order than
+  another: the two paths' gradients differ by float32 summation order for ids seen on several devices, and a
+  training run carries such a difference on (docs/benchmarks.md: the TPU program's numerics on the CPU mesh).
+  ``where_the_table_is=False``: the gathered table whatever the layout (tests compare the two). Every path gives the
+  same rows and, within float32 summation order, the same gradient for every id: ``table[clip(id, 0, vocab - 1)]``
+  (:func:`_take_rows`)."""
   table = embed.embedding[...]
   mesh = jax.sharding.get_abstract_mesh()
-  if where_the_table_is is None:
-    where_the_table_is = attention.target_platform() != "cpu"
   if where_the_table_is and not mesh.empty:
     from flax import linen as nn  # the rules context's resolver, as jaxtrain.sharding.constrain uses
     vocab_axes, embed_axes = (mesh_axes(e) for e in nn.logical_to_mesh_axes(("vocab", "embed")))
@@ -285,9 +291,12 @@ def _lookup_where_the_table_is(table, tokens, dtype, shared, vocab_axes, batch_a
   def spec(*entries):
     return P(*[(e if len(e) > 1 else e[0]) if e else None for e in entries])
 
+  vocab = table.shape[0]
+
   def local(table, tokens):
     ids = jax.lax.all_gather(tokens, shared, axis=0, tiled=True)  # [b x n, t]: every token of the n devices
     if vocab_axes:  # this device's rows are [first, first + rows) of the vocabulary
+      ids = jnp.clip(ids, 0, vocab - 1)  # as a gather from the whole table clamps (_take_rows): one owner per id
       rows = table.shape[0]
       first = jax.lax.axis_index(vocab_axes) * rows
       mine = (ids >= first) & (ids < first + rows)
@@ -319,52 +328,10 @@ class RMSNorm(nnx.Module):
     self.eps, self.dtype, self.plus_one = eps, dtype, plus_one
 
   def __call__(self, x):
-    return _rms_norm(x, self.scale[...], self.eps, self.plus_one, self.dtype)[0]
-
-  def beside_residual(self, x):
-    """``(x, self(x))`` for a residual block ``x + f(self(x))``: the same values. In programs for TPU the backward
-    pass then adds the residual's cotangent to the norm's direct term ``r s g`` (g: the cotangent of the norm's
-    output, r its per-row scale) in the pass of the matmul that computes g, and writes that sum once in x's dtype;
-    the norm's correction term, which needs g's whole row, is subtracted in a pass over that sum and x. Left to
-    XLA, the second pass also reads g and the residual's cotangent: 64 MB more a norm for Llama 3 8B at 8k tokens a
-    chip (0.057 ms a layer on v5p-128, docs/benchmarks.md). The sum's rounding to x's dtype is one rounding more
-    than the fused pass's (bfloat16: within 2^-8 of the gradient). CPU and GPU programs (not measured) and norms
-    over several axes return the plain norm. The dense Block uses it; the MoE block does not (its layer priced 0.04
-    ms higher on Mixtral 8x7B: the MLP side's input gradient is no single matmul there)."""
-    if attention.target_platform() != "tpu" or self.scale.ndim != 1:
-      return x, self(x)
-    return _norm_beside_residual(x, self.scale[...], self.eps, self.plus_one, self.dtype)
-
-
-def _rms_norm(x, scale, eps, plus_one, dtype):
-  """RMSNorm over ``x``'s trailing ``scale.ndim`` axes: the output in ``dtype`` and the float32 per-row scale r."""
-  x32 = x.astype(jnp.float32)
-  r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=tuple(range(-scale.ndim, 0)), keepdims=True) + eps)
-  return (x32 * r * (1.0 + scale if plus_one else scale)).astype(dtype), r
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _norm_beside_residual(x, scale, eps, plus_one, dtype):
-  return _norm_beside_residual_forward(x, scale, eps, plus_one, dtype)[0]
-
-
-def _norm_beside_residual_forward(x, scale, eps, plus_one, dtype):
-  y, r = _rms_norm(x, scale, eps, plus_one, dtype)
-  return (x, y), (x, scale, r)
-
-
-def _norm_beside_residual_backward(eps, plus_one, dtype, residuals, cotangents):
-  x, scale, r = residuals
-  d_residual, g = (c.astype(jnp.float32) for c in cotangents)
-  s = 1.0 + scale if plus_one else scale
-  x_hat = x.astype(jnp.float32) * r
-  correction = jnp.mean(g * s * x_hat, axis=-1, keepdims=True)
-  direct = fusion.materialize((d_residual + r * s * g).astype(x.dtype))
-  dx = (direct.astype(jnp.float32) - x_hat * (r * correction)).astype(x.dtype)
-  return dx, jnp.sum(g * x_hat, axis=tuple(range(x.ndim - 1)))
-
-
-_norm_beside_residual.defvjp(_norm_beside_residual_forward, _norm_beside_residual_backward)
+    x32 = x.astype(jnp.float32)
+    axes = tuple(range(-self.scale.ndim, 0))
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + self.eps)
+    return (y * (1.0 + self.scale[...] if self.plus_one else self.scale[...])).astype(self.dtype)
 
 
 def norm(cfg, dtype, dim: int | tuple[int, ...] | None = None, axis: str | tuple[str, ...] = "embed") -> RMSNorm:
@@ -373,11 +340,9 @@ def norm(cfg, dtype, dim: int | tuple[int, ...] | None = None, axis: str | tuple
 
 
 class Attention(nnx.Module):
-  """Grouped-query attention with RoPE. ``one_projection``: q, k and v as one matmul in programs for TPU (see
-  :meth:`project`; the dense Block asks for it, the MoE block does not: on Mixtral 8x7B's layer the compiler's
-  estimate rose 0.11 ms with it)."""
+  """Grouped-query attention with RoPE."""
 
-  def __init__(self, cfg, dtype, rngs: nnx.Rngs, one_projection: bool = False):
+  def __init__(self, cfg, dtype, rngs: nnx.Rngs):
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     kw = dict(dtype=dtype, param_dtype=jnp.float32, einsum_op=quantization.einsum(cfg.quantization), rngs=rngs)
 
@@ -402,32 +367,6 @@ class Attention(nnx.Module):
     self.mixed = len(windows) > 1
     variant = attention.variant(cfg)
     self.softcap, self.scale = variant.softcap, variant.scale
-    self.one_projection = one_projection
-
-  def project(self, x):
-    """The queries, keys and values ``[batch, length, heads, head_dim]``. With ``one_projection``, in programs for
-    TPU, as one matmul with the three kernels concatenated along the heads (its forward, input gradient and weight
-    gradient each one matmul; the TPU compiler prices the larger matmuls at a higher rate: Llama 3 8B on v5p-128,
-    0.10 ms a layer less, docs/benchmarks.md), where that is the same computation: no biases, no quantized recipe
-    (its scales are the kernels' own), heads not split over the mesh (tensor parallelism would split the
-    concatenation unevenly). Otherwise (and on CPU and GPU, not measured) three matmuls."""
-    if not self._fuse_projections():
-      return self.q(x), self.k(x), self.v(x)
-    n, k = self.q.kernel.shape[1], self.k.kernel.shape[1]
-    kernel = jnp.concatenate([m.kernel[...] for m in (self.q, self.k, self.v)], axis=1).astype(self.q.dtype)
-    qkv = jnp.einsum("btd,dnh->btnh", x.astype(self.q.dtype), kernel)
-    return qkv[:, :, :n], qkv[:, :, n:n + k], qkv[:, :, n + k:]
-
-  def _fuse_projections(self) -> bool:
-    if not self.one_projection or attention.target_platform() != "tpu" or self.q.einsum_op is not jnp.einsum:
-      return False
-    if any(m.bias is not None for m in (self.q, self.k, self.v)):
-      return False
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-      return True
-    from flax import linen as nn  # the rules context's resolver, as jaxtrain.sharding.constrain uses
-    return all(mesh.shape[a] == 1 for e in nn.logical_to_mesh_axes(("heads", "kv_heads")) for a in mesh_axes(e))
 
   def __call__(self, x, positions, segment_ids, cache=None, local=None):
     """``cache``: None (training), or ``(k, v, slots)`` for decoding: this layer's cached keys and values ``[batch,
@@ -437,7 +376,7 @@ class Attention(nnx.Module):
     input); otherwise every layer is the same kind and it is None. Returns the output, and with a cache also the
     updated ``(k, v)``."""
     # The projections are tagged for remat policies that keep them by name (models.ACTIVATION_NAMES).
-    q, k, v = self.project(x)
+    q, k, v = self.q(x), self.k(x), self.v(x)
     q, k = checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj")
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
@@ -496,7 +435,7 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
   def __init__(self, cfg, dtype, rngs: nnx.Rngs):
     self.attn_norm = norm(cfg, dtype)
-    self.attn = Attention(cfg, dtype, rngs, one_projection=True)
+    self.attn = Attention(cfg, dtype, rngs)
     self.mlp_norm = norm(cfg, dtype)
     self.mlp = MLP(cfg, dtype, rngs)
     # Gemma's sandwich: the attention's and the MLP's outputs normalized too, before the residual add.
@@ -513,10 +452,8 @@ class Block(nnx.Module):
       x = x + self._post(self.post_attn_norm, attn)
       x = x + self._post(self.post_mlp_norm, self.mlp(self.mlp_norm(x)))
       return constrain(x, ("batch", "length", "embed")), kv
-    x, h = self.attn_norm.beside_residual(x)
-    x = x + self._post(self.post_attn_norm, self.attn(h, positions, segment_ids, local=local))
-    x, h = self.mlp_norm.beside_residual(x)
-    x = x + self._post(self.post_mlp_norm, self.mlp(h))
+    x = x + self._post(self.post_attn_norm, self.attn(self.attn_norm(x), positions, segment_ids, local=local))
+    x = x + self._post(self.post_mlp_norm, self.mlp(self.mlp_norm(x)))
     return constrain(x, ("batch", "length", "embed"))
 
 

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jaxtrain import _compat
 from jaxtrain.registry import Registry
 
 
@@ -50,10 +51,9 @@ QUANTIZATION.register("fp8", Recipe(jnp.float8_e4m3fn, jnp.float8_e5m2))
 # while it runs, telling weights from activations by walking the caller's stack frames for the module. jaxtrain's
 # layers run as pure functions of split weights inside scans and remat, which that interception does not follow,
 # so the model asks for its quantized matmuls explicitly and these call qwix's own quantized-training ops (a
-# private module path: setup.cfg pins the qwix release they were written against).
+# private module path, through jaxtrain._compat, which names the qwix releases it was checked on).
 def _qt():
-  from qwix._src.core import dot_general_qt, ragged_dot_qt  # noqa: PLC0415 (loaded by a quantized model only)
-  return dot_general_qt, ragged_dot_qt
+  return _compat.qwix_quantized_training()  # loaded by a quantized model only
 
 
 @functools.cache

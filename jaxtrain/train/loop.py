@@ -11,6 +11,7 @@ parts that decide need no model and are tested alone: the NaN policies (``jaxtra
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import math
@@ -263,7 +264,9 @@ class Loop:
         warn=logging.warning if jax.process_index() == 0 else lambda *_: None)  # the same verdict everywhere
     self.judged_once = False  # the run's first logged interval is not judged (see _straggling)
     self.watchdog = monitor.Watchdog(m.watchdog_multiple, m.watchdog_min_s, m.watchdog_timeout_s,
-                                     log_path=workdir_lib.log_path(c.workdir), describe=self._whereabouts).start()
+                                     log_path=workdir_lib.log_path(c.workdir), describe=self._whereabouts,
+                                     compile_s=m.watchdog_compile_s).start()
+    self.uncompiled = {"eval"}  # functions compiled at their first call, not yet called: see _first_call
     self.profile = _Profiler(c)
     self._clock = (time.perf_counter(), self.counts.wall_time)
     self.goodput.ready(self.counts.step, self.restore_s)
@@ -326,7 +329,7 @@ class Loop:
     """Next batch -> the step, its eval and (before a save) its fingerprints, all dispatched, none waited for."""
     t = time.perf_counter()
     local = next(self.data)
-    batch = data_lib.to_global(local, self.plan.batch_sharding)
+    batch = data_lib.to_global(local, self.plan.batch_sharding, self.config)  # token ids checked first
     waited = time.perf_counter() - t
     self.interval.data_wait += waited
     self.spent["data_wait"] += waited
@@ -336,13 +339,21 @@ class Loop:
     self.state, metrics = self.step_fn(self.state, batch, np.bool_(step in self.counts.bad_steps))
     self.counts.step = step
     if self.evaluate is not None and eval_due(step, self.config.eval.every_steps, self.last_step):
-      self.evaluating[step] = self.evaluate(self.state.params)  # before the next step donates these params
+      with self._first_call("eval"):
+        self.evaluating[step] = self.evaluate(self.state.params)  # before the next step donates these params
     if self.sample is not None and sample_due(step, self.config.train.sample_every, self.last_step):
       self.sampling[step] = self.sample(self.state.params)  # likewise
     if (self.local is not None and self.local.should_save(step)) or (
         self.checkpointer.verify and (step == self.last_step or self.checkpointer.should_save(step))):
       self.summary = (step, self.summarize(self.state))  # the device runs it right after the step
     return step, metrics
+
+  def _first_call(self, name: str):
+    """The watchdog's ``compiling`` around the first call of ``name`` (it compiles then), else nothing."""
+    if name not in self.uncompiled:
+      return contextlib.nullcontext()
+    self.uncompiled.discard(name)
+    return self.watchdog.compiling(f"the {name} step's first call (its compile)")
 
   def _settle(self, fetched: tuple[int, dict[str, float]] | None) -> bool:
     """A fetched step: counted, judged (NaN policy), logged with its eval. True if the run went back to a
@@ -371,6 +382,8 @@ class Loop:
     if step % self.config.train.log_every == 0 or step == self.last_step:
       record = self.interval.record(self.plan, self.flops, self.peak, self.counts.skipped_steps)
       record.update(self._straggling(step, record))
+      if self.local is not None:
+        record["checkpoint/local_failures"] = self.local.failures  # failed local saves in all (agreed)
       found = self.anomalies(step, record)
       record["anomalies"] = len(found)
       if found:
@@ -434,8 +447,9 @@ class Loop:
 
   def _recover(self, action: monitor.Action, bad_step: int, why: str = "") -> bool:
     """Back to the newest checkpoint that restores (params, optimizer state, data position and LoopState), within
-    :class:`RollbackLimits`; the loop then replays the batches since, skipping the bad ones. False if there is
-    none (a policy rollback then goes on, the update skipped)."""
+    :class:`RollbackLimits`; the loop then replays the batches since, skipping the bad ones (the node-local tier's
+    steps past that checkpoint are deleted first, on every process). False if there is none (a policy rollback
+    then goes on, the update skipped)."""
     why = why or (f"{self.nonfinite.streak} non-finite step(s) in a row" if action == "escalate" else
                   "a non-finite step")
     self.limits.check(action, bad_step, why, self.checkpointer.steps())
@@ -445,6 +459,9 @@ class Loop:
       logging.warning("rollback at step %d: no checkpoint yet; the update was skipped instead", bad_step)
       return False
     self.state, meta = restored
+    if self.local is not None:
+      self.local.forget_after(int(self.state.step))  # the abandoned timeline's local steps: never resumed
+    self.goodput.rollback(self.counts.step, int(self.state.step), self._spent_now())  # the steps since: lost
     self.counts = self.counts.rewound_to(LoopState.from_meta(meta, int(self.state.step)))
     logging.warning("rollback at step %d (%s): back to checkpoint step %d; the batches of the non-finite steps "
                     "will be skipped", bad_step, why, self.counts.step)

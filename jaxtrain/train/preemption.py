@@ -21,15 +21,11 @@ import threading
 
 import jax
 from absl import logging
-from jax._src import distributed as jax_distributed  # the coordination service client: see _notify_peers
 from jax.experimental import multihost_utils
 
-from jaxtrain import exits
+from jaxtrain import _compat, exits
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-# The key whose appearance starts the preemption sync protocol on every process (XLA's
-# tsl/distributed_runtime/preemption/preemption_sync_manager.cc), valued with the expected time of death.
-_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
 
 
 class PreemptionGuard:
@@ -90,10 +86,14 @@ class PreemptionGuard:
 def _notify_peers() -> None:
   """Starts JAX's preemption sync protocol on every process, as JAX's own SIGTERM notifier would. That notifier
   is a C++ signal handler that handles only the first signal, so a second signal could never end a stuck job;
-  ours replaces it, and JAX has no public call to post the notice, hence the coordination client of
-  ``jax._src.distributed``. Death time "now": the protocol starts at once."""
-  client = jax_distributed.global_state.client
+  ours replaces it, and JAX has no public call to post the notice, hence XLA's key through the coordination client
+  (jaxtrain._compat). Death time "now": the protocol starts at once."""
   try:
-    client.key_value_set(_NOTICE_KEY, datetime.datetime.now(datetime.timezone.utc).isoformat())
+    client = _compat.coordination_client()
+  except _compat.PrivateAPIMissing as e:  # no sync point comes: the job trains on until the scheduler kills it
+    logging.error("cannot tell the other processes of the preemption, so it saves nothing: %s", e)
+    return
+  try:
+    _compat.post_preemption_notice(client, datetime.datetime.now(datetime.timezone.utc).isoformat())
   except Exception as e:  # noqa: BLE001 - another process posted it first (ALREADY_EXISTS): the protocol runs
     logging.info("preemption notice already posted (%s)", str(e).splitlines()[0] if str(e) else type(e).__name__)

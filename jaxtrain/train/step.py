@@ -19,27 +19,37 @@ from jaxtrain.train import losses as losses_lib
 from jaxtrain.train.state import TrainState
 
 
-def _losses(out, batch, sources: int = 0) -> dict:
+def _losses(out, batch, sources: int = 0, z_loss: bool = False) -> dict:
   """What one forward contributes: summed token losses, its auxiliary losses and metrics (one microbatch's); with
   ``sources`` > 0 (a data mixture's components: ``batch["sources"]``), also each component's summed token losses
-  and real target tokens (``by_source``: two [sources] arrays)."""
+  and real target tokens (``by_source``: two [sources] arrays); with ``z_loss``, the summed squared log normalizers
+  of the real target tokens (``z_sum``). Masked tokens are selected away, never multiplied by 0: whatever their
+  logits, they add 0 to every sum and their gradient is 0 (``inf * 0`` would be NaN)."""
   out = Output.of(out)
-  losses = losses_lib.cross_entropy(out.logits, batch["targets"])
   mask = batch["loss_mask"].astype(jnp.float32)
-  result = {"loss_sum": jnp.sum(losses * mask), "tokens": jnp.sum(mask), "aux": out.aux_losses,
+  real = mask > 0
+  if z_loss:
+    losses, log_z = losses_lib.cross_entropy_and_log_normalizer(out.logits, batch["targets"])
+  else:
+    losses = losses_lib.cross_entropy(out.logits, batch["targets"])
+  counted = jnp.where(real, losses, 0.0) * mask
+  result = {"loss_sum": jnp.sum(counted), "tokens": jnp.sum(mask), "aux": out.aux_losses,
             "metrics": out.metrics, "forwards": 1.0}
+  if z_loss:
+    log_z = jnp.where(real, log_z, 0.0)  # (selected before the square: its gradient 2 log Z x 0 is then 0, not NaN)
+    result["z_sum"] = jnp.sum(log_z * log_z * mask)
   if sources:
-    of_source = (batch["sources"][..., None] == jnp.arange(sources)) * mask[..., None]  # [b, t, sources]
-    result["by_source"] = (jnp.einsum("bt,bts->s", losses, of_source), jnp.sum(of_source, axis=(0, 1)))
+    of_source = (batch["sources"][..., None] == jnp.arange(sources)).astype(jnp.float32)  # [b, t, sources]
+    result["by_source"] = (jnp.einsum("bt,bts->s", counted, of_source), jnp.einsum("bt,bts->s", mask, of_source))
   return result
 
 
 def forward_losses(model: Model, params, batch, pipeline: pipeline_lib.Schedule | None = None,
-                   sources: int = 0) -> dict:
-  """``{loss_sum, tokens, aux: {name: sum}, metrics: {name: sum}, forwards[, by_source]}`` over the batch: with a
-  pipeline schedule the model runs pipelined (jaxtrain.parallel.pipeline.forward), and aux losses and metrics are
-  summed over its head's chunks (``forwards`` of them); divide by ``forwards`` for their mean."""
-  head_loss = functools.partial(_losses, sources=sources)
+                   sources: int = 0, z_loss: bool = False) -> dict:
+  """``{loss_sum, tokens, aux: {name: sum}, metrics: {name: sum}, forwards[, by_source][, z_sum]}`` over the batch:
+  with a pipeline schedule the model runs pipelined (jaxtrain.parallel.pipeline.forward), and aux losses and
+  metrics are summed over its head's chunks (``forwards`` of them); divide by ``forwards`` for their mean."""
+  head_loss = functools.partial(_losses, sources=sources, z_loss=z_loss)
   if pipeline is not None:
     out, layer_extras = pipeline_lib.forward(model, params, batch, pipeline, head_loss)
     if layer_extras:  # the layers' aux losses and metrics (a MoE router's), summed like the head's
@@ -65,16 +75,20 @@ def aux_loss_names(model: Model, seq_len: int) -> list[str]:
 def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
                     microbatches: int, state_shardings: TrainState | None = None,
                     pipeline: pipeline_lib.Schedule | None = None, aux_weights: dict[str, float] | None = None,
-                    context: int = 1, sources: tuple[str, ...] = ()):
+                    context: int = 1, sources: tuple[str, ...] = (), z_loss_weight: float = 0.0):
   """``(state, batch, skip) -> (state, metrics)``. The objective is the mean over all real target tokens of the
   whole batch of the token cross-entropy, plus ``sum(aux_weights[n] * mean aux loss n)`` over the model's
-  auxiliary losses; k microbatches give the same update as one batch k times larger: accumulated one after the
+  auxiliary losses, plus ``z_loss_weight`` times the mean over the real target tokens of ``(log Z)^2``, Z being
+  the softmax's normalizer (PaLM's output z-loss, which keeps log Z near 0; with a weight of 0 there is no such
+  term in the program); k microbatches give the same update as one batch k times larger: accumulated one after the
   other, or, with a ``pipeline`` schedule, flowing through its stages together. The update is applied only if
   the loss, the gradient norm and every element of the new params and optimizer state are finite (one fused
   reduction per device, :func:`jaxtrain.integrity.all_finite`) and ``skip`` (a host-side decision: a known
   bad batch being replayed) is false; otherwise params and optimizer state stay as they were and only the step
   counter advances. With ``context`` > 1 shards of the sequence (context parallelism) the batch's tokens are first
-  put in the load-balanced order (jaxtrain.parallel.context.balance). Metrics: ``loss`` (the cross-entropy), ``aux_loss/<name>``, the model's own metrics, ...;
+  put in the load-balanced order (jaxtrain.parallel.context.balance). Metrics: ``loss`` (the cross-entropy),
+  ``aux_loss/<name>``, ``z_loss`` (the mean ``(log Z)^2``, unweighted; with a z-loss weight only), the model's own
+  metrics, ...;
   with ``sources`` (a data mixture's component names; the batch then carries ``sources``), ``mix/<name>`` (the
   component's share of the step's real target tokens) and ``loss/<name>`` (its mean token loss; NaN when the step
   holds none of its tokens: :func:`host_metrics` drops it)."""
@@ -87,11 +101,14 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
   passes = 1 if pipeline is not None else microbatches
 
   def objective(params, batch, tokens):
-    """(Summed token losses + (tokens / passes) x the weighted aux losses) / tokens, ``tokens`` being the real
-    target tokens of the whole batch (at least 1 in the division): the mean objective, or a microbatch's share of
-    it. Divided here, the gradient comes out of the backward pass divided (no pass of its own over it)."""
-    out = forward_losses(model, params, batch, pipeline, len(sources))
+    """(Summed token losses + z_loss_weight x summed (log Z)^2 + (tokens / passes) x the weighted aux losses) /
+    tokens, ``tokens`` being the real target tokens of the whole batch (at least 1 in the division): the mean
+    objective, or a microbatch's share of it. Divided here, the gradient comes out of the backward pass divided (no
+    pass of its own over it)."""
+    out = forward_losses(model, params, batch, pipeline, len(sources), bool(z_loss_weight))
     value = out["loss_sum"]
+    if z_loss_weight:  # (no term at all with a weight of 0)
+      value = value + z_loss_weight * out["z_sum"]
     if aux_weights:  # (no term at all without aux losses: the same program as a plain language model)
       value = value + tokens / passes * sum(w * out["aux"][n] / out["forwards"] for n, w in aux_weights.items())
     return value / jnp.maximum(tokens, 1.0), out
@@ -112,20 +129,23 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
       def accumulate(carry, microbatch):
         (_, out), g = grad_fn(state.params, microbatch, tokens)
         mean = jax.tree.map(lambda v: v / out["forwards"], (out["aux"], out["metrics"]))
-        return jax.tree.map(jnp.add, carry, (out["loss_sum"], out["tokens"], mean, g, out.get("by_source"))), None
+        return jax.tree.map(jnp.add, carry, (out["loss_sum"], out["tokens"], mean, g, out.get("by_source"),
+                                             out.get("z_sum"))), None
       zero_grads = jax.tree.map(jnp.zeros_like, trained)
       if trained_shardings is not None:
         zero_grads = jax.lax.with_sharding_constraint(zero_grads, trained_shardings)
       micro = split_microbatches(batch, microbatches)
       first = jax.tree.map(lambda a: a[0], micro)
-      shapes = jax.eval_shape(lambda: forward_losses(model, state.params, first, pipeline, len(sources)))
+      shapes = jax.eval_shape(lambda: forward_losses(model, state.params, first, pipeline, len(sources),
+                                                     bool(z_loss_weight)))
       zero_aux, zero_by_source = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32),
                                               ((shapes["aux"], shapes["metrics"]), shapes.get("by_source")))
-      init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero_aux, zero_grads, zero_by_source)
-      (loss_sum, counted, aux, grads, by_source), _ = jax.lax.scan(accumulate, init, micro,
-                                                                    unroll=scans.unroll())
+      zero_z = jnp.zeros((), jnp.float32) if z_loss_weight else None
+      init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero_aux, zero_grads, zero_by_source, zero_z)
+      (loss_sum, counted, aux, grads, by_source, z_sum), _ = jax.lax.scan(accumulate, init, micro,
+                                                                           unroll=scans.unroll())
       aux = jax.tree.map(lambda v: v / microbatches, aux)
-      out = {"loss_sum": loss_sum, "tokens": counted, "by_source": by_source}
+      out = {"loss_sum": loss_sum, "tokens": counted, "by_source": by_source, "z_sum": z_sum}
     # The optimizer sees the whole params tree (frozen params: zero gradients it ignores, no state).
     full_grads = model.join_trainable(grads, jax.tree.map(jnp.zeros_like, frozen))
     updates, opt_state = tx.update(full_grads, state.opt_state, state.params)
@@ -140,6 +160,8 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step), "tokens": out["tokens"],
                "nonfinite": (~finite).astype(jnp.float32), "skipped": (~apply).astype(jnp.float32),
                **{f"aux_loss/{k}": v for k, v in aux_losses.items()}, **model_metrics}
+    if z_loss_weight:
+      metrics["z_loss"] = out["z_sum"] / denom
     if sources:
       source_loss, source_tokens = out["by_source"]
       for i, name in enumerate(sources):

@@ -46,7 +46,7 @@ def compile_step(run: Run, train_step=None):
   """The jitted, donated, sharded train step compiled for this run's shapes (one compile)."""
   train_step = train_step or step_lib.make_train_step(
       run.model, run.tx, run.lr_schedule, run.microbatches, run.state_shardings, run.pipeline_schedule,
-      run.aux_weights, context_lib.shards(run.mesh), run.sources)
+      run.aux_weights, context_lib.shards(run.mesh), run.sources, run.config.train.z_loss_weight)
   replicated = NamedSharding(run.mesh, P())
   jitted = jax.jit(train_step, in_shardings=(run.state_shardings, run.batch_sharding, replicated),
                    out_shardings=(run.state_shardings, replicated), donate_argnums=0)
@@ -79,13 +79,14 @@ def make_local_checkpointer(config: ml_collections.ConfigDict) -> local_checkpoi
   if not c.local_dir:
     return None
   return local_checkpoint.LocalCheckpointer(c.local_dir, c.local_every_steps, c.local_keep_last,
-                                            owner=os.fspath(paths.resolve(c.dir)))
+                                            owner=os.fspath(paths.resolve(c.dir)), max_failures=c.local_max_failures)
 
 
 def restore_newest(run: Run, checkpointer: checkpoint_lib.Checkpointer,
                    local: local_checkpoint.LocalCheckpointer | None, data) -> tuple[TrainState, dict, str] | None:
   """The newest checkpoint every process can restore, with the data position: the local tier's when it is newer
-  than the persistent tier's and every process has it, else the persistent tier's. ``(state, meta, where)``."""
+  than the persistent tier's and every process has it, else the persistent tier's. ``(state, meta, where)``. The
+  local steps newer than the one restored are deleted on every process (an abandoned timeline's)."""
   abstract = state_lib.abstract(run.model, run.tx, run.state_shardings)
   restored = None
   if local is not None:

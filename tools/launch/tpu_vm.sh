@@ -11,9 +11,11 @@
 #
 # Extra arguments are passed to jaxtrain.main. Restarting the same command resumes from the newest checkpoint.
 # Restarts (exit codes: docs/operations.md): every worker reports its exit code; when one reports 75 (stopped
-# early for a cause a restart cures: a maintenance event, a lost peer, a hang) or none reports at all (the session
-# or the hosts went away), and none reports 1 (a bug), 2 (a user mistake) or 130 (interrupted), every worker runs
-# again, at most MAX_RESTARTS times. The script exits 0 when the workers report 0 (done), else with their code.
+# early for a cause a restart cures: a maintenance event, a lost peer, a hang), a death by a signal, or none reports
+# at all (the session or the hosts went away), and none reports 1 (a bug), 2 (a user mistake), 3 (restarts
+# exhausted) or 130 (interrupted), every worker runs again, at most MAX_RESTARTS times in all and at most
+# distributed.max_restarts_per_hour times in any hour (the config's value, which the workers report): one more
+# within the hour ends it with exit 3. The script exits 0 when the workers report 0 (done), else with their code.
 set -euo pipefail
 : "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}" "${PROJECT:?set PROJECT}"
 : "${CONFIG:=configs/llama3_8b.py}" "${WORKDIR:?set WORKDIR (a gs:// path)}" "${REPO_DIR:=~/jaxtrain}"
@@ -23,9 +25,12 @@ for arg in "$@"; do extra+=" $(printf '%q' "$arg")"; done
 
 output=$(mktemp)
 trap 'rm -f "$output"' EXIT
+restarted=()  # when this script ran the workers again (seconds since the epoch)
 for ((restart = 0; ; restart++)); do
   gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --project="$PROJECT" --worker=all --command="
     cd $REPO_DIR && pip install -q -e '.[tpu]' || exit 1
+    echo jaxtrain-restart-budget=\$(python -m jaxtrain.main --config=$CONFIG --config.workdir=$WORKDIR$extra \
+      --config_value=distributed.max_restarts_per_hour)
     python -m jaxtrain.main --config=$CONFIG --config.workdir=$WORKDIR$extra
     code=\$?
     echo jaxtrain-exit-code=\$code
@@ -35,7 +40,7 @@ for ((restart = 0; ; restart++)); do
   reported=$(grep -c 'jaxtrain-exit-code=' "$output" || true)
   echo "jaxtrain exit codes of the workers: ${codes:-none}" >&2
   case " $codes " in
-    *" 1 "* | *" 2 "* | *" 130 "*) exit "$(echo $codes | tr ' ' '\n' | grep -E '^(1|2|130)$' | head -1)" ;;
+    *" 1 "* | *" 2 "* | *" 3 "* | *" 130 "*) exit "$(echo $codes | tr ' ' '\n' | grep -E '^(1|2|3|130)$' | head -1)" ;;
   esac
   if [ "$codes" = "0 " ]; then
     exit 0  # every worker reached train.steps
@@ -44,5 +49,19 @@ for ((restart = 0; ; restart++)); do
     echo "jaxtrain: $restart restarts, giving up" >&2
     exit 75
   fi
+  budget=$({ grep -o 'jaxtrain-restart-budget=[0-9]*' "$output" || true; } | head -1 | cut -d= -f2)
+  budget=${budget:-6}  # no worker reported it: the default
+  now=$(date +%s)
+  recent=()
+  for t in ${restarted[@]+"${restarted[@]}"}; do
+    if [ $((now - t)) -lt 3600 ]; then recent+=("$t"); fi
+  done
+  restarted=(${recent[@]+"${recent[@]}"})
+  if [ "$budget" -gt 0 ] && [ "${#restarted[@]}" -ge "$budget" ]; then
+    echo "jaxtrain: stopped: the workers stopped restartably again after ${#restarted[@]} restarts in the last" \
+         "hour, the most distributed.max_restarts_per_hour=$budget allows: a restart does not cure this (exit 3)" >&2
+    exit 3
+  fi
+  restarted+=("$now")
   echo "restarting every worker (restart $((restart + 1)); $reported worker(s) reported)" >&2
 done

@@ -340,6 +340,10 @@ def scatter(plan: Plan, index: int) -> Iterator[tuple]:
       if not tokens.size:
         continue
       split, bucket, key = dedup.route(digest, opts.seed, opts.eval_fraction, plan.buckets)
+      if int(tokens.max()) > np.iinfo(plan.dtype).max:  # ids beyond the tokenizer's reported size: never wrapped
+        raise DataError(path, f"the tokenizer gives token id {int(tokens.max())}, more than its {plan.dtype} "
+                        "records hold (its ids go past its vocabulary size)", "use a tokenizer whose ids are "
+                        "below its vocabulary size")
       record = tokens.astype(plan.dtype).tobytes()
       if trained is not None:
         record += trained.astype(np.uint8).tobytes()

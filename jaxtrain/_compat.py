@@ -1,0 +1,135 @@
+"""The one home of what jaxtrain uses from JAX, XLA and qwix that they do not promise to keep: their private modules
+(``jax._src``, ``qwix._src``) and the names they read. Nothing else under jaxtrain/, tests/, tools/ or benchmarks/
+imports a ``_src`` module (tests/test_compat.py fails on one).
+
+Each accessor imports what it needs when it is called, never when this module is imported, so that a private API
+that moved breaks only the feature that needs it, never every start. Each says the versions it was checked on; when
+what it needs is missing it raises :class:`PrivateAPIMissing`, one line naming the feature, the installed version and
+the tested ones (printed by main as a user error, exit 2: install a tested release, or do without the feature).
+setup.cfg bounds jax and qwix to the tested releases; :func:`warn_if_untested` warns once on any other jax.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+
+from absl import logging
+
+from jaxtrain.errors import UserError
+
+# The releases the test suite runs on (.ci/run: Python 3.11 with the first, Python 3.12 with the last). setup.cfg's
+# install bounds are jax>=0.10.2,<0.13 and qwix>=0.1.8,<0.2.
+TESTED_JAX = ("0.10.2", "0.12.0.1")
+TESTED_QWIX = ("0.1.8",)
+
+
+class PrivateAPIMissing(UserError):
+  """A private API a feature needs is not in the installed release."""
+
+  def __init__(self, feature: str, api: str, package: str, tested: tuple[str, ...], cause: BaseException):
+    why = (str(cause).splitlines() or [""])[0][:120]
+    super().__init__(feature, f"needs {api} (checked on {package} {', '.join(tested)}), which {package} "
+                     f"{installed(package)} lacks ({type(cause).__name__}: {why})",
+                     f"install a tested {package} (pip install -e .) or turn the feature off")
+
+
+def installed(package: str) -> str:
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return "(not installed)"
+
+
+def _attribute(module: str, name: str, feature: str, package: str, tested: tuple[str, ...]):
+  """``module.name``, imported now; :class:`PrivateAPIMissing` if either is gone."""
+  try:
+    found = importlib.import_module(module)
+    return getattr(found, name) if name else found
+  except (ImportError, AttributeError) as e:
+    raise PrivateAPIMissing(feature, f"{module}{'.' + name if name else ''}", package, tested, e) from None
+
+
+# JAX's coordination service ---------------------------------------------------------------------------------------
+
+
+def coordination_client():
+  """The client of JAX's coordination service (key-value store, barriers), or None when ``jax.distributed`` was not
+  initialized. JAX has no public handle on it (checked on jax 0.10.2 and 0.12.0.1). Used by the peer watch
+  (jaxtrain.distributed.PeerWatch) and the multi-process preemption notice (jaxtrain.train.preemption)."""
+  state = _attribute("jax._src.distributed", "global_state", "the peer watch and the preemption notice", "jax",
+                     TESTED_JAX)
+  try:
+    return state.client
+  except AttributeError as e:
+    raise PrivateAPIMissing("the peer watch and the preemption notice", "jax._src.distributed.global_state.client",
+                            "jax", TESTED_JAX, e) from None
+
+
+# The key whose appearance in the coordination service's store starts XLA's preemption sync protocol on every
+# process (xla/tsl/distributed_runtime/preemption/preemption_sync_manager.cc; checked on jax 0.10.2 and 0.12.0.1:
+# tests/test_compat.py posts it between two processes and both reach the same sync point).
+PREEMPTION_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
+
+
+def post_preemption_notice(client, when: str) -> None:
+  """Starts the preemption sync protocol, as JAX's own SIGTERM notifier would (``when``: the expected time of death,
+  ISO 8601). Raises the client's error when another process posted it first (ALREADY_EXISTS)."""
+  client.key_value_set(PREEMPTION_NOTICE_KEY, when)
+
+
+# Compiles, as jax.monitoring reports them ---------------------------------------------------------------------------
+
+# Duration events JAX records on the compiling thread when a jit call misses its caches, in this order: the trace
+# ends, the lowering to MLIR ends, the backend compile ends (jax._src.dispatch's *_EVENT names; checked on jax 0.10.2
+# and 0.12.0.1: tests/test_compat.py). The watchdog does not count the span from a trace's start to its backend
+# compile's end.
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+# Kernels ----------------------------------------------------------------------------------------------------------
+
+
+def cudnn_fused_attention():
+  """``jax._src.cudnn.fused_attention_stablehlo``: cuDNN's fused attention with the packed layout (segment offsets
+  and lengths) that the public ``jax.nn.dot_product_attention`` does not take (checked on jax 0.10.2 and 0.12.0.1;
+  the attention backend ``cudnn``)."""
+  return _attribute("jax._src.cudnn.fused_attention_stablehlo", "", "model.attention=cudnn", "jax", TESTED_JAX)
+
+
+def qwix_quantized_training():
+  """``(dot_general_qt, ragged_dot_qt)`` of ``qwix._src.core``: qwix's quantized-training matmuls, which its public
+  ``quantize_model`` reaches only through interception that jaxtrain's layers do not go through (checked on qwix
+  0.1.8; model.quantization)."""
+  return tuple(_attribute(f"qwix._src.core.{name}", "", "model.quantization", "qwix", TESTED_QWIX)
+               for name in ("dot_general_qt", "ragged_dot_qt"))
+
+
+# Tests ------------------------------------------------------------------------------------------------------------
+
+
+def jax_clusters():
+  """``(clusters, cloud_tpu_cluster, cluster)`` of ``jax._src.clusters``: JAX's detection of the cluster a process
+  runs in, for the tests that check what jaxtrain joins in each environment (checked on jax 0.10.2 and 0.12.0.1)."""
+  return tuple(_attribute(name, "", "the cluster detection tests", "jax", TESTED_JAX)
+               for name in ("jax._src.clusters", "jax._src.clusters.cloud_tpu_cluster", "jax._src.clusters.cluster"))
+
+
+# The installed jax ------------------------------------------------------------------------------------------------
+
+_warned: list[str] = []
+
+
+def warn_if_untested(version: str | None = None) -> str | None:
+  """Warns once per process when the installed jax (or ``version``) is not a release the suite ran on: the private
+  APIs above may differ there. Returns the warning, or None."""
+  version = version or installed("jax")
+  if version in TESTED_JAX or _warned:
+    return None
+  message = (f"jax {version} is not a release jaxtrain was tested with ({', '.join(TESTED_JAX)}); the private APIs "
+             "of jaxtrain/_compat.py may differ there (pip install -e . installs a tested one)")
+  _warned.append(message)
+  logging.warning(message)
+  return message
