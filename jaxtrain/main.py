@@ -7,6 +7,7 @@ import os
 import secrets
 import sys
 import time
+import traceback
 
 import jax
 import numpy as np
@@ -186,10 +187,13 @@ def main(argv: list[str]) -> None:
     if cause:  # another process went away (by the error's type and status code): restart the job
       distributed.exit_lost_peer(f"{cause}: {describe(e)}")
     log_file = getattr(e, "log_file", None)
-    if log_file is None:  # it happened before the run had a log file: the traceback goes to the console
+    if log_file is None and jax.process_count() == 1:  # before the run had a log file: the traceback to the console
       raise
+    if log_file is None:  # a process that writes no log file (all but process 0): the traceback to its stderr, and
+      traceback.print_exc()  # the job still stops by this cause on every process (not as a lost peer, exit -6)
     what = str(e) if isinstance(e, SaveFailed) else f"unexpected {describe(e)}; this is a bug"
-    _fail(f"{what}; the traceback is in {log_file}", code=exits.BUG, at_once=isinstance(e, SaveFailed))
+    where = f"the traceback is in {log_file}" if log_file else "the traceback is above"
+    _fail(f"{what}; {where}", code=exits.BUG, at_once=isinstance(e, SaveFailed))
 
 
 if __name__ == "__main__":
