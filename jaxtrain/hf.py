@@ -80,9 +80,10 @@ def adapter(model_type: Any, where: str, architectures: Any = None) -> hf_adapte
 
 
 def _exporter(model: Any) -> hf_adapter.Adapter:
+  """The adapter that writes the ``model`` group's family; HFError if none does."""
   found = hf_adapter.for_family(model.name)
   if found is None:
-    raise KeyError(model.name)
+    raise HFError(f"model.name={model.name}", "has no Hugging Face adapter", "register one (docs/extending.md)")
   return found
 
 
