@@ -100,7 +100,7 @@ def flops_per_token(cfg, seq_len: int, abstract_params) -> float:
   """PaLM's formula (:func:`jaxtrain.models.dense_flops_per_token`), a local layer's attention term over its window
   of keys instead of the whole sequence."""
   weights = core.dense_flops_per_token(abstract_params, 0, num_layers=0, attention_width=0,
-                                         tied_embeddings=cfg.tie_embeddings)
+                                       tied_embeddings=cfg.tie_embeddings)
   keys = sum(min(seq_len, w) if w else seq_len for w in attention.layer_windows(cfg))
   return weights + 12 * cfg.num_heads * cfg.head_dim * keys
 
@@ -541,5 +541,5 @@ class Llama(nnx.Module):
 
 
 core.register("llama", core.Family(module=Llama, defaults=defaults, flops_per_token=flops_per_token,
-                                       validate=validate, axis_keys=AXIS_KEYS,
-                                       activation_estimate=activation_estimate, quantizable=True))
+                                     validate=validate, axis_keys=AXIS_KEYS,
+                                     activation_estimate=activation_estimate, quantizable=True))

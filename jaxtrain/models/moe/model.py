@@ -99,8 +99,8 @@ def param_counts(cfg, abstract_params) -> tuple[int, int]:
 def flops_per_token(cfg, seq_len: int, abstract_params) -> float:
   """PaLM's dense formula over the parameters a token uses: the k routed experts (and shared ones), not all E."""
   dense = core.dense_flops_per_token(abstract_params, seq_len, num_layers=cfg.num_layers,
-                                       attention_width=cfg.num_heads * cfg.head_dim,
-                                       tied_embeddings=cfg.tie_embeddings)
+                                     attention_width=cfg.num_heads * cfg.head_dim,
+                                     tied_embeddings=cfg.tie_embeddings)
   return dense - 6 * _expert_params(abstract_params) * (1 - cfg.experts_per_token / cfg.num_experts)
 
 
@@ -307,5 +307,5 @@ class MoeLM(nnx.Module):
     return self.head(x), cache
 
 core.register("moe", core.Family(module=MoeLM, defaults=defaults, flops_per_token=flops_per_token,
-                                     validate=validate, axis_keys=AXIS_KEYS,
-                                     activation_estimate=activation_estimate, quantizable=True))
+                                   validate=validate, axis_keys=AXIS_KEYS,
+                                   activation_estimate=activation_estimate, quantizable=True))
