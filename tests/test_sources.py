@@ -7,7 +7,7 @@ import pytest
 
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
-from jaxtrain.data import packing, prepare
+from jaxtrain.data import folders, prepare
 from jaxtrain.errors import ConfigError
 from jaxtrain.train import trainer
 from tests import forked
@@ -80,6 +80,7 @@ def test_a_mixture_takes_the_new_source_as_a_component(counting, tmp_path):
       same = segments[1:] == segments[:-1]
       assert np.all((tokens[1:] - tokens[:-1])[same] % 256 == 5)  # the counting documents, stride 5
   assert 0 < rows < 32  # both components read
+  assert folders.source_of(str(tmp_path / "texts.jsonl"), "", "k") == "raw"  # unnamed: still raw records
   report = data_lib.provenance(c, 1, batches[0]["doc_ids"])["mixture"]
   assert report["nums"]["where"][0].startswith("counting document ")
   assert [s.name for s in data_lib.eval_sets(c)][0] == "nums"  # its held-out documents, evaluated by name

@@ -94,17 +94,16 @@ def has_held_out(path: str, c) -> bool:
   return any(s["split"] == "eval" for s in loader.load_manifest(paths.resolve(path), verify_checksums=False)["shards"])
 
 
-def _shuffled(name: str):
+def _shuffled(c, name: str, docs: int) -> grain.MapDataset:
   """A mixture component's endless document order: seeded by ``train.seed`` and the component's name, reshuffled
   every epoch."""
-  def order(c, folder_docs: int, lanes: int):
-    del lanes
-    seed = int.from_bytes(hashlib.sha256(f"{c.train.seed}:{name}".encode()).digest()[:4], "little") >> 1
-    return grain.MapDataset.range(folder_docs).seed(seed).shuffle().repeat(None)
-  return order
+  seed = int.from_bytes(hashlib.sha256(f"{c.train.seed}:{name}".encode()).digest()[:4], "little") >> 1
+  return grain.MapDataset.range(docs).seed(seed).shuffle().repeat(None)
 
 
 def open_folder(name: str, path: str, c, key: str, whole: bool = False, verify: bool = True) -> Folder:
+  """The prepared folder ``path``: its ``train`` split and its ``eval`` split held out (``whole``: every split
+  held out)."""
   del key
   manifest = loader.load_manifest(path, verify and c.data.verify_checksums)
   loader.check_compatible(manifest, path, c.model.vocab_size, c.data.tokenizer)
@@ -116,9 +115,8 @@ def open_folder(name: str, path: str, c, key: str, whole: bool = False, verify: 
     train = loader.TokenSource(path, manifest, "train")
     held_out = loader.TokenSource(path, manifest, "eval") if "eval" in splits else None
   docs = len(train) if train is not None else 0
-  order = _shuffled(name)
   return Folder(name, path, "arrayrecord", manifest["tokenizer"], masked, train, docs, held_out,
-                len(held_out) if held_out else 0, order=lambda c, lanes: order(c, docs, lanes),
+                len(held_out) if held_out else 0, order=lambda c, lanes: _shuffled(c, name, docs),
                 locate=lambda d: loader.locate(manifest, "train", d), fix=FIX)
 
 

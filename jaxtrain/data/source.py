@@ -50,13 +50,14 @@ class Documents:
   ``whole``: every document held out, an eval set; ``verify``: check checksums where the source has them; errors
   name ``key``). check: ``(path, config, key)``: config-time checks of one path (ConfigError naming ``key``).
   has_held_out: ``(path, config) -> bool``: whether ``path`` holds documents held out of training. claims:
-  ``path -> bool``: whether a path named without a source is this source's; None: it takes every path no other
-  source claims (one source does: raw records). reads: keys of the ``data`` group (of the source's ``reads``) that
-  its eval sets read too."""
+  ``path -> bool``: whether a path named without a source is this source's. fallback: it takes every path that
+  no source claims (one does: raw records). reads: keys of the ``data`` group (of the source's ``reads``) that its
+  eval sets read too."""
   open: Callable[..., Folder]
   check: Callable[[str, Any, str], None] = lambda path, c, key: None
   has_held_out: Callable[[str, Any], bool] = lambda path, c: False
-  claims: Callable[[str], bool] | None = None
+  claims: Callable[[str], bool] = lambda path: False
+  fallback: bool = False
   reads: tuple[str, ...] = ()
 
 
@@ -111,13 +112,13 @@ def options(config, name: str) -> ml_collections.ConfigDict:
 
 def claimant(path: str, key: str) -> str:
   """The name of the source a path named without one belongs to: the one whose ``documents.claims`` it, else the
-  one that takes every path. ConfigError naming ``key`` when no source can read it."""
+  fallback. ConfigError naming ``key`` when no source can read it."""
   readers = [(n, s.documents) for n, s in SOURCES.items() if s.documents is not None]
   for name, documents in readers:
-    if documents.claims is not None and documents.claims(path):
+    if documents.claims(path):
       return name
   for name, documents in readers:
-    if documents.claims is None:
+    if documents.fallback:
       return name
   raise ConfigError(key, f"no data source reads {path}", "name the component's source (name@source=path)")
 
