@@ -2,11 +2,14 @@
 under data.<name> with their checks, a train stream whose position checkpoints hold, and a mixture that takes it as
 a component through SOURCES."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
+from jaxtrain import sampling
 from jaxtrain.data import folders, prepare
 from jaxtrain.errors import ConfigError
 from jaxtrain.train import trainer
@@ -40,6 +43,13 @@ def test_a_source_from_tests_trains_resumes_where_it_was_and_checks_its_own_keys
   assert sorted(straight) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
   assert [resumed[s] for s in (3, 4)] == [straight[s] for s in (3, 4)]  # the checkpoint held its position
   assert straight[4] < straight[1]  # it learns: counting is predictable
+
+  resolved = config_lib.resolve(config(tmp_path / "straight", 4))
+  assert sampling.tokenizer_for(resolved).where == "byte-level"  # generation asks the source for its tokenizer
+  data_lib.SOURCES.register("counting_test", dataclasses.replace(counting.SOURCE, tokenizer=lambda c: None))
+  with pytest.raises(sampling.GenerateError, match="^data.source=counting_test: generation does not know this "
+                                                   "source's tokenizer; pass --tokenizer=FILE$"):
+    sampling.tokenizer_for(resolved)
 
   c = config(tmp_path / "bad", 4)
   c.data.counting_test.length = 1
