@@ -59,8 +59,8 @@ def test_a_source_from_tests_trains_resumes_where_it_was_and_checks_its_own_keys
   c = config(tmp_path / "unread", 4)
   c.data.source = "synthetic"
   with pytest.raises(ConfigError, match=r"^data.counting_test.stride: is set but data.source='synthetic' does not "
-                                        r"read it; set data.source=counting_test \(or mix it in: data.mixture='x@counting_test=path:weight'\), "
-                                        r"or leave it at 1$"):
+                                        r"read it; set data.source=counting_test \(or mix it in: "
+                                        r"data.mixture='x@counting_test=path:weight'\), or leave it at 1$"):
     config_lib.resolve(c)
 
 

@@ -4,8 +4,8 @@ Components. ``data.mixture`` names them: ``'web=data/web:0.7,code=data/code:0.3'
 separated) or, in a config file, ``{"web": ("data/web", 0.7), ...}`` (or ``{"web": {"path": ..., "weight": ...}}``).
 Each is opened by a data source that serves documents by id (:mod:`jaxtrain.data.folders`): the one named with it
 (``'web@raw=data/web:0.7'``, or ``"source"`` in the dict form), else the one that claims the path (a prepared
-folder, else raw records); their tokens must come from one tokenizer. Components are kept in name order (the order a config gives them in changes nothing), and weights are
-normalized to sum to 1; a weight may be 0.
+folder, else raw records); their tokens must come from one tokenizer. Components are kept in name order (the order
+a config gives them in changes nothing), and weights are normalized to sum to 1; a weight may be 0.
 
 Stages. ``data.mixture_stages``: ``'10:web=0.9,code=0.1;500:web=0.5,code=0.5'``: after step 10 (from step 11 on)
 the weights are 0.9 / 0.1, after step 500 0.5 / 0.5; before the first stage, ``data.mixture``'s. Every stage
@@ -15,13 +15,12 @@ of at once (the last stage's hold after it).
 Rows. The global batch's B rows are the lanes of :mod:`jaxtrain.data.packing`, and each component packs its own
 lanes, in the document order its source gives (a prepared folder: lane r reads documents r, r + B, ... of the
 component's own seeded order, reshuffled every epoch; raw records: the r-th contiguous B-th, from its start again
-at the end). Row k of lane r (the row
-of step k + 1) is taken whole from the component that the weights of step k + 1 give the point
-``frac(offset + (k B + r) phi)`` (phi the golden ratio, offset from ``train.seed``; exact 64-bit integer
-arithmetic): a low-discrepancy sequence, so every stretch of rows holds each component in proportion to its weight
-(with packing, every row is full: token shares equal row shares), the same rows for any number of processes or
-Grain workers, and no state beyond the row count. A component's epoch is counted on its own: a small one repeats
-(in a fresh order each epoch) as often as its weight asks.
+at the end). Row k of lane r (the row of step k + 1) is taken whole from the component that the weights of step
+k + 1 give the point ``frac(offset + (k B + r) phi)`` (phi the golden ratio, offset from ``train.seed``; exact
+64-bit integer arithmetic): a low-discrepancy sequence, so every stretch of rows holds each component in
+proportion to its weight (with packing, every row is full: token shares equal row shares), the same rows for any
+number of processes or Grain workers, and no state beyond the row count. A component's epoch is counted on its
+own: a small one repeats (in a fresh order each epoch) as often as its weight asks.
 
 Position. Each lane saves its row count and, per component, its (document, offset): a change of weights or of
 stages on a resumed run changes which component later rows read, never where a component is. A component added on
