@@ -89,5 +89,6 @@ SOURCE = data_lib.Source(
     open_train, open_eval, provenance, reads_path=False, defaults=defaults, validate=validate,
     tokenizer=lambda c: "byte",
     documents=data_lib.Documents(open=open_folder, check=lambda path, c, key: validate(c),
-                                 has_held_out=lambda path, c: data_lib.options(c, NAME).held_out > 0))
+                                 has_held_out=lambda path, c: data_lib.options(c, NAME).held_out > 0,
+                                 tokenizer=lambda path, c: "byte"))
 data_lib.SOURCES.register(NAME, SOURCE)

@@ -94,6 +94,12 @@ def test_a_mixture_takes_the_new_source_as_a_component(counting, tmp_path):
   report = data_lib.provenance(c, 1, batches[0]["doc_ids"])["mixture"]
   assert report["nums"]["where"][0].startswith("counting document ")
   assert [s.name for s in data_lib.eval_sets(c)][0] == "nums"  # its held-out documents, evaluated by name
+  assert sampling.tokenizer_for(c).where == "byte-level"  # both components' sources say 'byte'
+  unknown = dataclasses.replace(counting.SOURCE.documents, tokenizer=lambda path, c: None)
+  data_lib.SOURCES.register("counting_test", dataclasses.replace(counting.SOURCE, documents=unknown))
+  with pytest.raises(sampling.GenerateError, match="^data.mixture: generation does not know the tokenizer of every "
+                                                   "component; pass --tokenizer=FILE$"):
+    sampling.tokenizer_for(c)
   c.data.mixture, c.data.counting_test.stride = "nums@nowhere_test=anything:1", 1
   with pytest.raises(ConfigError, match="data.mixture \\(nums\\): 'nowhere_test' is not a registered data source"):
     config_lib.resolve(c)

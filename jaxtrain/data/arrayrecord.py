@@ -66,15 +66,19 @@ def document(c, split: str, doc: int | None) -> tuple[str, str]:
 
 
 def tokenizer(c) -> str:
-  """'byte' (the bundled corpus, or a folder prepared with it); a folder prepared with another tokenizer holds
-  only its name, so generation needs that tokenizer's file."""
-  if not c.data.path:
-    return "byte"
-  manifest = os.path.join(c.data.path, prepare.MANIFEST)
+  """'byte': the bundled corpus, or a folder prepared with it (:func:`folder_tokenizer`)."""
+  return folder_tokenizer(c.data.path, c) if c.data.path else "byte"
+
+
+def folder_tokenizer(path: str, c) -> str:
+  """'byte' if the folder was prepared with it; a folder prepared with another tokenizer holds only its name, so
+  generation needs that tokenizer's file (DataError)."""
+  del c
+  manifest = os.path.join(path, prepare.MANIFEST)
   try:
     name = json.loads(open(manifest).read())["tokenizer"]
   except (OSError, ValueError, KeyError):
-    raise DataError(c.data.path, "has no readable manifest.json naming the data's tokenizer",
+    raise DataError(path, "has no readable manifest.json naming the data's tokenizer",
                     "pass --tokenizer=FILE (the tokenizer the data was prepared with)") from None
   if name != "byte":
     raise DataError(manifest, f"names tokenizer {name}, which is not saved with the data",
@@ -122,4 +126,4 @@ def open_folder(name: str, path: str, c, key: str, whole: bool = False, verify: 
 
 SOURCES.register("arrayrecord", Source(
     open_train, open_eval, provenance, tokenizer=tokenizer, document=document,
-    documents=Documents(open=open_folder, has_held_out=has_held_out, claims=is_prepared)))
+    documents=Documents(open=open_folder, has_held_out=has_held_out, claims=is_prepared, tokenizer=folder_tokenizer)))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from jaxtrain.data.source import Folder, claimant, document_source
 from jaxtrain.errors import DataError
 
-__all__ = ["Folder", "check", "check_same_tokenizer", "has_held_out", "open_folder", "source_of"]
+__all__ = ["Folder", "check", "check_same_tokenizer", "has_held_out", "open_folder", "source_of", "tokenizer"]
 
 
 def source_of(path: str, source: str, key: str) -> str:
@@ -24,6 +24,11 @@ def source_of(path: str, source: str, key: str) -> str:
 def has_held_out(path: str, c, source: str = "", key: str = "data.mixture") -> bool:
   """Whether ``path`` holds documents held out of training."""
   return document_source(source_of(path, source, key), key).has_held_out(path, c)
+
+
+def tokenizer(path: str, c, source: str = "", key: str = "data.mixture") -> str | None:
+  """The tokenizer ``path``'s tokens come from, for generation ('byte' or a file; None: its source cannot tell)."""
+  return document_source(source_of(path, source, key), key).tokenizer(path, c)
 
 
 def check(path: str, c, key: str, source: str = "") -> None:

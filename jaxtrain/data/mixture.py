@@ -52,7 +52,7 @@ from jaxtrain import paths
 from jaxtrain.data import folders, loader
 from jaxtrain.data import packing as packing_lib
 from jaxtrain.data.source import SOURCES, Source
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, DataError
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / phi, odd: n -> n * _GOLDEN mod 2^64 visits [0, 2^64) evenly
@@ -391,7 +391,16 @@ def _document(c, split: str, doc: int | None) -> tuple[str, str]:
   return in_folder(folder, "data.mixture", folder.train, doc)
 
 
-# data.mixture's source: not a data.source choice (the mixture names its paths, each read by its own source). Its
-# tokenizer for generation is byte-level unless data.tokenizer names one (as before sources named theirs).
+def _tokenizer(c) -> str:
+  """The components' tokenizer, as each one's source says (training checks that they agree). DataError if a
+  source cannot tell."""
+  found = {folders.tokenizer(comp.path, c, comp.source, f"data.mixture ({comp.name})") for comp in components(c)}
+  if None in found or len(found) != 1:
+    raise DataError("data.mixture", "generation does not know the tokenizer of every component",
+                    "pass --tokenizer=FILE")
+  return found.pop()
+
+
+# data.mixture's source: not a data.source choice (the mixture names its paths, each read by its own source).
 MIXTURE = Source(open_train, lambda c: [b for _, bs in eval_splits(c) for b in bs], provenance,
-                 tokenizer=lambda c: "byte", document=_document)
+                 tokenizer=_tokenizer, document=_document)

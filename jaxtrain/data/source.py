@@ -52,13 +52,14 @@ class Documents:
   has_held_out: ``(path, config) -> bool``: whether ``path`` holds documents held out of training. claims:
   ``path -> bool``: whether a path named without a source is this source's. fallback: it takes every path that
   no source claims (one does: raw records). reads: keys of the ``data`` group (of the source's ``reads``) that its
-  eval sets read too."""
+  eval sets read too. tokenizer: ``(path, config) -> str | None``: as :attr:`Source.tokenizer`, for one path."""
   open: Callable[..., Folder]
   check: Callable[[str, Any, str], None] = lambda path, c, key: None
   has_held_out: Callable[[str, Any], bool] = lambda path, c: False
   claims: Callable[[str], bool] = lambda path: False
   fallback: bool = False
   reads: tuple[str, ...] = ()
+  tokenizer: Callable[[str, Any], str | None] = lambda path, c: None
 
 
 def _nothing(config) -> None:

@@ -492,4 +492,5 @@ SOURCES.register("raw", Source(
     open_train, open_eval, provenance, validate=check, reads=("field", "eval_path", "eval_fraction"),
     tokenizer=lambda c: c.data.tokenizer or "byte", document=document,
     documents=Documents(open=open_folder, check=lambda path, c, key: checked_index(path, c.data.field, key),
-                        has_held_out=lambda path, c: c.data.eval_fraction > 0, fallback=True, reads=("field",))))
+                        has_held_out=lambda path, c: c.data.eval_fraction > 0, fallback=True, reads=("field",),
+                        tokenizer=lambda path, c: c.data.tokenizer or "byte")))
