@@ -43,7 +43,8 @@ def defaults() -> ml_collections.ConfigDict:
       eval_path="",  # eval records (file, folder or glob); empty = the last eval_fraction of data.path
       eval_fraction=0.0,  # without eval_path: this fraction of data.path's records (its last ones) is eval only
       # several folders mixed (jaxtrain/data/mixture.py), instead of data.path: 'web=data/web:0.7,code=data/code:0.3'
-      # (name=path:weight; in a config file also {'web': ('data/web', 0.7), ...}); per-component metrics and evals
+      # (name=path:weight, or name@source=path:weight to name the source that reads it; in a config file also
+      # {'web': ('data/web', 0.7), ...}); per-component metrics and evals
       mixture=ml_collections.FieldReference("", field_type=object),
       mixture_stages=ml_collections.FieldReference("", field_type=object),  # '1000:web=0.9,code=0.1;...': after
       # step 1000 those weights (every component named)
