@@ -4,7 +4,7 @@
 :class:`Loop` runs it. What it counts across checkpoints is one :class:`LoopState`, saved in every checkpoint's
 ``meta`` next to :class:`RunMeta` and restored with the train state as one unit, on resume and on rollback. The
 parts that decide need no model and are tested alone: the NaN policies (``jaxtrain.monitor.NAN_POLICIES``) and
-:class:`NonFiniteSteps`, :class:`RollbackLimits`, :func:`eval_due`, :func:`checkpoint_due`, :func:`may_save`, and
+:class:`NonFiniteSteps`, :class:`RollbackLimits`, :func:`eval_due`, :func:`may_save`, and
 :class:`MetricsBuffer`, which owns the one-step-late fetch.
 """
 
@@ -18,7 +18,7 @@ import math
 import os
 import socket
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -32,7 +32,6 @@ from jaxtrain import data as data_lib
 from jaxtrain import exits
 from jaxtrain import goodput as goodput_lib
 from jaxtrain import integrity
-from jaxtrain import local_checkpoint
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import monitor
 from jaxtrain import sampling
@@ -120,14 +119,6 @@ def sample_due(step: int, every: int, last: int) -> bool:
   """Whether greedy samples of ``step``'s params are logged: at multiples of ``train.sample_every`` (0: never) and
   at the last step."""
   return bool(every) and (step % every == 0 or step == last)
-
-
-def checkpoint_due(step: int, last: int, preempted: bool, should_save: Callable[[int], bool]) -> str | None:
-  """``'forced'`` at the last step and on preemption, ``'periodic'`` where ``should_save(step)`` (the
-  checkpointer's every_steps / every_minutes) says so, else None."""
-  if preempted or step == last:
-    return "forced"
-  return "periodic" if should_save(step) else None
 
 
 def may_save(forced: bool, streak: int, skipped: bool) -> bool:
@@ -226,7 +217,7 @@ class Loop:
 
   def __init__(self, run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Checkpointer, step_fn,
                summarize, evaluate, state, meta: dict, goodput: goodput_lib.Recorder | None = None,
-               restore_s: float = 0.0, local: local_checkpoint.LocalCheckpointer | None = None):
+               restore_s: float = 0.0):
     c = self.config = run.config
     self.plan, self.data, self.checkpointer = run, data, checkpointer  # plan: the trainer's Run
     self.step_fn, self.summarize, self.evaluate = step_fn, summarize, evaluate
@@ -248,7 +239,6 @@ class Loop:
     self.config_dict = json.loads(c.to_json_best_effort())  # saved with every checkpoint
     self.goodput = goodput or goodput_lib.Recorder(c.workdir)  # the trainer's has recorded the run's start
     self.restore_s = restore_s  # seconds the trainer spent restoring the checkpoint this run resumed from
-    self.local = local  # the node-local tier (checkpoint.local_dir), or None
     self.spent = dict.fromkeys(("checkpoint", "eval", "data_wait"), 0.0)  # the loop's seconds, for goodput
 
   def run(self):
@@ -282,8 +272,6 @@ class Loop:
       self.watchdog.stop()
       self.writer.close()
     self.checkpointer.wait()
-    if self.local is not None:
-      self.local.wait()
     self.account = self.goodput.end(self.counts.step)
     if preempted:
       steps = self.checkpointer.steps()
@@ -307,15 +295,13 @@ class Loop:
     if self._settle(self.buffer.push(step, metrics)):
       return True  # rolled back: step N was dropped with the steps after the checkpoint
     preempted = preemption.requested(step)
-    due = checkpoint_due(step, self.last_step, preempted, self.checkpointer.should_save)
-    if not due and self.local is not None and self.local.should_save(step):
-      due = "local"
+    due = self.checkpointer.due(step, self.last_step, preempted)  # (tier, forced) or None
     if due:
       # Wait for the step's fingerprints before its metrics are logged, so that the save follows the log.
       fingerprints = integrity.read(self.summary[1]) if self.summary and self.summary[0] == step else None
       if self._settle(self.buffer.flush()):
         return True  # rolled back: no checkpoint follows a bad step
-      if self._save(step, due, fingerprints):
+      if self._save(step, *due, fingerprints):
         return True  # its state was not finite: rolled back
     if preempted:
       self.checkpointer.wait()
@@ -343,8 +329,7 @@ class Loop:
         self.evaluating[step] = self.evaluate(self.state.params)  # before the next step donates these params
     if self.sample is not None and sample_due(step, self.config.train.sample_every, self.last_step):
       self.sampling[step] = self.sample(self.state.params)  # likewise
-    if (self.local is not None and self.local.should_save(step)) or (
-        self.checkpointer.verify and (step == self.last_step or self.checkpointer.should_save(step))):
+    if self.checkpointer.wants_fingerprints(step, self.last_step):
       self.summary = (step, self.summarize(self.state))  # the device runs it right after the step
     return step, metrics
 
@@ -382,8 +367,7 @@ class Loop:
     if step % self.config.train.log_every == 0 or step == self.last_step:
       record = self.interval.record(self.plan, self.flops, self.peak, self.counts.skipped_steps)
       record.update(self._straggling(step, record))
-      if self.local is not None:
-        record["checkpoint/local_failures"] = self.local.failures  # failed local saves in all (agreed)
+      record.update(self.checkpointer.metrics())  # failed saves of the tiers that let the run go on (agreed)
       found = self.anomalies(step, record)
       record["anomalies"] = len(found)
       if found:
@@ -423,44 +407,38 @@ class Loop:
     every = np.asarray(multihost_utils.process_allgather(own)) if jax.process_count() > 1 else own[None]
     return self.stragglers(step, [float(t) for t in every[:, 0]], float(every[:, 1].max()))
 
-  def _save(self, step: int, due: str, fingerprints) -> bool:
-    """Saves ``step`` if it may (:func:`may_save`): to the persistent tier (``due``: 'forced' or 'periodic') or
-    the node-local one ('local'). True if its state was non-finite and the run rolled back."""
-    if not may_save(due == "forced", self.nonfinite.streak, bool(self.last["skipped"])):
+  def _save(self, step: int, tier: checkpoint_lib.Tier, forced: bool, fingerprints) -> bool:
+    """Saves ``step`` to ``tier`` if it may (:func:`may_save`). True if its state was non-finite and the run rolled
+    back."""
+    if not may_save(forced, self.nonfinite.streak, bool(self.last["skipped"])):
       logging.warning("step %d: not saving a checkpoint after a step whose update was not applied", step)
       return False
     meta = checkpoint_meta(RunMeta.now(self.plan, self.last.get("loss")), self._counts_now())
-    tier = self.local if due == "local" else self.checkpointer
     try:
-      if due == "local":
-        self.local.save(step, self.state, self.data, meta=meta, summary=fingerprints)
-      else:
-        self.checkpointer.save(step, self.state, self.data, meta=meta, config=self.config_dict,
-                               force=due == "forced", summary=fingerprints)
+      blocked = self.checkpointer.save(tier, step, self.state, self.data, meta, self.config_dict, forced,
+                                       fingerprints)
     except checkpoint_lib.NonFiniteState as e:
       logging.warning("step %d: not saved: %s", step, e)
       return self._recover("escalate", step, why=f"a state with {e}")
-    self.interval.checkpoint_blocked += tier.last_save_blocked_s
-    self.spent["checkpoint"] += tier.last_save_blocked_s
+    self.interval.checkpoint_blocked += blocked
+    self.spent["checkpoint"] += blocked
     self.goodput.progress(step, self._spent_now())
     return False
 
   def _recover(self, action: monitor.Action, bad_step: int, why: str = "") -> bool:
     """Back to the newest checkpoint that restores (params, optimizer state, data position and LoopState), within
-    :class:`RollbackLimits`; the loop then replays the batches since, skipping the bad ones (the node-local tier's
-    steps past that checkpoint are deleted first, on every process). False if there is none (a policy rollback
-    then goes on, the update skipped)."""
+    :class:`RollbackLimits` (:meth:`jaxtrain.checkpoint.Checkpointer.rollback`: the persistent tier's newest; the
+    other tiers' steps past it are deleted first, on every process); the loop then replays the batches since,
+    skipping the bad ones. False if there is none (a policy rollback then goes on, the update skipped)."""
     why = why or (f"{self.nonfinite.streak} non-finite step(s) in a row" if action == "escalate" else
                   "a non-finite step")
     self.limits.check(action, bad_step, why, self.checkpointer.steps())
     plan = self.plan
-    restored = self.checkpointer.restore(state_lib.abstract(plan.model, plan.tx, plan.state_shardings), self.data)
+    restored = self.checkpointer.rollback(state_lib.abstract(plan.model, plan.tx, plan.state_shardings), self.data)
     if restored is None:
       logging.warning("rollback at step %d: no checkpoint yet; the update was skipped instead", bad_step)
       return False
     self.state, meta = restored
-    if self.local is not None:
-      self.local.forget_after(int(self.state.step))  # the abandoned timeline's local steps: never resumed
     self.goodput.rollback(self.counts.step, int(self.state.step), self._spent_now())  # the steps since: lost
     self.counts = self.counts.rewound_to(LoopState.from_meta(meta, int(self.state.step)))
     logging.warning("rollback at step %d (%s): back to checkpoint step %d; the batches of the non-finite steps "
@@ -484,7 +462,8 @@ class Loop:
     if "eval_loss" in self.last_eval:
       loss += f", eval loss {self.last_eval['eval_loss']:.4f}"
     minutes, seconds = divmod(round(counts.wall_time), 60)
-    saved = self.checkpointer.directory / str(step) if step in self.checkpointer.steps() else "not saved"
+    saved = epath.Path(self.checkpointer.persistent.where) / str(step) if step in self.checkpointer.steps() else \
+        "not saved"
     where = f"checkpoint {saved}, metrics {workdir / 'metrics.jsonl'}"
     if c.metrics.tensorboard:
       where += f", TensorBoard {workdir / 'tensorboard'}"
