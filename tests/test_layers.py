@@ -126,11 +126,11 @@ def test_the_checks_find_what_they_look_for():
                                                                    mods["jaxtrain.parallel.context"], set(mods))}
 
 
-@pytest.mark.parametrize("module", ["jaxtrain.train.loop", "jaxtrain.generate", "jaxtrain.data.prepare.beam"])
+@pytest.mark.parametrize("module", ["jaxtrain.train.trainer", "jaxtrain.generate", "jaxtrain.data.prepare.beam"])
 def test_named_dependencies_are_seen(module):
-  """Imports the graph must see (a regression: they once ran uphill or in a cycle): the loop's sampler, generate's
+  """Imports the graph must see (a regression: they once ran uphill or in a cycle): the trainer's sampler, generate's
   checkpoint helpers, the Beam runner's algorithm."""
   mods, edges = graph()
-  expected = {"jaxtrain.train.loop": "jaxtrain.sampling", "jaxtrain.generate": "jaxtrain.checkpoint",
+  expected = {"jaxtrain.train.trainer": "jaxtrain.sampling", "jaxtrain.generate": "jaxtrain.checkpoint",
               "jaxtrain.data.prepare.beam": "jaxtrain.data.prepare.algorithm"}[module]
   assert expected in {t for t, _ in edges[module]}

@@ -25,12 +25,14 @@ from jaxtrain import data as data_lib
 from jaxtrain import goodput
 from jaxtrain import integrity
 from jaxtrain import metrics as metrics_lib
+from jaxtrain import sampling
 from jaxtrain import sharding
 from jaxtrain import topology
 from jaxtrain import workdir as workdir_lib
 from jaxtrain.models import attention as attention_lib
 from jaxtrain.models import lora
 from jaxtrain.parallel import context as context_lib
+from jaxtrain.train import hooks as hooks_lib
 from jaxtrain.train import loop as loop_lib
 from jaxtrain.train import state as state_lib
 from jaxtrain.train import step as step_lib
@@ -220,9 +222,10 @@ def _train(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Checkpoi
   state, meta = restore_or_init(run, checkpointer, data)
   restore_s = time.perf_counter() - t if meta else 0.0  # a fresh state's init is start-up
   evaluate = make_evaluator(run) if config.eval.every_steps else None
+  sample = sampling.Sampler(run) if config.train.sample_every else None  # compiled once, here
+  hooks = hooks_lib.standard(run, evaluate, sample, recorder, restore_s)
   logging.info("compiled and initialized in %.1fs", time.perf_counter() - t0)
-  return loop_lib.Loop(run, data, checkpointer, step_fn, summarize, evaluate, state, meta, goodput=recorder,
-                       restore_s=restore_s).run()
+  return loop_lib.Loop(run, data, checkpointer, step_fn, summarize, state, meta, hooks, goodput=recorder).run()
 
 
 def make_evaluator(run: Run):
