@@ -335,7 +335,7 @@ def import_model(hf_dir: str, output: str) -> dict:
     config.model = model
     config.workdir = f"runs/{os.path.basename(staging.output)}"
     params = _to_jax(params)
-    ckpt = checkpoint_lib.Checkpointer(os.path.join(tmp, "checkpoints"), async_save=False)  # fingerprinted
+    ckpt = checkpoint_lib.PersistentTier(os.path.join(tmp, "checkpoints"), async_save=False)  # fingerprinted
     try:
       ckpt.save(0, {"step": np.zeros((), np.int32), "params": params}, None, meta, config.to_dict(), force=True)
     except checkpoint_lib.NonFiniteState as e:

@@ -126,7 +126,7 @@ def test_the_checks_find_what_they_look_for():
                                                                    mods["jaxtrain.parallel.context"], set(mods))}
 
 
-NAMED = {"jaxtrain.train.loop": "jaxtrain.sampling", "jaxtrain.generate": "jaxtrain.checkpoint",
+NAMED = {"jaxtrain.train.trainer": "jaxtrain.sampling", "jaxtrain.generate": "jaxtrain.checkpoint",
          "jaxtrain.data.prepare.beam": "jaxtrain.data.prepare.algorithm",
          "jaxtrain.models": "jaxtrain.models.llama", "jaxtrain.models.llama": "jaxtrain.models.llama.hf",
          "jaxtrain.models.moe": "jaxtrain.models.moe.hf"}
@@ -135,7 +135,7 @@ NAMED = {"jaxtrain.train.loop": "jaxtrain.sampling", "jaxtrain.generate": "jaxtr
 @pytest.mark.parametrize("module", list(NAMED))
 def test_named_dependencies_are_seen(module):
   """Imports the graph must see (a regression: they once ran uphill or in a cycle, or by a name string the graph
-  cannot read): the loop's sampler, generate's checkpoint helpers, the Beam runner's algorithm, and the built-in
+  cannot read): the trainer's sampler, generate's checkpoint helpers, the Beam runner's algorithm, and the built-in
   model families with their Hugging Face adapters, imported by the package (no importlib by name)."""
   mods, edges = graph()
   assert NAMED[module] in {t for t, _ in edges[module]}
