@@ -102,8 +102,7 @@ class Tier(Protocol):
 
 
 TIERS: Registry[Callable[[Any], Tier | None]] = Registry(
-    "checkpoint.tiers", "checkpoint tier", builtin=("jaxtrain.checkpoint.persistent", "jaxtrain.checkpoint.local"),
-    how="jaxtrain.checkpoint.TIERS.register(name, factory)")
+    "checkpoint.tiers", "checkpoint tier", how="jaxtrain.checkpoint.TIERS.register(name, factory)")
 """Name -> ``factory(config) -> Tier | None``: the tier of a resolved config, or None when the config turns it off
 (the local tier without ``checkpoint.local_dir``). ``checkpoint.tiers`` lists the names a run uses; its first is
 the persistent tier, which every process reads (rollbacks go back to it)."""
