@@ -4,7 +4,7 @@ remat of dots, dropless experts as in the paper, FSDP over all chips (``mesh.exp
 Architecture from the released checkpoint (Muennighoff et al. 2024, arXiv:2409.02060): 16 layers, d_model 2048,
 16 heads x 128 (no GQA), QK-norm over the whole 2048-wide q and k projections, each feed-forward 64 SwiGLU experts of
 hidden size 1024, softmax router, top-8 weights kept as they are (not renormalized); vocab 50304, untied head,
-rope_theta 10000, norm_eps 1e-5 (the ``olmoe`` family: jaxtrain/models/families.py).
+rope_theta 10000, norm_eps 1e-5 (the ``olmoe`` family: jaxtrain/models/moe/presets.py).
 ``jaxtrain.models.moe.param_counts`` on the abstract shapes: 6,919,161,856 total (transformers' count of the same
 shapes), 1,282,017,280 active (the published 6.9B / 1.3B to the rounding).
 

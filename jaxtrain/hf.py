@@ -1,6 +1,9 @@
-"""Hugging Face checkpoints in and out (``tools/convert_hf.py``): Llama, Mixtral, Qwen 2.5, Qwen 3 (dense and MoE),
-Mistral, Gemma 2, Gemma 3 (text) and OLMoE, by the ``model_type`` of their ``config.json`` (:data:`ARCHITECTURES`:
-each is a jaxtrain family, docs/models.md).
+"""Hugging Face checkpoints in and out (``tools/convert_hf.py``): any ``model_type`` with a registered adapter
+(jaxtrain/models/hf_adapter.py; the built-in ones, in the families' folders, read Llama, Mistral, Mixtral, Qwen 2.5,
+Qwen 3 (dense and MoE), Gemma 2, Gemma 3 (text) and OLMoE: docs/models.md). This module does what every family
+shares; the adapter of the ``model_type`` (import) or of the family (export) says the rest: the model group a
+config.json gives and the config.json a model group gives, every tensor's name, param and layout, and what it
+refuses.
 
 :func:`import_model` turns a Hugging Face folder (``config.json``, ``*.safetensors`` with or
 without ``model.safetensors.index.json``, tokenizer files) into ``OUT/checkpoints/0`` (a jaxtrain checkpoint that
@@ -10,16 +13,8 @@ without ``model.safetensors.index.json``, tokenizer files) into ``OUT/checkpoint
 a folder. Tensors are read and written one at a time (peak host memory: import about 1.5 x the float32 model,
 export one param);
 params are float32 (a bfloat16 or float16 source converts exactly, and exports back bitwise with that ``dtype``).
-
-Layouts: HF Linear weights are ``[out, in]``; jaxtrain kernels are ``[in, ...out]`` (q/k/v ``[d, heads,
-head_dim]``, o ``[heads, head_dim, d]``, MLP ``[in, out]``), stacked over a leading layers axis. A Mixtral
-(``MixtralForCausalLM``, the hub's per-expert ``block_sparse_moe.experts.E.w1/w2/w3`` tensors) is the ``moe``
-family: router ``[d, E]``, experts stacked ``[layers, E, in, out]`` (Qwen 3 MoE's and OLMoE's ``mlp.experts.E.
-{gate,up,down}_proj`` alike). Gemma's four norms per layer: ``input_layernorm`` -> ``attn_norm``,
-``post_attention_layernorm`` -> ``post_attn_norm`` (on the attention's output, unlike Llama's, which is the MLP's
-input norm), ``pre_feedforward_layernorm`` -> ``mlp_norm``, ``post_feedforward_layernorm`` -> ``post_mlp_norm``;
-their ``1 + w`` weights are stored as they are (jaxtrain's RMSNorm adds the 1: ``model.norm_plus_one``). jaxtrain's RoPE
-rotates the two halves of head_dim, which is HF's ``rotate_half`` convention: q and k need no permutation.
+A torch Linear weight (``[out, in]``) is the transpose of jaxtrain's kernel read as ``[in, out]``; every other
+tensor is a reshape (``adapter.Tensor.linear``).
 
 Every mistake in the input (another architecture, biases it has not, an unknown RoPE type, missing or truncated files,
 an index naming files outside the folder, shapes that disagree with the config, an existing output) is a
@@ -47,17 +42,14 @@ from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import models
 from jaxtrain.config import base_config
 from jaxtrain.errors import UserError
-from jaxtrain.models import attention, lora
+from jaxtrain.models import hf_adapter, lora
+from jaxtrain.models.hf_adapter import HFError
 from jaxtrain.train.state import TrainState
 
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "tokenizer.model", "added_tokens.json")
 _DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "F64": np.dtype(np.float64)}
 _EXPORT_DTYPES = ("float32", "bfloat16", "float16")
-
-
-class HFError(UserError):
-  """A Hugging Face folder or checkpoint the converter cannot take (printed as one line, exit code 2)."""
 
 
 def _bf16():
@@ -69,134 +61,36 @@ def _code(dtype: np.dtype) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The config.
+# The config and the tensors: the adapters' (jaxtrain/models/hf_adapter.py).
 
-# model_type -> (jaxtrain family, architecture class). The families are jaxtrain.models.families' flags over the
-# Llama and MoE decoders.
-ARCHITECTURES = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "mistral": ("mistral", "MistralForCausalLM"),
-    "mixtral": ("moe", "MixtralForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
-    "olmoe": ("olmoe", "OlmoeForCausalLM"),
-    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
-    "gemma3_text": ("gemma3", "Gemma3ForCausalLM"),
-}
-GEMMA_TYPES = ("gemma2", "gemma3_text")
-MOE_TYPES = ("mixtral", "qwen3_moe", "olmoe")
-
-
-def _model_type(family: str) -> str:
-  for model_type, (name, _) in ARCHITECTURES.items():
-    if name == family:
-      return model_type
-  raise KeyError(family)
+def adapter(model_type: Any, where: str, architectures: Any = None) -> hf_adapter.Adapter:
+  """The registered adapter of ``model_type``; HFError naming ``where`` if none reads it, or if ``architectures``
+  (config.json's) names another class than the adapter's."""
+  if model_type in hf_adapter.REFUSED:
+    raise HFError(where, *hf_adapter.REFUSED[model_type])
+  if model_type not in hf_adapter.ADAPTERS:
+    raise HFError(where, f"is a {model_type!r} model ({', '.join(map(str, architectures or []))}), which jaxtrain "
+                  "does not import", f"supported model_types: {', '.join(hf_adapter.ADAPTERS.names())}")
+  found = hf_adapter.ADAPTERS.get(model_type)
+  arch = architectures or [found.architecture]
+  if arch != [found.architecture]:
+    raise HFError(where, f"names the architecture {', '.join(map(str, arch))}", f"a {model_type} checkpoint to "
+                  f"import is a {found.architecture}")
+  return found
 
 
-def _windows(hf: dict, where: str) -> tuple[int, int]:
-  """``(sliding_window, global_every)`` of an HF config: its ``layer_types`` (transformers 4.5x+) when given, else
-  Mistral's rule (a ``sliding_window`` applies to every layer); Qwen's ``use_sliding_window`` gates its window."""
-  window = hf.get("sliding_window") or 0
-  if "use_sliding_window" in hf and not hf["use_sliding_window"]:
-    window = 0
-  types = hf.get("layer_types")
-  if not types:
-    return window, 0
-  local = [t == "sliding_attention" for t in types]
-  if not any(local):
-    return 0, 0
-  if not window:
-    raise HFError(where, "has sliding_attention layers and no sliding_window", "pass a complete config.json")
-  if all(local):
-    return window, 0
-  every = local.index(False) + 1  # the first global layer is layer every - 1
-  if local != [(i + 1) % every != 0 for i in range(len(local))]:
-    raise HFError(where, "interleaves local and global layers in a pattern other than every Nth layer global",
-                  "only such patterns (Gemma's, Mistral's all-local) are supported")
-  return window, every
+def _exporter(model: Any) -> hf_adapter.Adapter:
+  """The adapter that writes the ``model`` group's family; HFError if none does."""
+  found = hf_adapter.for_family(model.name)
+  if found is None:
+    raise HFError(f"model.name={model.name}", "has no Hugging Face adapter", "register one (docs/extending.md)")
+  return found
 
 
 def model_config(hf: dict, where: str = "config.json") -> ml_collections.ConfigDict:
-  """The jaxtrain ``model`` group of a Hugging Face ``config.json`` dict (one of :data:`ARCHITECTURES`); HFError
-  for anything jaxtrain does not compute the same way."""
-  model_type = hf.get("model_type")
-  if model_type == "gemma3":
-    raise HFError(where, "is a multimodal Gemma 3 (Gemma3ForConditionalGeneration)", "import a text-only "
-                  "checkpoint (model_type gemma3_text, Gemma3ForCausalLM, e.g. gemma-3-1b-pt)")
-  if model_type not in ARCHITECTURES:
-    raise HFError(where, f"is a {model_type!r} model ({', '.join(map(str, hf.get('architectures') or []))}), "
-                  f"which jaxtrain does not import", f"supported model_types: {', '.join(ARCHITECTURES)}")
-  family, cls = ARCHITECTURES[model_type]
-  arch = hf.get("architectures") or [cls]
-  if arch != [cls]:
-    raise HFError(where, f"names the architecture {', '.join(map(str, arch))}", f"a {model_type} checkpoint to "
-                  f"import is a {cls}")
-  if model_type == "qwen2" and hf.get("attention_bias") is False:  # Qwen 2 always has q/k/v biases
-    raise HFError(where, "sets attention_bias=false for a qwen2 model", "pass the model's own config.json")
-  for key in ("attention_bias", "mlp_bias"):
-    if hf.get(key) and model_type != "qwen2":
-      raise HFError(where, f"sets {key}=true", f"jaxtrain's {family} has no biases there; not supported")
-  activation = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
-  expected = "gelu_pytorch_tanh" if model_type in GEMMA_TYPES else "silu"
-  if activation != expected:
-    raise HFError(where, f"uses the activation {activation!r}", f"only {expected} {model_type} MLPs are supported")
-  if hf.get("clip_qkv") is not None:
-    raise HFError(where, f"sets clip_qkv={hf['clip_qkv']}", "clipped q/k/v projections are not supported")
-  if model_type == "qwen3_moe" and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
-    raise HFError(where, "mixes dense and sparse layers (decoder_sparse_step / mlp_only_layers)",
-                  "only Qwen 3 MoE models whose every layer is sparse are supported")
-  missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                         "intermediate_size") if not isinstance(hf.get(k), int)]
-  if missing:
-    raise HFError(where, f"has no integer {', '.join(missing)}", "pass a complete config.json")
-  # transformers 5 writes rope_parameters (with rope_theta inside); 4.x writes rope_theta and rope_scaling.
-  rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-  local_rope = {}
-  if "full_attention" in rope:  # Gemma 3: RoPE per layer type
-    rope, local_rope = dict(rope["full_attention"] or {}), dict(rope.get("sliding_attention") or {})
-    if local_rope.get("rope_type", "default") != "default":
-      raise HFError(where, f"scales the local layers' RoPE ({local_rope['rope_type']})", "only unscaled local "
-                    "RoPE is supported")
-  theta = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
-  rope_type = rope.get("rope_type", rope.get("type", "default"))
-  if rope.get("partial_rotary_factor", 1.0) != 1.0:
-    raise HFError(where, f"sets partial_rotary_factor={rope['partial_rotary_factor']}",
-                  "only full-head RoPE is supported")
-  heads = hf["num_attention_heads"]
-  window, every = _windows(hf, where)
-  m = models.defaults(family)
-  m.update(vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-           num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-           head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
-           rope_theta=float(theta), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-           tie_embeddings=bool(hf.get("tie_word_embeddings", model_type in GEMMA_TYPES)), sliding_window=window,
-           global_every=every)
-  if model_type in GEMMA_TYPES:
-    m.update(attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
-             final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
-             query_scale=float(hf.get("query_pre_attn_scalar", m.head_dim)) ** -0.5,
-             rope_local_theta=float(local_rope.get("rope_theta", 0.0)))
-  if model_type in MOE_TYPES:  # transformers' load-balancing loss is experts_per_token x jaxtrain's (models/moe.py)
-    k = int(hf.get("num_experts_per_tok", 2))
-    experts = hf.get("num_local_experts") or hf.get("num_experts") or 8
-    m.update(num_experts=int(experts), experts_per_token=k,
-             expert_mlp_dim=hf["moe_intermediate_size"] if model_type == "qwen3_moe" else hf["intermediate_size"],
-             router_scores="softmax", normalize_topk=bool(hf.get("norm_topk_prob", True)),
-             load_balance_weight=float(hf.get("router_aux_loss_coef", 0.02)) * k, router_z_weight=0.0)
-  if rope_type == "llama3":
-    try:
-      m.update(rope_scaling="llama3", rope_scaling_factor=float(rope["factor"]),
-               rope_low_freq_factor=float(rope["low_freq_factor"]),
-               rope_high_freq_factor=float(rope["high_freq_factor"]),
-               rope_original_max_positions=int(rope["original_max_position_embeddings"]))
-    except KeyError as e:
-      raise HFError(where, f"has llama3 RoPE scaling without {e.args[0]}", "pass a complete config.json") from None
-  elif rope_type == "linear":
-    m.update(rope_scaling="linear", rope_scaling_factor=float(rope.get("factor", 1.0)))
-  elif rope_type != "default":
-    raise HFError(where, f"uses RoPE type {rope_type!r}", "only default, linear and llama3 RoPE are supported")
+  """The jaxtrain ``model`` group of a Hugging Face ``config.json`` dict (by its adapter), validated; HFError for
+  anything jaxtrain does not compute the same way."""
+  m = adapter(hf.get("model_type"), where, hf.get("architectures")).model_config(hf, where)
   c = base_config(model=m.name)
   c.model = m
   try:
@@ -207,147 +101,20 @@ def model_config(hf: dict, where: str = "config.json") -> ml_collections.ConfigD
 
 
 def hf_config(model: Any, base: dict | None = None, dtype: str = "float32") -> dict:
-  """A ``config.json`` dict for the jaxtrain ``model`` group (its family's architecture), on top of ``base`` (the
-  imported source's config.json, so that token ids and context length survive): the architecture keys are
-  jaxtrain's, RoPE is written as ``rope_theta`` + ``rope_scaling`` (read by transformers 4.45+ and 5)."""
-  model_type = _model_type(model.name)
-  out = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "rope_scaling", "rope_theta",
-                                                            "torch_dtype", "dtype", "transformers_version")}
-  out.update(architectures=[ARCHITECTURES[model_type][1]], model_type=model_type, vocab_size=model.vocab_size,
-             hidden_size=model.d_model, intermediate_size=model.mlp_dim, num_hidden_layers=model.num_layers,
-             num_attention_heads=model.num_heads, num_key_value_heads=model.num_kv_heads, head_dim=model.head_dim,
-             hidden_act="silu", rms_norm_eps=model.norm_eps, rope_theta=model.rope_theta,
-             tie_word_embeddings=bool(model.tie_embeddings), torch_dtype=dtype)
-  if model_type in ("llama", "qwen3", "qwen3_moe", "olmoe") + GEMMA_TYPES:
-    out.update(attention_bias=False)
-  if model_type == "llama":
-    out.update(mlp_bias=False)
-  windows = attention.layer_windows(model)
-  out["sliding_window"] = model.sliding_window or None
-  if model_type in ("qwen2", "qwen3", "qwen3_moe"):
-    out.update(use_sliding_window=bool(model.sliding_window), max_window_layers=0)
-  if model_type in GEMMA_TYPES:
-    scalar = model.query_scale ** -2 if model.query_scale else model.head_dim
-    out.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
-               query_pre_attn_scalar=round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
-               attn_logit_softcapping=model.attn_softcap or None, final_logit_softcapping=model.final_softcap or None)
-  if model_type in ("qwen2", "qwen3") + GEMMA_TYPES:  # (Qwen 3 MoE's config has no layer_types)
-    out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
-  if model_type in MOE_TYPES:
-    out.update(num_local_experts=model.num_experts, num_experts_per_tok=model.experts_per_token,
-               router_aux_loss_coef=model.load_balance_weight / model.experts_per_token)
-    if model_type == "mixtral":
-      out.update(intermediate_size=model.expert_mlp_dim)
-    elif model_type == "olmoe":  # its intermediate_size is the experts'
-      out.update(num_experts=model.num_experts, intermediate_size=model.expert_mlp_dim,
-                 norm_topk_prob=bool(model.normalize_topk), clip_qkv=None)
-    else:
-      out.update(num_experts=model.num_experts, moe_intermediate_size=model.expert_mlp_dim,
-                 norm_topk_prob=bool(model.normalize_topk), decoder_sparse_step=1, mlp_only_layers=[])
-  out.setdefault("max_position_embeddings", model.rope_original_max_positions * (
-      int(model.rope_scaling_factor) if model.get("rope_scaling") else 1))
-  out.setdefault("initializer_range", 0.02)
-  scaling = {"llama3": {"rope_type": "llama3", "factor": model.rope_scaling_factor,
-                        "low_freq_factor": model.rope_low_freq_factor,
-                        "high_freq_factor": model.rope_high_freq_factor,
-                        "original_max_position_embeddings": model.rope_original_max_positions},
-             "linear": {"rope_type": "linear", "factor": model.rope_scaling_factor}}.get(model.get("rope_scaling"))
-  if model_type == "gemma3_text":  # RoPE per layer type, as transformers 5 writes it
-    out.pop("rope_theta")
-    out["rope_parameters"] = {"full_attention": {**(scaling or {"rope_type": "default"}),
-                                                 "rope_theta": model.rope_theta},
-                              "sliding_attention": {"rope_type": "default",
-                                                    "rope_theta": model.rope_local_theta or model.rope_theta}}
-  else:
-    out["rope_scaling"] = scaling
-  return out
-
-
-# The attention variants each architecture computes: ``True`` must be on, ``False`` may be (else off).
-_GEMMA = {"norm_plus_one": True, "embed_scale": True, "sandwich_norms": True, "sliding_window": False,
-          "global_every": False, "query_scale": False}
-_VARIANTS = {"llama": {}, "mistral": {"sliding_window": False}, "mixtral": {"sliding_window": False},
-             "qwen2": {"qkv_bias": True, "sliding_window": False, "global_every": False},
-             "qwen3": {"qk_norm": "head", "sliding_window": False, "global_every": False},
-             "qwen3_moe": {"qk_norm": "head"}, "olmoe": {"qk_norm": "full"},
-             "gemma2": {**_GEMMA, "attn_softcap": False, "final_softcap": False},
-             "gemma3_text": {**_GEMMA, "qk_norm": "head", "rope_local_theta": False}}
-_VARIANT_FLAGS = ("qkv_bias", "qk_norm", "sliding_window", "global_every", "attn_softcap", "final_softcap",
-                  "query_scale", "rope_local_theta", "norm_plus_one", "embed_scale", "sandwich_norms")
+  """A ``config.json`` dict for the jaxtrain ``model`` group (its family's adapter), on top of ``base`` (the
+  imported source's config.json, so that token ids and context length survive)."""
+  return _exporter(model).hf_config(model, base, dtype)
 
 
 def why_not_exportable(model: Any) -> str | None:
   """What of the ``model`` group its family's Hugging Face architecture does not compute (None: nothing)."""
-  model_type = _model_type(model.name)
-  allowed = _VARIANTS[model_type]
-  for flag in _VARIANT_FLAGS:
-    if model.get(flag) and flag not in allowed:
-      return f"sets model.{flag}={model.get(flag)}, which {model_type} has not"
-    if allowed.get(flag) and model.get(flag) != allowed[flag]:
-      return f"has model.{flag}={model.get(flag)!r}, where {model_type} always has {allowed[flag]!r}"
-  activation = "gelu_tanh" if model_type in GEMMA_TYPES else "silu"
-  if model.get("mlp_activation", "silu") != activation:
-    return f"sets model.mlp_activation={model.mlp_activation}, where {model_type} has {activation}"
-  if model_type in MOE_TYPES and (model.num_shared_experts or model.first_dense_layers
-                                  or model.router_scores != "softmax"
-                                  or (model_type == "mixtral" and not model.normalize_topk)):
-    return ("is not Mixtral / Qwen 3 MoE-shaped (shared experts, dense first layers, sigmoid scores or unnormalized "
-            "top-k)")
-  return None
+  return _exporter(model).why_not_exportable(model)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Tensor names and layouts.
-
-def tensor_map(model: Any) -> list[tuple[str, tuple[str, ...], tuple[int, ...] | None, tuple[int, ...], bool]]:
-  """``(hf_name, jaxtrain path, index or None, hf_shape, is_linear)`` for every tensor of the model: ``index`` is
-  where the tensor sits in a stacked param (``(layer,)``, or ``(layer, expert)`` for an MoE's experts). A linear
-  weight (``[out, in]`` in HF) is the transpose of jaxtrain's kernel reshaped to ``[in, out]``."""
-  model_type = _model_type(model.name)
-  d, n, k, h, v = model.d_model, model.num_heads, model.num_kv_heads, model.head_dim, model.vocab_size
-  f = model.expert_mlp_dim if model_type in MOE_TYPES else model.mlp_dim
-  out = [("model.embed_tokens.weight", ("embed", "embedding"), None, (v, d), False),
-         ("model.norm.weight", ("final_norm", "scale"), None, (d,), False)]
-  if not model.tie_embeddings:
-    out.append(("lm_head.weight", ("lm_head", "kernel"), None, (v, d), True))
-  per_layer = [("self_attn.q_proj.weight", ("attn", "q", "kernel"), (n * h, d), True),
-               ("self_attn.k_proj.weight", ("attn", "k", "kernel"), (k * h, d), True),
-               ("self_attn.v_proj.weight", ("attn", "v", "kernel"), (k * h, d), True),
-               ("self_attn.o_proj.weight", ("attn", "o", "kernel"), (d, n * h), True)]
-  if model.qkv_bias:
-    per_layer += [(f"self_attn.{x}_proj.bias", ("attn", x, "bias"), (heads * h,), False)
-                  for x, heads in (("q", n), ("k", k), ("v", k))]
-  if model.qk_norm:  # per head ([head_dim]) or over the whole projection ([heads x head_dim], OLMoE's)
-    width = {"head": (h, h), "full": (n * h, k * h)}[model.qk_norm]
-    per_layer += [(f"self_attn.{x}_norm.weight", ("attn", f"{x}_norm", "scale"), (w,), False)
-                  for x, w in zip("qk", width)]
-  if model_type == "mixtral":  # the router, then w1 (gate), w3 (up), w2 (down) of every expert
-    per_layer.append(("block_sparse_moe.gate.weight", ("moe", "router"), (model.num_experts, d), True))
-    experts = [("block_sparse_moe.experts.{e}.w1", ("moe", "gate"), (f, d)),
-               ("block_sparse_moe.experts.{e}.w3", ("moe", "up"), (f, d)),
-               ("block_sparse_moe.experts.{e}.w2", ("moe", "down"), (d, f))]
-  elif model_type in ("qwen3_moe", "olmoe"):
-    per_layer.append(("mlp.gate.weight", ("moe", "router"), (model.num_experts, d), True))
-    experts = [(f"mlp.experts.{{e}}.{x}_proj", ("moe", x), shape) for x, shape in
-               (("gate", (f, d)), ("up", (f, d)), ("down", (d, f)))]
-  else:
-    per_layer += [("mlp.gate_proj.weight", ("mlp", "gate", "kernel"), (f, d), True),
-                  ("mlp.up_proj.weight", ("mlp", "up", "kernel"), (f, d), True),
-                  ("mlp.down_proj.weight", ("mlp", "down", "kernel"), (d, f), True)]
-    experts = []
-  # Gemma's post_attention_layernorm is on the attention's output; Llama's is the MLP's input norm.
-  norms = ([("input_layernorm", "attn_norm"), ("post_attention_layernorm", "post_attn_norm"),
-            ("pre_feedforward_layernorm", "mlp_norm"), ("post_feedforward_layernorm", "post_mlp_norm")]
-           if model.get("sandwich_norms") else [("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm")])
-  for i in range(model.num_layers):
-    for name, path, shape, is_linear in per_layer:
-      out.append((f"model.layers.{i}.{name}", ("layers", *path), (i,), shape, is_linear))
-    for e in range(model.num_experts if experts else 0):
-      for name, path, shape in experts:
-        out.append((f"model.layers.{i}.{name.format(e=e)}.weight", ("layers", *path), (i, e), shape, True))
-    for name, ours in norms:
-      out.append((f"model.layers.{i}.{name}.weight", ("layers", ours, "scale"), (i,), (d,), False))
-  return out
+def tensor_map(model: Any) -> list[hf_adapter.Tensor]:
+  """Every Hugging Face tensor of the model (:class:`hf_adapter.Tensor`: name, jaxtrain path, index in a stacked
+  param or None, HF shape, whether a Linear weight), by its family's adapter."""
+  return _exporter(model).tensors(model)
 
 
 def _get(tree: dict, path: tuple[str, ...]):
@@ -480,10 +247,10 @@ def read_params(hf_dir: str, model: Any) -> tuple[dict, str]:
   """The jaxtrain params (nested dict of float32 numpy arrays) of an HF folder whose config gave ``model``, and
   the source weights' dtype name. Reads one tensor at a time into preallocated stacked arrays."""
   entries = _find_weights(hf_dir)
-  expected = tensor_map(model)
+  found = _exporter(model)
+  expected = found.tensors(model)
   known = {name for name, *_ in expected}
-  extra = sorted(n for n in entries if n not in known and not n.endswith("rotary_emb.inv_freq")
-                 and not (model.tie_embeddings and n == "lm_head.weight"))
+  extra = sorted(n for n in entries if n not in known and not found.ignored(n, model))
   missing = sorted(known - set(entries))
   if missing or extra:
     what = f"has no {missing[0]}" if missing else f"has {extra[0]}, which a {model.name} model of this config has not"
@@ -568,7 +335,7 @@ def import_model(hf_dir: str, output: str) -> dict:
     config.model = model
     config.workdir = f"runs/{os.path.basename(staging.output)}"
     params = _to_jax(params)
-    ckpt = checkpoint_lib.Checkpointer(os.path.join(tmp, "checkpoints"), async_save=False)  # fingerprinted
+    ckpt = checkpoint_lib.PersistentTier(os.path.join(tmp, "checkpoints"), async_save=False)  # fingerprinted
     try:
       ckpt.save(0, {"step": np.zeros((), np.int32), "params": params}, None, meta, config.to_dict(), force=True)
     except checkpoint_lib.NonFiniteState as e:
@@ -607,14 +374,15 @@ def export_model(checkpoint: str, output: str, step: int | None = None, max_shar
   step_dir = checkpoint_lib.step_dir(checkpoint, step)
   config = checkpoint_lib.saved_config(step_dir)
   name = (config.get("model") or {}).get("name")
-  families = [family for family, _ in ARCHITECTURES.values()]
-  if name not in families:
+  exporter = hf_adapter.for_family(name)
+  if exporter is None:
+    families = sorted({a.family for _, a in hf_adapter.ADAPTERS.items()})
     raise HFError(step_dir, f"holds a '{name}' model", f"only {', '.join(families)} checkpoints can be exported")
   model = models.defaults(name)
   model.update(**{k: v for k, v in config["model"].items() if k in model})
-  why = why_not_exportable(model)
+  why = exporter.why_not_exportable(model)
   if why:
-    raise HFError(step_dir, f"holds a {name} model that {why}", f"only what the {_model_type(name)} "
+    raise HFError(step_dir, f"holds a {name} model that {why}", f"only what the {exporter.model_type} "
                   "architecture computes can be exported")
   side = checkpoint_lib.side_files_dir(step_dir, config)
   meta_file = os.path.join(step_dir, "meta", "metadata")
@@ -646,7 +414,7 @@ def export_model(checkpoint: str, output: str, step: int | None = None, max_shar
 
     # One param (all layers of a stacked one) in host memory at a time, not the whole model (Orbax restores a
     # tree at once): the tensors are written grouped by param, so each is restored once.
-    tensors = tensor_map(model)
+    tensors = exporter.tensors(model)
     order = list(dict.fromkeys(path for _, path, _, _, _ in tensors))
     tensors.sort(key=lambda t: order.index(t[1]))
     by_name = {name: (path, layer, shape, is_linear) for name, path, layer, shape, is_linear in tensors}
@@ -679,7 +447,7 @@ def export_model(checkpoint: str, output: str, step: int | None = None, max_shar
       with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as fh:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
     with open(os.path.join(tmp, "config.json"), "w") as fh:
-      json.dump(hf_config(model, base, dtype), fh, indent=2)
+      json.dump(exporter.hf_config(model, base, dtype), fh, indent=2)
     if side:
       for f in SIDE_FILES:
         if f != "config.json" and os.path.exists(os.path.join(side, f)):

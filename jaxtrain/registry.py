@@ -10,8 +10,7 @@ adding a choice is one ``register`` call, from inside the package or outside it.
 
 from __future__ import annotations
 
-import importlib
-from typing import Generic, Iterable, TypeVar
+from typing import Generic, TypeVar
 
 from jaxtrain.errors import ConfigError, value
 
@@ -20,12 +19,12 @@ _DECORATOR = object()
 
 
 class Registry(Generic[T]):
-  """Name -> value for the config key ``key``. ``builtin``: modules that register the built-in choices, imported
-  on first use (so that registering never needs the registry's user to import them)."""
+  """Name -> value for the config key ``key``. The module that defines a registry imports the modules of its
+  built-in choices (explicitly, so that the import graph sees them: tests/test_layers.py)."""
 
-  def __init__(self, key: str, what: str, builtin: Iterable[str] = (), how: str = ""):
+  def __init__(self, key: str, what: str, how: str = ""):
     """``how``: where a user adds an entry (named in the error for an unknown name)."""
-    self.key, self.what, self._builtin, self.how = key, what, tuple(builtin), how or f"{key}'s registry"
+    self.key, self.what, self.how = key, what, how or f"{key}'s registry"
     self._entries: dict[str, T] = {}
 
   def register(self, name: str, value: T = _DECORATOR):
@@ -40,16 +39,10 @@ class Registry(Generic[T]):
       return v
     return wrap
 
-  def _load(self) -> None:
-    for module in self._builtin:
-      importlib.import_module(module)
-
   def names(self) -> list[str]:
-    self._load()
     return sorted(self._entries)
 
   def __contains__(self, name: str) -> bool:
-    self._load()
     return name in self._entries
 
   def get(self, name: str) -> T:
@@ -64,5 +57,4 @@ class Registry(Generic[T]):
     self.get(value(cfg, self.key))
 
   def items(self) -> list[tuple[str, T]]:
-    self._load()
     return sorted(self._entries.items())

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import data as data_lib
 from jaxtrain import models
 from jaxtrain import sharding
 from jaxtrain.data import tokenizers
@@ -312,19 +313,15 @@ def tokenizer_for(config: ml_collections.ConfigDict, saved: dict | None = None, 
   data = config.data
   if data.tokenizer:
     return Tokenizer(tokenizers.load(data.tokenizer), where=f"data.tokenizer={data.tokenizer}")
-  if data.source == "arrayrecord" and data.path:
-    manifest = os.path.join(data.path, "manifest.json")
-    try:
-      name = json.loads(open(manifest).read())["tokenizer"]
-    except (OSError, ValueError, KeyError):
-      raise GenerateError(data.path, "has no readable manifest.json naming the data's tokenizer",
-                          "pass --tokenizer=FILE (the tokenizer the data was prepared with)") from None
-    if name != "byte":
-      raise GenerateError(manifest, f"names tokenizer {name}, which is not saved with the data",
-                          "pass --tokenizer=FILE (that tokenizer file)")
-  elif data.source not in ("arrayrecord", "synthetic"):
+  try:
+    spec = data_lib.tokenizer_of(config)  # the source's (jaxtrain.data.Source.tokenizer)
+  except UserError as e:
+    raise GenerateError(e.subject, e.problem, e.fix) from None
+  if spec is None:
     raise GenerateError(f"data.source={data.source}", "generation does not know this source's tokenizer",
                         "pass --tokenizer=FILE")
+  if spec != "byte":
+    return Tokenizer(tokenizers.load(spec), where=f"data.source={data.source}'s tokenizer {spec}")
   return Tokenizer(tokenizers.ByteTokenizer(), where="byte-level")
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app
 
-from jaxtrain import local_checkpoint
+from jaxtrain.checkpoint import local as local_checkpoint
 from jaxtrain import main
 from jaxtrain.train import trainer
 
@@ -76,7 +76,7 @@ if "nan_at" in options:
   trainer.compile_step = compile_with_fault
 
 if "crash_at" in options:
-  save = local_checkpoint.LocalCheckpointer.save
+  save = local_checkpoint.LocalTier.save
 
   def save_or_crash(self, step, *args, **kwargs):
     if step == options["crash_at"] and os.path.exists(os.path.join(faults, "nan")) and once("crash"):
@@ -84,6 +84,6 @@ if "crash_at" in options:
       os.kill(os.getpid(), signal.SIGKILL)
     return save(self, step, *args, **kwargs)
 
-  local_checkpoint.LocalCheckpointer.save = save_or_crash
+  local_checkpoint.LocalTier.save = save_or_crash
 
 app.run(main.main, flags_parser=main.parse_flags)

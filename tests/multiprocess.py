@@ -116,11 +116,11 @@ def init_distributed(coordinator: str, num_processes: int, process_id: int) -> N
 # jaxtrain.main that SIGKILLs itself when the loop is about to save step argv[1] (once the previous save has
 # committed): the steps after that checkpoint have run and are lost; the next run resumes from it.
 _KILL_AT_SAVE = ("import os, runpy, signal, sys; from jaxtrain import checkpoint as c\n"
-                 "save, kill_at = c.Checkpointer.save, int(sys.argv[1])\n"
+                 "save, kill_at = c.PersistentTier.save, int(sys.argv[1])\n"
                  "def killing_save(self, step, *a, **k):\n"
                  "  if step == kill_at: self.wait(); os.kill(os.getpid(), signal.SIGKILL)\n"
                  "  return save(self, step, *a, **k)\n"
-                 "c.Checkpointer.save = killing_save; sys.argv[0:2] = ['jaxtrain.main']\n"
+                 "c.PersistentTier.save = killing_save; sys.argv[0:2] = ['jaxtrain.main']\n"
                  "runpy.run_module('jaxtrain.main', run_name='__main__')")
 
 

@@ -28,6 +28,7 @@ from jaxtrain import goodput
 from jaxtrain import integrity
 from jaxtrain.data.synthetic import SyntheticSource
 from jaxtrain.metrics import read_records
+from jaxtrain.train import state as state_lib
 from jaxtrain.train import trainer
 from tests import forked, multiprocess
 
@@ -103,13 +104,13 @@ def _logged_steps(workdir):
 # Runs jaxtrain.main with the process SIGKILLing itself right after Checkpointer.save has started the async save
 # of step argv[1]: its files are being written (or about to be) when the process dies.
 _KILL_IN_SAVE_MAIN = ("import os, runpy, signal, sys; from jaxtrain import checkpoint as c\n"
-                      "save = c.Checkpointer.save\n"
+                      "save = c.PersistentTier.save\n"
                       "kill_at = int(sys.argv[1])\n"
                       "def killing_save(self, step, *a, **k):\n"
                       "  started = save(self, step, *a, **k)\n"
                       "  if started and step == kill_at: os.kill(os.getpid(), signal.SIGKILL)\n"
                       "  return started\n"
-                      "c.Checkpointer.save = killing_save; sys.argv[0:2] = ['jaxtrain.main']\n"
+                      "c.PersistentTier.save = killing_save; sys.argv[0:2] = ['jaxtrain.main']\n"
                       "runpy.run_module('jaxtrain.main', run_name='__main__')")
 
 
@@ -282,8 +283,9 @@ def test_flipped_bytes_in_any_data_file_are_detected_and_the_run_falls_back(make
     _flip(workdir / state_dir.relative_to(tmp_path / "run") / file, offset + length // 2)
     caplog.clear()
     with caplog.at_level("WARNING"):
-      checkpointer = checkpoint_lib.Checkpointer(os.fspath(workdir / "checkpoints"), async_save=False)
-      state, _, _ = trainer.restore_newest(run, checkpointer, None, None)
+      checkpointer = checkpoint_lib.Checkpointer([checkpoint_lib.PersistentTier(os.fspath(workdir / "checkpoints"),
+                                                                                async_save=False)])
+      state, _, _ = checkpointer.restore(state_lib.abstract(run.model, run.tx, run.state_shardings), None)
       checkpointer.close()
     warning = [r.getMessage() for r in caplog.records if "cannot be restored" in r.getMessage()]
     assert int(state.step) == 8 and len(warning) == 1 and warning[0].startswith(
@@ -310,19 +312,19 @@ def test_non_finite_state_is_never_saved_and_a_non_finite_checkpoint_is_corrupt(
   good = {"w": jnp.arange(4.0), "moment": jnp.ones((2, 2))}
   bad = {"w": jnp.array([0.0, jnp.nan, 2.0, 3.0]), "moment": jnp.ones((2, 2))}
   data = iter([])
-  ckpt = checkpoint_lib.Checkpointer(tmp_path, keep_last=5)
+  ckpt = checkpoint_lib.PersistentTier(tmp_path, keep_last=5)
   ckpt.save(1, good, data, meta={}, config={}, force=True)
   with pytest.raises(checkpoint_lib.NonFiniteState, match="non-finite values in w"):
     ckpt.save(2, bad, data, meta={}, config={}, force=True)
   ckpt.wait()
   assert ckpt.steps() == [1]
-  unverified = checkpoint_lib.Checkpointer(tmp_path, keep_last=5, verify=False)  # writes it anyway
+  unverified = checkpoint_lib.PersistentTier(tmp_path, keep_last=5, verify=False)  # writes it anyway
   unverified.save(2, bad, data, meta={}, config={}, force=True)
   unverified.close()
   ckpt.manager.reload()
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), good)
   with caplog.at_level("WARNING"):
-    state, _ = ckpt.restore(abstract, data)
+    state, _, _ = checkpoint_lib.Checkpointer([ckpt]).restore(abstract, data)
   ckpt.close()
   assert "checkpoint step 2" in caplog.text and "CorruptCheckpoint: non-finite values in w" in caplog.text
   np.testing.assert_array_equal(np.asarray(state["w"]), np.arange(4.0))
@@ -414,8 +416,8 @@ def test_write_error_during_save_is_clear_and_keeps_earlier_checkpoints(uninterr
 
 # Runs jaxtrain.main with Checkpointer.save handed a state with a leaf Orbax cannot serialize: a save that
 # fails for a reason that is not the storage's.
-_BROKEN_SAVE_MAIN = ("import runpy, sys; from jaxtrain import checkpoint as c; save = c.Checkpointer.save; "
-                     "c.Checkpointer.save = lambda self, step, state, *a, **k: save(self, step, "
+_BROKEN_SAVE_MAIN = ("import runpy, sys; from jaxtrain import checkpoint as c; save = c.PersistentTier.save; "
+                     "c.PersistentTier.save = lambda self, step, state, *a, **k: save(self, step, "
                      "{'state': state, 'bad': object()}, *a, **k); sys.argv[0] = 'jaxtrain.main'; "
                      "runpy.run_module('jaxtrain.main', run_name='__main__')")
 
@@ -463,7 +465,7 @@ class _Clock(datetime.datetime):
 def test_every_minutes_saves_by_the_clock(tmp_path, monkeypatch):
   monkeypatch.setattr(ocp.checkpoint_manager, "datetime", types.SimpleNamespace(
       datetime=_Clock, timezone=datetime.timezone, timedelta=datetime.timedelta))
-  ckpt = checkpoint_lib.Checkpointer(tmp_path, every_minutes=1, keep_last=5)
+  ckpt = checkpoint_lib.PersistentTier(tmp_path, every_minutes=1, keep_last=5)
   state = {"w": jnp.arange(4.0)}
   try:
     assert ckpt.should_save(1)
@@ -481,7 +483,7 @@ def test_every_minutes_saves_by_the_clock(tmp_path, monkeypatch):
 @pytest.mark.parametrize("keep_last,keep_every,kept", [(3, 0, [8, 9, 10]), (2, 4, [4, 8, 9, 10]),
                                                         (1, 3, [3, 6, 9, 10])])
 def test_retention_keeps_exactly_the_newest_and_every_nth(tmp_path, keep_last, keep_every, kept):
-  ckpt = checkpoint_lib.Checkpointer(tmp_path, every_steps=1, keep_last=keep_last, keep_every=keep_every)
+  ckpt = checkpoint_lib.PersistentTier(tmp_path, every_steps=1, keep_last=keep_last, keep_every=keep_every)
   try:
     for step in range(1, 11):
       assert ckpt.save(step, {"w": jnp.full((4,), float(step))}, None, meta={}, config={})
@@ -492,11 +494,11 @@ def test_retention_keeps_exactly_the_newest_and_every_nth(tmp_path, keep_last, k
 
 
 def test_sync_save_is_committed_when_save_returns(tmp_path):
-  ckpt = checkpoint_lib.Checkpointer(tmp_path, every_steps=1, async_save=False)
+  ckpt = checkpoint_lib.PersistentTier(tmp_path, every_steps=1, async_save=False)
   try:
     ckpt.save(1, {"w": jnp.arange(4.0)}, None, meta={}, config={})
     assert _committed_in(tmp_path) == [1] and not any("tmp" in p.name for p in tmp_path.iterdir())
-    restored, _ = ckpt.restore({"w": jax.ShapeDtypeStruct((4,), jnp.float32)}, None)
+    restored, _, _ = checkpoint_lib.Checkpointer([ckpt]).restore({"w": jax.ShapeDtypeStruct((4,), jnp.float32)}, None)
   finally:
     ckpt.close()
   np.testing.assert_array_equal(restored["w"], np.arange(4.0))
@@ -507,12 +509,12 @@ def test_synthetic_stream_resumes_exactly(tmp_path):
   exactly the batch the saved one would have yielded next."""
   source = SyntheticSource(16, 256, 8, seed=3)
   _ = [next(source) for _ in range(5)]
-  ckpt = checkpoint_lib.Checkpointer(tmp_path, async_save=False)
+  ckpt = checkpoint_lib.PersistentTier(tmp_path, async_save=False)
   try:
     ckpt.save(5, {"w": jnp.arange(4.0)}, source, meta={}, config={}, force=True)
     expected = next(source)
     resumed = SyntheticSource(16, 256, 8, seed=3)
-    ckpt.restore({"w": jax.ShapeDtypeStruct((4,), jnp.float32)}, resumed)
+    checkpoint_lib.Checkpointer([ckpt]).restore({"w": jax.ShapeDtypeStruct((4,), jnp.float32)}, resumed)
   finally:
     ckpt.close()
   got = next(resumed)
@@ -551,16 +553,17 @@ class _Counter:
 def _save_counter(directory, count):
   counter = _Counter()
   _ = [next(counter) for _ in range(count)]
-  ckpt = checkpoint_lib.Checkpointer(directory, async_save=False)
+  ckpt = checkpoint_lib.PersistentTier(directory, async_save=False)
   ckpt.save(count, {"w": jnp.arange(4.0)}, counter, meta={}, config={}, force=True)
   ckpt.close()
 
 
 def _restore_counter(directory):
   counter = _Counter()
-  ckpt = checkpoint_lib.Checkpointer(directory)
+  ckpt = checkpoint_lib.PersistentTier(directory)
   try:
-    assert ckpt.restore({"w": jax.ShapeDtypeStruct((4,), jnp.float32)}, counter) is not None
+    assert checkpoint_lib.Checkpointer([ckpt]).restore({"w": jax.ShapeDtypeStruct((4,), jnp.float32)},
+                                                       counter) is not None
   finally:
     ckpt.close()
   return counter

@@ -128,9 +128,9 @@ def test_checkpoint_whose_data_item_grain_wrote_resumes_the_stream(shakespeare, 
   assert [f for f in os.listdir(tmp_path / "3" / "data") if f.endswith(".json")] == ["process_0-of-1.json"]
   expected = _take(it, 2)
   resumed = loader.TrainIterator(_dataset(shakespeare), 8, 0, 1)
-  ckpt = checkpoint_lib.Checkpointer(tmp_path)
+  ckpt = checkpoint_lib.PersistentTier(tmp_path)
   try:
-    state, _ = ckpt.restore({"w": jax.ShapeDtypeStruct((4,), np.float32)}, resumed)
+    state, _, _ = checkpoint_lib.Checkpointer([ckpt]).restore({"w": jax.ShapeDtypeStruct((4,), np.float32)}, resumed)
   finally:
     ckpt.close()
   np.testing.assert_array_equal(state["w"], np.arange(4.0))

@@ -24,7 +24,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import distributed, exits, local_checkpoint, restarts
+from jaxtrain import distributed, exits, restarts
+from jaxtrain.checkpoint import local as local_checkpoint
 from jaxtrain.metrics import read_records
 from tests import forked, multiprocess
 

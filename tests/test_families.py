@@ -1,4 +1,5 @@
-"""The open families beyond Llama and Mixtral (jaxtrain/models/families.py): Qwen 2.5, Qwen 3, Qwen 3 MoE, Mistral.
+"""The open families beyond Llama and Mixtral (jaxtrain/models/{llama,moe}/presets.py): Qwen 2.5, Qwen 3, Qwen 3 MoE,
+Mistral.
 
 For each, a random small model built by transformers itself (no download), with its attention variants switched on
 (a window smaller than the documents, local and global layers interleaved): imported, its logits equal

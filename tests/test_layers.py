@@ -126,11 +126,37 @@ def test_the_checks_find_what_they_look_for():
                                                                    mods["jaxtrain.parallel.context"], set(mods))}
 
 
-@pytest.mark.parametrize("module", ["jaxtrain.train.loop", "jaxtrain.generate", "jaxtrain.data.prepare.beam"])
+NAMED = {"jaxtrain.train.trainer": "jaxtrain.sampling", "jaxtrain.generate": "jaxtrain.checkpoint",
+         "jaxtrain.data.prepare.beam": "jaxtrain.data.prepare.algorithm",
+         "jaxtrain.models": "jaxtrain.models.llama", "jaxtrain.models.llama": "jaxtrain.models.llama.hf",
+         "jaxtrain.models.moe": "jaxtrain.models.moe.hf"}
+
+
+@pytest.mark.parametrize("module", list(NAMED))
 def test_named_dependencies_are_seen(module):
-  """Imports the graph must see (a regression: they once ran uphill or in a cycle): the loop's sampler, generate's
-  checkpoint helpers, the Beam runner's algorithm."""
+  """Imports the graph must see (a regression: they once ran uphill or in a cycle, or by a name string the graph
+  cannot read): the trainer's sampler, generate's checkpoint helpers, the Beam runner's algorithm, and the built-in
+  model families with their Hugging Face adapters, imported by the package (no importlib by name)."""
   mods, edges = graph()
-  expected = {"jaxtrain.train.loop": "jaxtrain.sampling", "jaxtrain.generate": "jaxtrain.checkpoint",
-              "jaxtrain.data.prepare.beam": "jaxtrain.data.prepare.algorithm"}[module]
-  assert expected in {t for t, _ in edges[module]}
+  assert NAMED[module] in {t for t, _ in edges[module]}
+
+
+def named_by_string(source: str, known: set[str]) -> list[int]:
+  """Lines where ``source`` names a jaxtrain module in a string (outside docstrings): an import by name
+  (``importlib.import_module``, a registry's list of modules to load) that the graph cannot see."""
+  tree = ast.parse(source)
+  docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
+          and n.body and isinstance(n.body[0], ast.Expr)}
+  return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+          and "." in n.value and n.value in known and id(n) not in docs]
+
+
+def test_no_module_is_imported_by_name():
+  """Every jaxtrain module is reached by an import statement the graph sees, none through a name string (only
+  users' modules are: a config file's, a hook's import path)."""
+  mods = modules()
+  found = [f"{path.relative_to(ROOT)}:{line}" for path in mods.values()
+           for line in named_by_string(path.read_text(), set(mods))]
+  assert not found, found
+  planted = 'FAMILIES = Registry("model.name", "model", builtin=("jaxtrain.models.llama",))\n'
+  assert named_by_string(planted, set(mods)) == [1]

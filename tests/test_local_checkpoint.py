@@ -1,4 +1,4 @@
-"""The node-local checkpoint tier (jaxtrain.local_checkpoint): a full disk never ends a run, a rollback never comes
+"""The node-local checkpoint tier (jaxtrain.checkpoint.local): a full disk never ends a run, a rollback never comes
 back after a crash, runs sharing a local folder never touch each other's steps, and what an interrupted save leaves
 is cleaned up at the next start."""
 
@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
-from jaxtrain import local_checkpoint
+from jaxtrain.checkpoint import local as local_checkpoint
 from jaxtrain.metrics import read_records
 from jaxtrain.train import trainer
 from tests import forked, multiprocess
@@ -144,7 +144,7 @@ def test_two_runs_sharing_a_local_folder_never_touch_each_others_steps(tmp_path,
     c.train.steps = 8
     c.checkpoint.update(every_steps=4, local_dir=str(tmp_path / "local"), local_every_steps=1)
     configs[name] = c
-  save = local_checkpoint.LocalCheckpointer.save
+  save = local_checkpoint.LocalTier.save
 
   def crash_at_7(self, step, *args, **kwargs):
     if step == 7:
@@ -152,10 +152,10 @@ def test_two_runs_sharing_a_local_folder_never_touch_each_others_steps(tmp_path,
       raise Crash()
     return save(self, step, *args, **kwargs)
 
-  monkeypatch.setattr(local_checkpoint.LocalCheckpointer, "save", crash_at_7)
+  monkeypatch.setattr(local_checkpoint.LocalTier, "save", crash_at_7)
   with pytest.raises(Crash):
     trainer.train(configs["a"])  # run a: persistent step 4, local steps 5 and 6
-  monkeypatch.setattr(local_checkpoint.LocalCheckpointer, "save", save)
+  monkeypatch.setattr(local_checkpoint.LocalTier, "save", save)
   folder_a = _run_folder(tmp_path / "local", tmp_path / "a" / "checkpoints")
   assert _steps(folder_a) == ["5", "6"]
   before = {p.name: p.stat().st_mtime_ns for p in folder_a.iterdir()}
@@ -197,7 +197,7 @@ def test_an_interrupted_saves_leftovers_are_removed_at_the_next_start(tmp_path):
   other_run = _run_folder(tmp_path, "/runs/y/checkpoints")
   for kept in (other_process / "7.tmp", other_run / "corrupt-3-1700000000"):
     kept.mkdir(parents=True)
-  local = local_checkpoint.LocalCheckpointer(str(tmp_path), 1, owner="/runs/x/checkpoints")
+  local = local_checkpoint.LocalTier(str(tmp_path), 1, owner="/runs/x/checkpoints")
   assert local.directory == str(folder) and local.enabled
   # 6.old: a step renamed aside by a replace whose new step never came: put back. 4.old: 4 was replaced: deleted.
   assert _steps(folder) == ["4", "6"] and local.steps() == [4, 6]
@@ -205,7 +205,7 @@ def test_an_interrupted_saves_leftovers_are_removed_at_the_next_start(tmp_path):
 
 
 def test_a_replace_whose_rename_fails_keeps_the_old_step(tmp_path, mesh, monkeypatch, caplog):
-  local = local_checkpoint.LocalCheckpointer(str(tmp_path), 1, owner="run")
+  local = local_checkpoint.LocalTier(str(tmp_path), 1, owner="run")
   old, new = _state(mesh, 1.0), _state(mesh, 2.0)
   local.save(2, old, None, meta={"step": 2})
   local.wait()
@@ -223,14 +223,14 @@ def test_a_replace_whose_rename_fails_keeps_the_old_step(tmp_path, mesh, monkeyp
   monkeypatch.setattr(os, "rename", rename)
   assert local.failures == 1 and "local checkpoint step 2 not saved" in caplog.text
   assert _steps(local.directory) == ["2"]  # no .tmp, no .old left
-  state, meta = local.restore(_abstract(old), None, newer_than=0)
+  state, meta, _ = checkpoint_lib.Checkpointer([local]).restore(_abstract(old), None)
   assert meta["step"] == 2
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), state, old)
   # And a replace that works: the new step in, nothing aside.
   local.save(2, new, None, meta={"step": 2})
   local.wait()
   assert _steps(local.directory) == ["2"] and local.failures == 1
-  state, _ = local.restore(_abstract(new), None, newer_than=0)
+  state, _, _ = checkpoint_lib.Checkpointer([local]).restore(_abstract(new), None)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), state, new)
 
 
@@ -246,7 +246,7 @@ def test_failed_saves_are_counted_warned_once_and_only_max_failures_in_a_row_swi
     return savez(file, *args, **kwargs)
 
   monkeypatch.setattr(np, "savez", full_disk)
-  local = local_checkpoint.LocalCheckpointer(str(tmp_path), 1, keep_last=2, owner="run", max_failures=3)
+  local = local_checkpoint.LocalTier(str(tmp_path), 1, keep_last=2, owner="run", max_failures=3)
   state, seen = _state(mesh, 1.0), []
   with caplog.at_level("WARNING"):
     for step in range(1, 10):
@@ -269,7 +269,7 @@ def test_failed_saves_are_counted_warned_once_and_only_max_failures_in_a_row_swi
 
 def test_a_step_that_failed_on_another_process_is_deleted_on_this_one(tmp_path, mesh, monkeypatch, caplog):
   """The processes settle each write together: a step is restorable only if every process wrote it."""
-  local = local_checkpoint.LocalCheckpointer(str(tmp_path), 1, owner="run")
+  local = local_checkpoint.LocalTier(str(tmp_path), 1, owner="run")
   state = _state(mesh, 1.0)
   local.save(1, state, None, meta={})
   local.save(2, state, None, meta={})  # settles 1: written everywhere
@@ -281,7 +281,7 @@ def test_a_step_that_failed_on_another_process_is_deleted_on_this_one(tmp_path, 
 
 
 def test_restoring_from_any_tier_deletes_the_newer_local_steps_and_this_runs_other_layouts(tmp_path, mesh):
-  local = local_checkpoint.LocalCheckpointer(str(tmp_path), 1, keep_last=5, owner="run")
+  local = local_checkpoint.LocalTier(str(tmp_path), 1, keep_last=5, owner="run")
   state = _state(mesh, 1.0)
   for step in (3, 4, 5, 6):
     local.save(step, state, None, meta={})
@@ -289,7 +289,7 @@ def test_restoring_from_any_tier_deletes_the_newer_local_steps_and_this_runs_oth
   (old_layout / "9").mkdir(parents=True)
   local.forget_after(4)  # e.g. a rollback to the persistent step 4
   assert local.steps() == [3, 4] and not old_layout.exists()
-  assert local.restore(_abstract(state), None, newer_than=4) is None
+  assert local.restorable(_abstract(state), newer_than=4) == []
 
 
 def test_local_max_failures_is_validated(tmp_path):

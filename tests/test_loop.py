@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from jaxtrain import config as config_lib
+from jaxtrain.checkpoint import checkpoint_due
 from jaxtrain import monitor
 from jaxtrain.metrics import read_records
-from jaxtrain.train import loop, trainer
+from jaxtrain.train import hooks, loop, trainer
 from tests.conftest import count_dispatched_steps
 from tests.test_monitor import Poisoned  # batch `bad` (0-based) has a NaN in its loss mask: no tokens counted
 
@@ -75,10 +76,10 @@ def test_rollback_limits():
 
 
 def test_eval_and_checkpoint_cadences():
-  assert [s for s in range(1, 12) if loop.eval_due(s, every=4, last=11)] == [4, 8, 11]
-  assert not any(loop.eval_due(s, every=0, last=11) for s in range(1, 12))
+  assert [s for s in range(1, 12) if hooks.due(s, every=4, last=11)] == [4, 8, 11]
+  assert not any(hooks.due(s, every=0, last=11) for s in range(1, 12))
   every_3 = [s for s in range(1, 12) if s % 3 == 0]
-  assert [loop.checkpoint_due(s, 11, s == 5, lambda s: s in every_3) for s in range(1, 12)] == [
+  assert [checkpoint_due(s, 11, s == 5, lambda s: s in every_3) for s in range(1, 12)] == [
       None, None, "periodic", None, "forced", "periodic", None, None, "periodic", None, "forced"]
   # (forced, streak, skipped) -> saved?
   assert [loop.may_save(*case) for case in [(False, 0, False), (True, 0, False), (False, 0, True), (True, 0, True),

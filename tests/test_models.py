@@ -231,7 +231,7 @@ def test_the_lookup_gives_every_id_the_same_row_on_every_path(preset, sizes):
 
   from jaxtrain import mesh as mesh_lib
   from jaxtrain import sharding
-  from jaxtrain.models import llama
+  from jaxtrain.models.llama import model as llama
 
   mesh = Mesh(np.array(jax.devices()[:8]).reshape([sizes.get(a, 1) for a in mesh_lib.MESH_AXES]),
               mesh_lib.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh_lib.MESH_AXES))

@@ -7,14 +7,14 @@ the node-local tier (``checkpoint.local_dir``) vs the persistent one.
 Uses the real train state of the config (params + AdamW state, sharded over 8 simulated devices; cpu_50m is
 ~609 MB) after ``--train_steps`` real optimizer steps on synthetic batches, so that it is the state of a run in
 progress: a freshly initialised state has all-zero Adam moments, which Orbax's compressed writes store almost
-for free and which would flatter the synchronous save. Then the real Checkpointer and a synthetic data
+for free and which would flatter the synchronous save. Then the real persistent tier and a synthetic data
 iterator. Per mode (sync / async, with and without integrity verification), ``--saves`` saves at new steps; the
 first is reported apart (it sets Orbax up). Blocking = the time ``save()`` takes to return, which is what the
 training loop waits for; for async saves the background write is timed up to ``wait()``. With verification the
 save is handed the state's fingerprints as the train step computes them; the pass that computes them is timed
 apart (it is device work of the save step, not blocking). Restore = reading the newest checkpoint back onto the
 mesh (median of 3), with verification: plus recomputing and comparing the fingerprints and finiteness. The
-local tier (jaxtrain.local_checkpoint, always verified) is timed the same way into ``--dir``/local: the loop
+local tier (jaxtrain.checkpoint.local, always verified) is timed the same way into ``--dir``/local: the loop
 waits for the device-to-host copy, a thread writes the file.
 """
 
@@ -39,7 +39,6 @@ from absl import app, flags, logging  # noqa: E402
 from jaxtrain import checkpoint as checkpoint_lib  # noqa: E402
 from jaxtrain import data as data_lib  # noqa: E402
 from jaxtrain import integrity  # noqa: E402
-from jaxtrain import local_checkpoint  # noqa: E402
 from jaxtrain import sharding  # noqa: E402
 from jaxtrain.data.synthetic import SyntheticSource  # noqa: E402
 from jaxtrain.train import state as state_lib  # noqa: E402
@@ -90,8 +89,8 @@ def main(argv):
   modes = [(m, v) for v in (False, True) for m in ("sync", "async")]
   for mode, verify in modes:
     key = f"{mode}_verified" if verify else mode
-    ckpt = checkpoint_lib.Checkpointer(os.path.join(_DIR.value, key), keep_last=2, async_save=mode == "async",
-                                       verify=verify)
+    ckpt = checkpoint_lib.PersistentTier(os.path.join(_DIR.value, key), keep_last=2, async_save=mode == "async",
+                                         verify=verify)
     blocked, written = [], []
     for step in range(1, _SAVES.value + 1):
       _, b = timed(ckpt.save, step, state, data, meta={"step": step}, config={}, force=True,
@@ -103,14 +102,15 @@ def main(argv):
     disk_bytes = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
     restores = []
     for _ in range(3):
-      restored, restore_s = timed(lambda: jax.block_until_ready(ckpt.restore(abstract, data)[0]))
+      restored, restore_s = timed(lambda: jax.block_until_ready(
+          checkpoint_lib.Checkpointer([ckpt]).restore(abstract, data)[0]))
       restores.append(restore_s)
     ckpt.close()
     results[key] = {"first_save_blocked_s": blocked[0], "blocked_s_median": statistics.median(blocked[1:]),
                     "save_total_s_median": statistics.median(written[1:]),
                     "restore_s_median": statistics.median(restores), "disk_bytes": disk_bytes,
                     "blocked_s": blocked, "save_total_s": written, "restore_s": restores}
-  local = local_checkpoint.LocalCheckpointer(os.path.join(_DIR.value, "local"), every_steps=1, keep_last=2)
+  local = checkpoint_lib.LocalTier(os.path.join(_DIR.value, "local"), every_steps=1, keep_last=2)
   blocked, written = [], []
   for step in range(1, _SAVES.value + 1):
     _, b = timed(local.save, step, state, data, meta={"step": step}, summary=summary)
@@ -118,8 +118,8 @@ def main(argv):
     blocked.append(local.last_save_blocked_s)
     written.append(b + w)
   newest = pathlib.Path(local.directory, str(local.steps()[-1]))
-  restores = [timed(lambda: jax.block_until_ready(local.restore(abstract, data, newer_than=0)[0]))[1]
-              for _ in range(3)]
+  restores = [timed(lambda: jax.block_until_ready(
+      checkpoint_lib.Checkpointer([local]).restore(abstract, data)[0]))[1] for _ in range(3)]
   results["local"] = {"first_save_blocked_s": blocked[0], "blocked_s_median": statistics.median(blocked[1:]),
                       "save_total_s_median": statistics.median(written[1:]),
                       "restore_s_median": statistics.median(restores),

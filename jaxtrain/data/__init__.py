@@ -1,44 +1,28 @@
 """Data sources, chosen by ``data.source`` from :data:`SOURCES`. Every source yields per-process numpy batches in
 the format of :mod:`jaxtrain.data.batch`; :func:`to_global` assembles them into global jax.Arrays, after checking
 their token ids against the model's vocabulary (:mod:`jaxtrain.data.ids`; eval batches: :func:`eval_sets`). A new
-source is one ``SOURCES.register(name, Source(...))``: its train stream (a :class:`jaxtrain.checkpoint.DataPosition`,
-so that checkpoints hold its position), its eval batches, and where a batch's rows came from (for bad-batch
-reports)."""
+source is one ``SOURCES.register(name, Source(...))`` (:mod:`jaxtrain.data.source`): its train stream (a
+:class:`jaxtrain.checkpoint.DataPosition`, so that checkpoints hold its position), its eval batches, where a
+batch's rows came from, its own keys (``data.<name>``) and checks, its tokenizer, and whether a mixture can take it.
+This package knows no source by name: the built-in ones register in their own modules, imported here."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import gc
-import os
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
 import jax
 import ml_collections
-import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxtrain import paths
-from jaxtrain.data import folders, ids, loader, mixture, prepare, stream
+from jaxtrain.data import arrayrecord, folders, ids, mixture, stream, synthetic  # noqa: F401 - built-in sources
 from jaxtrain.data.batch import KEYS
-from jaxtrain.data.synthetic import SyntheticSource
+from jaxtrain.data import source as source_lib
+from jaxtrain.data.source import SOURCES, Documents, Folder, Source, options  # noqa: F401 - the API of sources
 from jaxtrain.errors import ConfigError, check_positive
-from jaxtrain.registry import Registry
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-  """open_train: ``config -> iterator`` of this process's batches (validated before anything is compiled: raise
-    DataError / ConfigError on bad input). open_eval: ``config -> list`` of this process's held-out batches.
-  provenance: ``(config, step, doc_ids) -> dict``: where the rows of ``step`` came from (``doc_ids``: the batch's
-    ``doc_ids`` field, or None if it has none). reads_path: whether the source reads ``data.path``."""
-  open_train: Callable[[Any], Iterator[dict]]
-  open_eval: Callable[[Any], list[dict]]
-  provenance: Callable[[Any, int, Any], dict]
-  reads_path: bool = True
-
-
-SOURCES: Registry[Source] = Registry("data.source", "data source", how="jaxtrain.data.SOURCES.register")
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -54,16 +38,18 @@ def defaults() -> ml_collections.ConfigDict:
       prefetch=2,  # batches buffered per worker
       verify_checksums=True,  # SHA-256 of every shard against the manifest at start
       cache_dir="~/.cache/jaxtrain",  # where the bundled corpus is prepared
-      # data.source=raw only (jaxtrain/data/stream.py):
+      # data.source=raw's (jaxtrain/data/stream.py), and read by raw components of a mixture and eval sets:
       field="text",  # the JSONL field / Parquet column holding the text
       eval_path="",  # eval records (file, folder or glob); empty = the last eval_fraction of data.path
       eval_fraction=0.0,  # without eval_path: this fraction of data.path's records (its last ones) is eval only
       # several folders mixed (jaxtrain/data/mixture.py), instead of data.path: 'web=data/web:0.7,code=data/code:0.3'
-      # (name=path:weight; in a config file also {'web': ('data/web', 0.7), ...}); per-component metrics and evals
+      # (name=path:weight, or name@source=path:weight to name the source that reads it; in a config file also
+      # {'web': ('data/web', 0.7), ...}); per-component metrics and evals
       mixture=ml_collections.FieldReference("", field_type=object),
       mixture_stages=ml_collections.FieldReference("", field_type=object),  # '1000:web=0.9,code=0.1;...': after
       # step 1000 those weights (every component named)
       mixture_ramp=False,  # True: weights move linearly from each stage to the next instead of at once
+      **source_lib.groups(),  # data.<name>: the keys of each registered source that has its own
   ))
 
 
@@ -78,6 +64,7 @@ def validate(config) -> None:
   check_positive(config, ["data.seq_len", "data.prefetch"])
   check_positive(config, ["data.num_workers"], allow_zero=True)
   _validate_eval_sets(config)
+  _check_unread_groups(config)
   if mixture.components(config) or mixture.stages_given(config) or config.data.mixture_ramp:
     mixture.validate(config)
     return
@@ -85,13 +72,38 @@ def validate(config) -> None:
   if config.data.path and not source.reads_path:
     raise ConfigError("data.path", f"is set but data.source='{config.data.source}' ignores it",
                       "set data.source=arrayrecord or clear data.path")
-  if config.data.source == "raw":
-    stream.check(config)  # files there, field in them, tokenizer fits, enough records: before anything compiles
-    return
-  for key, default in (("field", "text"), ("eval_path", ""), ("eval_fraction", 0.0)):
-    if config.data[key] != default and not (key == "field" and config.eval.sets):  # raw eval sets read field
-      raise ConfigError(f"data.{key}", f"is set but only data.source=raw reads it (data.source="
-                        f"'{config.data.source}')", f"set data.source=raw or leave data.{key} at {default!r}")
+  source.validate(config)  # e.g. raw: files there, field in them, tokenizer fits: before anything compiles
+  own, given = defaults(), config.data
+  for key, readers in _readers().items():
+    if key in source.reads or given[key] == own[key]:
+      continue
+    if config.eval.sets and any(key in SOURCES.get(n).documents.reads for n in readers if SOURCES.get(n).documents):
+      continue  # (eval sets of that source read it)
+    raise ConfigError(f"data.{key}", f"is set but only data.source={'|'.join(readers)} reads it (data.source="
+                      f"'{config.data.source}')", f"set data.source={readers[0]} or leave data.{key} at {own[key]!r}")
+
+
+def _readers() -> dict[str, list[str]]:
+  """``key -> the sources that read data.<key>``, for the keys that some sources read and others do not."""
+  out = {}
+  for name, source in SOURCES.items():
+    for key in source.reads:
+      out.setdefault(key, []).append(name)
+  return out
+
+
+def _check_unread_groups(config) -> None:
+  """A source's own keys (``data.<name>``) set while no part of the run reads that source: one ConfigError line."""
+  used = {config.data.source} | {folders.source_of(comp.path, comp.source, f"data.mixture ({comp.name})")
+                                 for comp in mixture.components(config)}
+  for name, group in source_lib.groups().items():
+    if name in used or name not in config.data:
+      continue
+    for key, default in group.items():
+      if config.data[name][key] != default:
+        raise ConfigError(f"data.{name}.{key}", f"is set but data.source='{config.data.source}' does not read it",
+                          f"set data.source={name} (or mix it in: data.mixture='x@{name}=path:weight'), or "
+                          f"leave it at {default!r}")
 
 
 def _validate_eval_sets(config) -> None:
@@ -100,12 +112,12 @@ def _validate_eval_sets(config) -> None:
     return
   if not config.eval.every_steps:
     raise ConfigError("eval.sets", "is set but eval.every_steps=0 (eval never runs)", "set eval.every_steps=N")
-  clash = set(mixture.names(config)) & {name for name, _, _ in sets}
+  clash = set(mixture.names(config)) & {e.name for e in sets}
   if clash:
     raise ConfigError("eval.sets", f"'{sorted(clash)[0]}' is also a component of data.mixture (whose eval split "
                       "is reported under that name)", "give the eval set another name")
-  for name, path, _ in sets:
-    folders.check(paths.resolve(path), config, f"eval.sets ({name})")
+  for name, path, _, source in sets:
+    folders.check(paths.resolve(path), config, f"eval.sets ({name})", source)
 
 
 def resolve(config) -> None:
@@ -127,50 +139,24 @@ def to_global(local_batch: dict, sharding: NamedSharding, config=None) -> dict:
   return {k: jax.make_array_from_process_local_data(sharding, local_batch[k]) for k in keys}
 
 
-_REPREPARE = "re-prepare the data with the model's tokenizer (tools/prepare_data.py --tokenizer)"
-_RETOKENIZE = "set data.tokenizer to the model's tokenizer"
-
-
 def _document(config, split: str, doc: int | None) -> tuple[str, str]:
   """Document ``doc`` (a ``doc_ids`` value) of the training stream (``split="train"``) or of the eval batches
   (``"eval"``) of the configured source, named for errors: :data:`jaxtrain.data.ids.Where`."""
-  if mixture.components(config):  # (a mixture's eval batches are checked per component: _held_out_document)
-    if doc is None:
-      return "data.mixture", f"{_REPREPARE}, or {_RETOKENIZE} (raw components)"
-    folder, doc = mixture.component_of(config, doc)
-    return _in_folder(folder, "data.mixture", folder.train, doc)
+  source = _source(config)
+  if source.document is not None:
+    return source.document(config, split, doc)
   name = config.data.source
-  if name == "arrayrecord":
-    root = data_root(config)
-    if doc is None:
-      return root, _REPREPARE
-    return loader.TokenSource(root, loader.load_manifest(root, verify_checksums=False), split).where(doc), _REPREPARE
-  if name == "raw":
-    files = config.data.eval_path if split == "eval" and config.data.eval_path else config.data.path
-    return (stream.build_index(files, config.data.field).where(doc) if doc is not None else files), _RETOKENIZE
   return (f"data.source '{name}'" + (f" ({split})" if split == "eval" else "")
           + (f", document {doc}" if doc is not None else "")), f"fix data.source '{name}'"
 
 
-def _in_folder(folder: folders.Folder, key: str, documents, doc: int | None) -> tuple[str, str]:
-  """Document ``doc`` of ``documents`` (``folder.train`` or ``folder.held_out``) of a named folder (a mixture's
-  component, an eval set), named for errors."""
-  subject = f"{key} ({folder.name}): " + (documents.where(doc) if doc is not None else folder.path)
-  return subject, _REPREPARE if folder.kind == "prepared" else _RETOKENIZE
-
-
-def _held_out_document(folder: folders.Folder, key: str, doc: int | None) -> tuple[str, str]:
-  return _in_folder(folder, key, folder.held_out, doc)
-
-
-def data_root(config) -> str:
-  """The prepared data folder: ``data.path``, or the bundled corpus (prepared on first use)."""
-  return config.data.path or os.fspath(prepare.bundled_corpus(config.data.cache_dir))
+def _held_out_document(folder: Folder, key: str, doc: int | None) -> tuple[str, str]:
+  return mixture.in_folder(folder, key, folder.held_out, doc)
 
 
 def _source(config) -> Source:
   """The configured source: ``data.source``'s, or the mixture's when ``data.mixture`` is set."""
-  return MIXTURE if mixture.components(config) else SOURCES.get(config.data.source)
+  return mixture.MIXTURE if mixture.components(config) else SOURCES.get(config.data.source)
 
 
 def open_train(config) -> Iterator[dict]:
@@ -204,8 +190,8 @@ def eval_sets(config) -> list[EvalSet]:
   else:
     out = [(EvalSet(None, open_eval(config), True), functools.partial(_document, config, "eval"))]
   named = mixture.parse_named(config.eval.sets, "eval.sets", weighted=False)
-  opened = [folders.open_folder(name, paths.resolve(path), config, f"eval.sets ({name})", whole=True)
-            for name, path, _ in named]
+  opened = [folders.open_folder(e.name, paths.resolve(e.path), config, f"eval.sets ({e.name})", whole=True,
+                                source=e.source) for e in named]
   for folder in opened:
     batches = mixture.eval_batches(folder, config, jax.process_index(), jax.process_count())
     out.append((EvalSet(folder.name, batches, False), functools.partial(_held_out_document, folder, "eval.sets")))
@@ -220,55 +206,15 @@ def provenance(config, step: int, doc_ids) -> dict:
   return _source(config).provenance(config, step, doc_ids)
 
 
-def _arrayrecord_train(c) -> Iterator[dict]:
-  root = data_root(c)
-  manifest = loader.load_manifest(root, c.data.verify_checksums)
-  loader.check_compatible(manifest, root, c.model.vocab_size, c.data.tokenizer)
-  dataset = loader.train_dataset(
-      root, manifest, seq_len=c.data.seq_len, global_batch=c.train.global_batch_size, seed=c.train.seed,
-      process_index=jax.process_index(), process_count=jax.process_count(), packing=c.data.packing,
-      num_workers=c.data.num_workers, prefetch=c.data.prefetch)
-  return loader.TrainIterator(dataset, c.train.global_batch_size, jax.process_index(), jax.process_count())
-
-
-def _arrayrecord_eval(c) -> list[dict]:
-  root = data_root(c)
-  return loader.eval_batches(root, loader.load_manifest(root, verify_checksums=False), seq_len=c.data.seq_len,
-                             global_batch=c.train.global_batch_size, process_index=jax.process_index(),
-                             process_count=jax.process_count())
-
-
-def _arrayrecord_provenance(c, step: int, doc_ids) -> dict:
-  if doc_ids is None:
-    return {"source": "unknown"}
-  ids = sorted({int(d) for d in np.unique(doc_ids) if d >= 0})
-  root = data_root(c)
-  manifest = loader.load_manifest(root, verify_checksums=False)
-  return {"data": root, "documents": ids, "shards": [loader.locate(manifest, "train", d) for d in ids]}
-
-
-def _synthetic(c, seed: int):
-  return SyntheticSource(c.data.seq_len, c.model.vocab_size, c.train.global_batch_size, seed, jax.process_index(),
-                         jax.process_count())
-
-
-def _synthetic_eval(c) -> list[dict]:
-  source = _synthetic(c, c.train.seed + 10_000)  # fixed batches of another seed
-  return [next(source) for _ in range(c.eval.max_batches or 4)]
-
-
-def _synthetic_provenance(c, step: int, doc_ids) -> dict:
-  del doc_ids
-  return {"source": f"synthetic (seed {c.train.seed}, batch {step - 1})"}
-
-
-SOURCES.register("arrayrecord", Source(_arrayrecord_train, _arrayrecord_eval, _arrayrecord_provenance))
-SOURCES.register("raw", Source(stream.open_train, stream.open_eval, stream.provenance))
-# data.mixture's source: not a data.source choice (the mixture names its folders, each prepared or raw)
-MIXTURE = Source(mixture.open_train, lambda c: [b for _, bs in mixture.eval_splits(c) for b in bs],
-                 mixture.provenance)
-SOURCES.register("synthetic", Source(lambda c: _synthetic(c, c.train.seed), _synthetic_eval, _synthetic_provenance,
-                                     reads_path=False))
+def tokenizer_of(config) -> str | None:
+  """The tokenizer the configured data's tokens come from, for generation: ``data.tokenizer`` if set, else what
+  the source says ('byte' or a tokenizer file; None: it cannot tell, or it is not registered here)."""
+  if config.data.tokenizer:
+    return config.data.tokenizer
+  if mixture.components(config):
+    return mixture.MIXTURE.tokenizer(config)
+  name = config.data.source
+  return SOURCES.get(name).tokenizer(config) if name in SOURCES else None
 
 
 def close(iterator) -> None:

@@ -1,84 +1,47 @@
-"""A named data folder, opened the same way wherever a config names several: a mixture's components
+"""A named path of data, opened the same way wherever a config names several: a mixture's components
 (``data.mixture``) and the eval sets (``eval.sets``).
 
-A path holding ``manifest.json`` is *prepared* data (tools/prepare_data.py's shards: its ``train`` split trains,
-its ``eval`` split is held out); any other file, folder or glob is *raw* records (:mod:`jaxtrain.data.stream`:
-the last ``data.eval_fraction`` of them held out, ``data.field``, ``data.tokenizer``). An eval set reads every
-document of its folder (every split of prepared data, every record of raw files).
+Each is opened by its data source (:data:`jaxtrain.data.SOURCES`, one that serves documents by id:
+:class:`jaxtrain.data.source.Documents`): the one named with it (``name@source=path``), else the one that claims
+the path (a folder holding ``manifest.json`` is prepared data; any other file, folder or glob is raw records). The
+source decides what it holds out: a prepared folder its ``eval`` split, raw records their last
+``data.eval_fraction``. An eval set reads every document of its path.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Any
+from jaxtrain.data.source import Folder, claimant, document_source
+from jaxtrain.errors import DataError
 
-from etils import epath
-
-from jaxtrain import paths
-from jaxtrain.data import loader, prepare, stream, tokenizers
-from jaxtrain.errors import ConfigError, DataError
+__all__ = ["Folder", "check", "check_same_tokenizer", "has_held_out", "open_folder", "source_of", "tokenizer"]
 
 
-@dataclasses.dataclass
-class Folder:
-  """One opened folder. ``train`` / ``held_out``: document id -> tokens (``train_docs`` / ``held_out_docs`` of
-  them; ``held_out`` None when there are none); ``tokenizer``: the name of the tokenizer its tokens come from."""
-  name: str
-  path: str
-  kind: str  # "prepared" | "raw"
-  tokenizer: str
-  masked: bool
-  train: Any
-  train_docs: int
-  held_out: Any | None
-  held_out_docs: int
+def source_of(path: str, source: str, key: str) -> str:
+  """The source a path is read with: ``source`` if given, else the one that claims it."""
+  return source or claimant(path, key)
 
 
-def is_prepared(path: str) -> bool:
-  return (epath.Path(paths.resolve(path)) / prepare.MANIFEST).exists()
+def has_held_out(path: str, c, source: str = "", key: str = "data.mixture") -> bool:
+  """Whether ``path`` holds documents held out of training."""
+  return document_source(source_of(path, source, key), key).has_held_out(path, c)
 
 
-def has_held_out(path: str, c) -> bool:
-  """Whether ``path`` holds documents held out of training (prepared: an ``eval`` split; raw: data.eval_fraction)."""
-  if not is_prepared(path):
-    return c.data.eval_fraction > 0
-  return any(s["split"] == "eval" for s in loader.load_manifest(paths.resolve(path), verify_checksums=False)["shards"])
+def tokenizer(path: str, c, source: str = "", key: str = "data.mixture") -> str | None:
+  """The tokenizer ``path``'s tokens come from, for generation ('byte' or a file; None: its source cannot tell)."""
+  return document_source(source_of(path, source, key), key).tokenizer(path, c)
 
 
-def check(path: str, c, key: str) -> None:
-  """Config-time checks: the path is prepared data, or raw files with ``data.field`` in their first record (their
-  index is built here, and cached for training). ConfigError naming ``key``."""
-  if not is_prepared(path):
-    stream.checked_index(path, c.data.field, key)
+def check(path: str, c, key: str, source: str = "") -> None:
+  """Config-time checks of ``path`` by its source (ConfigError naming ``key``)."""
+  document_source(source_of(path, source, key), key).check(path, c, key)
 
 
-def open_folder(name: str, path: str, c, key: str, whole: bool = False, verify: bool = True) -> Folder:
-  """Opens ``path`` (already resolved) for config ``c``; ``whole``: every document is held out (an eval set);
-  ``verify``: check prepared shards' SHA-256 when ``data.verify_checksums`` asks (False where training opened the
-  same folder already). Raises DataError / ConfigError (naming ``key`` or the file) on bad input."""
-  if is_prepared(path):
-    manifest = loader.load_manifest(path, verify and c.data.verify_checksums)
-    loader.check_compatible(manifest, path, c.model.vocab_size, c.data.tokenizer)
-    masked = bool(manifest.get("loss_mask", False))
-    splits = {s["split"] for s in manifest["shards"]}
-    if whole:
-      source = loader.TokenSource(path, manifest, None)
-      return Folder(name, path, "prepared", manifest["tokenizer"], masked, None, 0, source, len(source))
-    train = loader.TokenSource(path, manifest, "train")
-    held_out = loader.TokenSource(path, manifest, "eval") if "eval" in splits else None
-    return Folder(name, path, "prepared", manifest["tokenizer"], masked, train, len(train), held_out,
-                  len(held_out) if held_out else 0)
-  index = stream.checked_index(path, c.data.field, key)
-  tokenizer = tokenizers.load(c.data.tokenizer)
-  if tokenizer.vocab_size > c.model.vocab_size:
-    raise ConfigError("data.tokenizer", f"{tokenizer.name} has {tokenizer.vocab_size} tokens but "
-                      f"model.vocab_size={c.model.vocab_size}", f"set model.vocab_size >= {tokenizer.vocab_size}")
-  n = len(index)
-  held = n if whole else (math.ceil(n * c.data.eval_fraction) if c.data.eval_fraction else 0)
-  train = stream.RawSource(index, c.data.field, c.data.tokenizer, 0, n - held, cached_row_groups=64)
-  held_out = stream.RawSource(index, c.data.field, c.data.tokenizer, n - held, held) if held else None
-  return Folder(name, path, "raw", tokenizer.name, False, train, n - held, held_out, held)
+def open_folder(name: str, path: str, c, key: str, whole: bool = False, verify: bool = True,
+                source: str = "") -> Folder:
+  """Opens ``path`` (already resolved) for config ``c`` with its source; ``whole``: every document is held out (an
+  eval set); ``verify``: check checksums when ``data.verify_checksums`` asks (False where training opened the same
+  folder already). Raises DataError / ConfigError (naming ``key`` or the file) on bad input."""
+  return document_source(source_of(path, source, key), key).open(name, path, c, key, whole=whole, verify=verify)
 
 
 def check_same_tokenizer(folders: list[Folder], key: str) -> None:

@@ -2,9 +2,10 @@
 
 Components. ``data.mixture`` names them: ``'web=data/web:0.7,code=data/code:0.3'`` (name=path:weight, comma
 separated) or, in a config file, ``{"web": ("data/web", 0.7), ...}`` (or ``{"web": {"path": ..., "weight": ...}}``).
-Each is a prepared folder or raw records (:mod:`jaxtrain.data.folders`); their tokens must come from one
-tokenizer. Components are kept in name order (the order a config gives them in changes nothing), and weights are
-normalized to sum to 1; a weight may be 0.
+Each is opened by a data source that serves documents by id (:mod:`jaxtrain.data.folders`): the one named with it
+(``'web@raw=data/web:0.7'``, or ``"source"`` in the dict form), else the one that claims the path (a prepared
+folder, else raw records); their tokens must come from one tokenizer. Components are kept in name order (the order
+a config gives them in changes nothing), and weights are normalized to sum to 1; a weight may be 0.
 
 Stages. ``data.mixture_stages``: ``'10:web=0.9,code=0.1;500:web=0.5,code=0.5'``: after step 10 (from step 11 on)
 the weights are 0.9 / 0.1, after step 500 0.5 / 0.5; before the first stage, ``data.mixture``'s. Every stage
@@ -12,14 +13,14 @@ names every component. ``data.mixture_ramp=True`` moves the weights linearly fro
 of at once (the last stage's hold after it).
 
 Rows. The global batch's B rows are the lanes of :mod:`jaxtrain.data.packing`, and each component packs its own
-lanes (a prepared folder: lane r reads documents r, r + B, ... of the component's own seeded order, reshuffled
-every epoch; raw records: the r-th contiguous B-th, from its start again at the end). Row k of lane r (the row
-of step k + 1) is taken whole from the component that the weights of step k + 1 give the point
-``frac(offset + (k B + r) phi)`` (phi the golden ratio, offset from ``train.seed``; exact 64-bit integer
-arithmetic): a low-discrepancy sequence, so every stretch of rows holds each component in proportion to its weight
-(with packing, every row is full: token shares equal row shares), the same rows for any number of processes or
-Grain workers, and no state beyond the row count. A component's epoch is counted on its own: a small one repeats
-(in a fresh order each epoch) as often as its weight asks.
+lanes, in the document order its source gives (a prepared folder: lane r reads documents r, r + B, ... of the
+component's own seeded order, reshuffled every epoch; raw records: the r-th contiguous B-th, from its start again
+at the end). Row k of lane r (the row of step k + 1) is taken whole from the component that the weights of step
+k + 1 give the point ``frac(offset + (k B + r) phi)`` (phi the golden ratio, offset from ``train.seed``; exact
+64-bit integer arithmetic): a low-discrepancy sequence, so every stretch of rows holds each component in
+proportion to its weight (with packing, every row is full: token shares equal row shares), the same rows for any
+number of processes or Grain workers, and no state beyond the row count. A component's epoch is counted on its
+own: a small one repeats (in a fresh order each epoch) as often as its weight asks.
 
 Position. Each lane saves its row count and, per component, its (document, offset): a change of weights or of
 stages on a resumed run changes which component later rows read, never where a component is. A component added on
@@ -40,7 +41,7 @@ import dataclasses
 import hashlib
 import math
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import grain
 import jax
@@ -48,9 +49,10 @@ import ml_collections
 import numpy as np
 
 from jaxtrain import paths
-from jaxtrain.data import folders, loader, stream
+from jaxtrain.data import folders, loader
 from jaxtrain.data import packing as packing_lib
-from jaxtrain.errors import ConfigError
+from jaxtrain.data.source import SOURCES, Source
+from jaxtrain.errors import ConfigError, DataError
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / phi, odd: n -> n * _GOLDEN mod 2^64 visits [0, 2^64) evenly
@@ -63,14 +65,24 @@ class Component:
   name: str
   path: str  # resolved (absolute, or a URL)
   weight: float  # normalized: the weights of a mixture sum to 1
+  source: str = ""  # the data source that reads it; "" = the one that claims the path
+
+
+class Named(NamedTuple):
+  """One entry of a named list (:func:`parse_named`)."""
+  name: str
+  path: str
+  weight: float | None
+  source: str  # "" = found from the path
 
 
 # ------------------------------------------------------------------------------------------------- parsing
 
 
-def parse_named(value: Any, key: str, weighted: bool) -> list[tuple[str, str, float | None]]:
-  """``'name=path[:weight],...'`` or a mapping ``name -> path`` / ``(path, weight)`` / ``{path, weight}`` ->
-  ``[(name, path, weight or None)]`` in name order, each checked (one ConfigError line naming ``key``)."""
+def parse_named(value: Any, key: str, weighted: bool) -> list[Named]:
+  """``'name[@source]=path[:weight],...'`` or a mapping ``name -> path`` / ``(path, weight)`` / ``{path, weight,
+  source}`` -> ``[Named(name, path, weight or None, source or "")]`` in name order, each checked (one ConfigError
+  line naming ``key``)."""
   example = _EXAMPLE if weighted else "e.g. --config.eval.sets='books=data/books,code=data/code_eval'"
   form = "name=path:weight" if weighted else "name=path"
   if _empty(value):
@@ -90,22 +102,23 @@ def parse_named(value: Any, key: str, weighted: bool) -> list[tuple[str, str, fl
           raise ConfigError(key, f"the weight '{text}' of '{name}' is not a number", example) from None
       if not eq or not rest:
         raise ConfigError(key, f"'{item.strip()}' is not {form}", example)
-      entries.append((name.strip(), rest.strip(), weight))
+      name, _, source = name.strip().partition("@")
+      entries.append(Named(name.strip(), rest.strip(), weight, source.strip()))
   elif isinstance(value, _MAPPINGS):
     for name, v in value.items():
-      path, weight = v, None
+      path, weight, source = v, None, ""
       if isinstance(v, _MAPPINGS):
-        path, weight = v.get("path"), v.get("weight")
+        path, weight, source = v.get("path"), v.get("weight"), v.get("source", "")
       elif isinstance(v, (tuple, list)) and len(v) == 2:
         path, weight = v
       if not isinstance(path, str) or (weighted and not isinstance(weight, (int, float))):
         raise ConfigError(key, f"the entry of '{name}' ({v!r}) is not "
                           f"{'(path, weight)' if weighted else 'a path'}", example)
-      entries.append((str(name), path, float(weight) if weighted else None))
+      entries.append(Named(str(name), path, float(weight) if weighted else None, str(source or "")))
   else:
     raise ConfigError(key, f"is a {type(value).__name__}; give '{form},...' or a dict", example)
   seen = set()
-  for name, path, weight in entries:
+  for name, path, weight, source in entries:
     if not _NAME.match(name):
       raise ConfigError(key, f"'{name}' is not a name (letters, digits, _ . -)", example)
     if name in seen:
@@ -113,10 +126,12 @@ def parse_named(value: Any, key: str, weighted: bool) -> list[tuple[str, str, fl
     seen.add(name)
     if not path:
       raise ConfigError(key, f"'{name}' has an empty path", example)
+    if source and not _NAME.match(source):
+      raise ConfigError(key, f"'{source}' (the source of '{name}') is not a name", example)
     if weighted and not (math.isfinite(weight) and weight >= 0):
       raise ConfigError(key, f"the weight {weight} of '{name}' is {'negative' if weight < 0 else 'not finite'}",
                         "give every component a weight >= 0")
-  if weighted and not sum(w for _, _, w in entries) > 0:
+  if weighted and not sum(e.weight for e in entries) > 0:
     raise ConfigError(key, "every weight is 0", "give at least one component a weight > 0")
   return sorted(entries)
 
@@ -124,8 +139,8 @@ def parse_named(value: Any, key: str, weighted: bool) -> list[tuple[str, str, fl
 def components(c) -> list[Component]:
   """``data.mixture``'s components, in name order, weights normalized; [] without a mixture."""
   entries = parse_named(c.data.get("mixture", ""), "data.mixture", weighted=True)
-  total = sum(w for _, _, w in entries)
-  return [Component(name, paths.resolve(path), w / total) for name, path, w in entries]
+  total = sum(e.weight for e in entries)
+  return [Component(e.name, paths.resolve(e.path), e.weight / total, e.source) for e in entries]
 
 
 def names(c) -> tuple[str, ...]:
@@ -202,13 +217,14 @@ def replace(group: ml_collections.ConfigDict, key: str, value: str) -> None:
     group[key] = value
 
 
-def format_named(entries: list[tuple[str, str, float | None]], key: str) -> str:
+def format_named(entries: list[Named], key: str) -> str:
   """The string form of :func:`parse_named`'s entries (paths resolved). ConfigError on a path with a comma."""
-  for name, path, _ in entries:
-    if "," in path:
-      raise ConfigError(key, f"the path {path} of '{name}' holds a comma, which the recorded form cannot hold",
+  for e in entries:
+    if "," in e.path:
+      raise ConfigError(key, f"the path {e.path} of '{e.name}' holds a comma, which the recorded form cannot hold",
                         "rename the folder")
-  return ",".join(f"{n}={paths.resolve(p)}" + (f":{w!r}" if w is not None else "") for n, p, w in entries)
+  return ",".join(e.name + (f"@{e.source}" if e.source else "") + f"={paths.resolve(e.path)}"
+                  + (f":{e.weight!r}" if e.weight is not None else "") for e in entries)
 
 
 def canonical(c) -> None:
@@ -235,16 +251,17 @@ def validate(c) -> None:
   if c.data.path:
     raise ConfigError("data.path", "is set together with data.mixture", "make it a component of data.mixture, or "
                       "clear data.mixture")
-  if c.data.source == "synthetic":
-    raise ConfigError("data.source", "synthetic data cannot be mixed", "set data.source=arrayrecord (the default: "
-                      "each component's kind is found from its folder)")
+  if SOURCES.get(c.data.source).documents is None:
+    raise ConfigError("data.source", f"{c.data.source} data cannot be mixed", "set data.source=arrayrecord (the "
+                      "default: each component's source is found from its path, or named with it)")
   if c.data.eval_path:
     raise ConfigError("data.eval_path", "is not read with data.mixture (each component's own eval split is)",
                       "clear it; eval.sets evaluates other data")
   stages(c)
   for comp in comps:
-    folders.check(comp.path, c, f"data.mixture ({comp.name})")
-  if c.eval.every_steps and _empty(c.eval.sets) and not any(folders.has_held_out(comp.path, c) for comp in comps):
+    folders.check(comp.path, c, f"data.mixture ({comp.name})", comp.source)
+  if c.eval.every_steps and _empty(c.eval.sets) and not any(
+      folders.has_held_out(comp.path, c, comp.source, f"data.mixture ({comp.name})") for comp in comps):
     raise ConfigError("eval.every_steps", "is set but no component of data.mixture holds eval documents (and "
                       "eval.sets is empty)", "prepare them with --eval_fraction > 0, set data.eval_fraction for raw "
                       "components, or set eval.sets")
@@ -292,22 +309,15 @@ def schedule(c) -> Schedule:
 def open_folders(c, verify: bool = True) -> list[folders.Folder]:
   """Every component opened (manifests and, with ``verify``, checksums checked; raw files indexed); DataError if
   their tokenizers differ."""
-  opened = [folders.open_folder(comp.name, comp.path, c, f"data.mixture ({comp.name})", verify=verify)
-            for comp in components(c)]
+  opened = [folders.open_folder(comp.name, comp.path, c, f"data.mixture ({comp.name})", verify=verify,
+                                source=comp.source) for comp in components(c)]
   folders.check_same_tokenizer(opened, "data.mixture")
   return opened
 
 
 def _order(c, folder: folders.Folder, lanes: int):
-  """A component's endless document order that its packed lanes read."""
-  if folder.kind == "raw":
-    if folder.train_docs < lanes:
-      raise ConfigError(f"data.mixture ({folder.name})", f"{folder.train_docs} training records, fewer than the "
-                        f"{lanes} rows of train.global_batch_size (each row streams its own share)",
-                        "use more data or a smaller global batch")
-    return stream.LaneOrder(folder.train_docs, lanes)
-  seed = int.from_bytes(hashlib.sha256(f"{c.train.seed}:{folder.name}".encode()).digest()[:4], "little") >> 1
-  return grain.MapDataset.range(folder.train_docs).seed(seed).shuffle().repeat(None)
+  """A component's endless document order that its packed lanes read (its source's)."""
+  return folder.order(c, lanes)
 
 
 def train_dataset(c, process_index: int, process_count: int) -> grain.IterDataset:
@@ -344,7 +354,8 @@ def component_of(c, doc_id: int) -> tuple[folders.Folder, int]:
   """A training batch's document (its ``doc_ids`` value: component << SOURCE_SHIFT | document) -> the component's
   folder (opened, shards not re-verified) and the document's id in its ``train`` source."""
   comp = components(c)[doc_id >> packing_lib.SOURCE_SHIFT]
-  folder = folders.open_folder(comp.name, comp.path, c, f"data.mixture ({comp.name})", verify=False)
+  folder = folders.open_folder(comp.name, comp.path, c, f"data.mixture ({comp.name})", verify=False,
+                               source=comp.source)
   return folder, doc_id & ((1 << packing_lib.SOURCE_SHIFT) - 1)
 
 
@@ -360,11 +371,36 @@ def provenance(c, step: int, doc_ids) -> dict:
     docs = [int(d) for d in ids[(ids >> packing_lib.SOURCE_SHIFT) == comp_id] & ((1 << packing_lib.SOURCE_SHIFT) - 1)]
     if not docs:
       continue
-    if folders.is_prepared(comp.path):
-      manifest = loader.load_manifest(comp.path, verify_checksums=False)
-      where = [loader.locate(manifest, "train", d) for d in docs]
-    else:
-      index = stream.build_index(comp.path, c.data.field, f"data.mixture ({comp.name})")
-      where = [index.where(d) for d in docs]
-    out[comp.name] = {"data": comp.path, "documents": docs, "where": where}
+    folder = folders.open_folder(comp.name, comp.path, c, f"data.mixture ({comp.name})", verify=False,
+                                 source=comp.source)
+    out[comp.name] = {"data": comp.path, "documents": docs, "where": [folder.locate(d) for d in docs]}
   return {"mixture": out}
+
+
+def in_folder(folder: folders.Folder, key: str, documents, doc: int | None) -> tuple[str, str]:
+  """Document ``doc`` of ``documents`` (``folder.train`` or ``folder.held_out``) of a named folder (a mixture's
+  component, an eval set), named for errors (:data:`jaxtrain.data.ids.Where`)."""
+  return f"{key} ({folder.name}): " + (documents.where(doc) if doc is not None else folder.path), folder.fix
+
+
+def _document(c, split: str, doc: int | None) -> tuple[str, str]:
+  del split  # (a mixture's eval batches are checked per component, by jaxtrain.data.eval_sets)
+  if doc is None:
+    return "data.mixture", "re-prepare or re-tokenize its components with the model's tokenizer"
+  folder, doc = component_of(c, doc)
+  return in_folder(folder, "data.mixture", folder.train, doc)
+
+
+def _tokenizer(c) -> str:
+  """The components' tokenizer, as each one's source says (training checks that they agree). DataError if a
+  source cannot tell."""
+  found = {folders.tokenizer(comp.path, c, comp.source, f"data.mixture ({comp.name})") for comp in components(c)}
+  if None in found or len(found) != 1:
+    raise DataError("data.mixture", "generation does not know the tokenizer of every component",
+                    "pass --tokenizer=FILE")
+  return found.pop()
+
+
+# data.mixture's source: not a data.source choice (the mixture names its paths, each read by its own source).
+MIXTURE = Source(open_train, lambda c: [b for _, bs in eval_splits(c) for b in bs], provenance,
+                 tokenizer=_tokenizer, document=_document)

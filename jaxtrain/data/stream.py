@@ -45,6 +45,7 @@ from etils import epath
 
 from jaxtrain import paths
 from jaxtrain.data import loader, tokenizers
+from jaxtrain.data.source import SOURCES, Documents, Folder, Source
 from jaxtrain.errors import ConfigError, DataError
 
 KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "text", ".text": "text", ".md": "text"}
@@ -352,10 +353,7 @@ def check(c) -> None:
     spec = c.data.path if key == "data.path" else c.data.eval_path
     files = list_files(spec, key)
     _check_field(files[0], c.data.field)
-  tokenizer = tokenizers.load(c.data.tokenizer)
-  if tokenizer.vocab_size > c.model.vocab_size:
-    raise ConfigError("data.tokenizer", f"{tokenizer.name} has {tokenizer.vocab_size} tokens but "
-                      f"model.vocab_size={c.model.vocab_size}", f"set model.vocab_size >= {tokenizer.vocab_size}")
+  _check_tokenizer(c)
   _, num_train, _, _, num_eval = _splits(c)
   if num_train < c.train.global_batch_size:
     raise ConfigError("data.path", f"{num_train} training records, fewer than the {c.train.global_batch_size} "
@@ -443,7 +441,56 @@ def provenance(c, step: int, doc_ids) -> dict:
   return {"data": c.data.path, "documents": ids, "records": [index.where(d) for d in ids]}
 
 
+def document(c, split: str, doc: int | None) -> tuple[str, str]:
+  files = c.data.eval_path if split == "eval" and c.data.eval_path else c.data.path
+  return (build_index(files, c.data.field).where(doc) if doc is not None else files), FIX
+
+
 def lane_documents(c, lane: int) -> range:
   """The document ids lane ``lane`` streams (one epoch), for tests and tools."""
   _, num_train, *_ = _splits(c)
   return LaneOrder(num_train, c.train.global_batch_size).lane_range(lane)
+
+
+# --------------------------------------------------------------------------------- raw records as documents
+
+
+def _check_tokenizer(c):
+  """``data.tokenizer``, loaded; ConfigError if its vocabulary does not fit the model."""
+  tokenizer = tokenizers.load(c.data.tokenizer)
+  if tokenizer.vocab_size > c.model.vocab_size:
+    raise ConfigError("data.tokenizer", f"{tokenizer.name} has {tokenizer.vocab_size} tokens but "
+                      f"model.vocab_size={c.model.vocab_size}", f"set model.vocab_size >= {tokenizer.vocab_size}")
+  return tokenizer
+
+
+def open_folder(name: str, path: str, c, key: str, whole: bool = False, verify: bool = True) -> Folder:
+  """Raw records at ``path`` (a mixture's component: its last ``data.eval_fraction`` held out; an eval set:
+  every record), read with ``data.field`` and ``data.tokenizer``."""
+  del verify  # (no checksums)
+  index = checked_index(path, c.data.field, key)
+  tokenizer = _check_tokenizer(c)
+  n = len(index)
+  held = n if whole else (math.ceil(n * c.data.eval_fraction) if c.data.eval_fraction else 0)
+  train = RawSource(index, c.data.field, c.data.tokenizer, 0, n - held, cached_row_groups=64)
+  held_out = RawSource(index, c.data.field, c.data.tokenizer, n - held, held) if held else None
+
+  def order(c, lanes: int) -> LaneOrder:
+    """Lane r streams the r-th contiguous B-th of the records, as ``data.source=raw`` does."""
+    if n - held < lanes:
+      raise ConfigError(f"data.mixture ({name})", f"{n - held} training records, fewer than the {lanes} rows of "
+                        "train.global_batch_size (each row streams its own share)",
+                        "use more data or a smaller global batch")
+    return LaneOrder(n - held, lanes)
+
+  return Folder(name, path, "raw", tokenizer.name, False, train, n - held, held_out, held, order=order,
+                locate=index.where, fix=FIX)
+
+
+FIX = "set data.tokenizer to the model's tokenizer"
+SOURCES.register("raw", Source(
+    open_train, open_eval, provenance, validate=check, reads=("field", "eval_path", "eval_fraction"),
+    tokenizer=lambda c: c.data.tokenizer or "byte", document=document,
+    documents=Documents(open=open_folder, check=lambda path, c, key: checked_index(path, c.data.field, key),
+                        has_held_out=lambda path, c: c.data.eval_fraction > 0, fallback=True, reads=("field",),
+                        tokenizer=lambda path, c: c.data.tokenizer or "byte")))

@@ -2,15 +2,18 @@
 
 Row r of step s is an arithmetic progression ``(a + k * d) mod vocab`` with ``a`` and ``d`` drawn from a
 generator seeded by ``(seed, s)``: deterministic, identical however the global batch is split over
-processes, and learnable (the model must infer ``d`` from context), so the loss falls.
+processes, and learnable (the model must infer ``d`` from context), so the loss falls. ``data.source=synthetic``:
+no path, no eval split of its own (eval reads fixed batches of another seed), byte-level ids for generation.
 """
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
-from jaxtrain.errors import DataError
 from jaxtrain.data import batch as batch_lib
+from jaxtrain.data.source import SOURCES, Source
+from jaxtrain.errors import DataError
 
 
 class SyntheticSource:
@@ -52,3 +55,22 @@ class SyntheticSource:
       raise DataError("data position", f"the processes that saved it were at different steps ({steps})",
                       "resume with the number of processes that saved it")
     return {"step": steps[0]}
+
+
+def _open(c, seed: int) -> SyntheticSource:
+  return SyntheticSource(c.data.seq_len, c.model.vocab_size, c.train.global_batch_size, seed, jax.process_index(),
+                         jax.process_count())
+
+
+def _eval(c) -> list[dict]:
+  source = _open(c, c.train.seed + 10_000)  # fixed batches of another seed
+  return [next(source) for _ in range(c.eval.max_batches or 4)]
+
+
+def _provenance(c, step: int, doc_ids) -> dict:
+  del doc_ids
+  return {"source": f"synthetic (seed {c.train.seed}, batch {step - 1})"}
+
+
+SOURCES.register("synthetic", Source(lambda c: _open(c, c.train.seed), _eval, _provenance, reads_path=False,
+                                     tokenizer=lambda c: "byte"))

@@ -1,30 +1,28 @@
 """The training loop: next batch -> step N dispatched -> step N-1's metrics fetched (one step late) -> NaN policy
--> log -> eval -> checkpoint, until ``train.steps`` or a preemption.
+-> log -> checkpoint, until ``train.steps`` or a preemption; everything else it does (eval, samples, the profiler,
+stragglers, goodput events, a user's hooks) is a :class:`jaxtrain.train.hooks.Hook` told of those moments.
 
 :class:`Loop` runs it. What it counts across checkpoints is one :class:`LoopState`, saved in every checkpoint's
 ``meta`` next to :class:`RunMeta` and restored with the train state as one unit, on resume and on rollback. The
 parts that decide need no model and are tested alone: the NaN policies (``jaxtrain.monitor.NAN_POLICIES``) and
-:class:`NonFiniteSteps`, :class:`RollbackLimits`, :func:`eval_due`, :func:`checkpoint_due`, :func:`may_save`, and
+:class:`NonFiniteSteps`, :class:`RollbackLimits`, :func:`may_save`, and
 :class:`MetricsBuffer`, which owns the one-step-late fetch.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import json
 import math
 import os
-import socket
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import jax
 import numpy as np
 from absl import logging
 from etils import epath
-from jax.experimental import multihost_utils
 
 import jaxtrain
 from jaxtrain import checkpoint as checkpoint_lib
@@ -32,11 +30,10 @@ from jaxtrain import data as data_lib
 from jaxtrain import exits
 from jaxtrain import goodput as goodput_lib
 from jaxtrain import integrity
-from jaxtrain import local_checkpoint
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import monitor
-from jaxtrain import sampling
 from jaxtrain import workdir as workdir_lib
+from jaxtrain.train import hooks as hooks_lib
 from jaxtrain.train import state as state_lib
 from jaxtrain.train import step as step_lib
 from jaxtrain.train.preemption import PreemptionGuard
@@ -108,26 +105,6 @@ def checkpoint_meta(run_meta: RunMeta, counts: LoopState) -> dict:
 
 
 # Decisions (no model needed) ------------------------------------------------------------------------------------
-
-
-def eval_due(step: int, every: int, last: int) -> bool:
-  """Whether the params of ``step`` are evaluated: at multiples of ``eval.every_steps`` (0: never) and at the
-  last step. The eval is logged under ``step``, right after that step's record."""
-  return bool(every) and (step % every == 0 or step == last)
-
-
-def sample_due(step: int, every: int, last: int) -> bool:
-  """Whether greedy samples of ``step``'s params are logged: at multiples of ``train.sample_every`` (0: never) and
-  at the last step."""
-  return bool(every) and (step % every == 0 or step == last)
-
-
-def checkpoint_due(step: int, last: int, preempted: bool, should_save: Callable[[int], bool]) -> str | None:
-  """``'forced'`` at the last step and on preemption, ``'periodic'`` where ``should_save(step)`` (the
-  checkpointer's every_steps / every_minutes) says so, else None."""
-  if preempted or step == last:
-    return "forced"
-  return "periodic" if should_save(step) else None
 
 
 def may_save(forced: bool, streak: int, skipped: bool) -> bool:
@@ -222,33 +199,28 @@ def _fetch(held: tuple[int, Any] | None) -> tuple[int, dict[str, float]] | None:
 
 class Loop:
   """One training run: ``Loop(...).run()`` trains from ``state`` (restored with its checkpoint's ``meta``, or
-  fresh with ``{}``) to ``train.steps`` or a preemption and returns the final state and the logged records."""
+  fresh with ``{}``) to ``train.steps`` or a preemption and returns the final state and the logged records.
+  ``hooks``: told of the run's moments in this order (:func:`jaxtrain.train.hooks.standard` builds the built-in
+  ones); ``goodput``: the recorder whose ``end`` the loop records (its other events are the Goodput hook's)."""
 
   def __init__(self, run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Checkpointer, step_fn,
-               summarize, evaluate, state, meta: dict, goodput: goodput_lib.Recorder | None = None,
-               restore_s: float = 0.0, local: local_checkpoint.LocalCheckpointer | None = None):
+               summarize, state, meta: dict, hooks: list[hooks_lib.Hook] = (),
+               goodput: goodput_lib.Recorder | None = None):
     c = self.config = run.config
     self.plan, self.data, self.checkpointer = run, data, checkpointer  # plan: the trainer's Run
-    self.step_fn, self.summarize, self.evaluate = step_fn, summarize, evaluate
+    self.step_fn, self.summarize, self.hooks = step_fn, summarize, list(hooks)
     self.state, self.counts = state, LoopState.from_meta(meta, int(state.step))
     self.last_step = c.train.steps
     self.nonfinite = NonFiniteSteps(c.monitor.nan_policy, c.monitor.max_consecutive_nonfinite, c.train.steps)
     self.limits = RollbackLimits(c.monitor.max_consecutive_nonfinite, epath.Path(c.workdir) / "bad_batches.jsonl")
     self.buffer, self.interval, self.history = MetricsBuffer(), _Interval(), []
-    self.last, self.last_eval = {}, {}  # the newest fetched step's metrics; the newest eval's
-    self.evaluating = {}  # step -> fetch of its eval: dispatched with that step's params, logged after its record
-    self.sampling = {}  # step -> fetch of its samples (train.sample_every), likewise
-    self.sample = None
-    if c.train.get("sample_every", 0):
-      self.sample = sampling.Sampler(run)  # compiled once, here
+    self.last, self.last_eval = {}, {}  # the newest fetched step's metrics; the newest eval's (hooks.Eval's)
     self.summary = None  # (step, fingerprints and finiteness of its state, being computed) for its save
     self.recent_doc_ids = collections.deque(maxlen=4)  # (step, document ids of this process's rows): provenance
     self.flops = metrics_lib.flops_per_token(run.model, c.data.seq_len)
     self.peak = metrics_lib.peak_flops_per_device(c.metrics.peak_tflops)
     self.config_dict = json.loads(c.to_json_best_effort())  # saved with every checkpoint
     self.goodput = goodput or goodput_lib.Recorder(c.workdir)  # the trainer's has recorded the run's start
-    self.restore_s = restore_s  # seconds the trainer spent restoring the checkpoint this run resumed from
-    self.local = local  # the node-local tier (checkpoint.local_dir), or None
     self.spent = dict.fromkeys(("checkpoint", "eval", "data_wait"), 0.0)  # the loop's seconds, for goodput
 
   def run(self):
@@ -259,31 +231,23 @@ class Loop:
                  "device peak unknown: MFU not reported (set metrics.peak_tflops)")
     self.writer = metrics_lib.MetricWriter(c.workdir, c.train.steps, self.counts.step, c.metrics, self.config_dict)
     self.anomalies = monitor.AnomalyDetector(m.spike_sigma, m.spike_window, m.stagnation_logs)
-    self.stragglers = monitor.Stragglers(
-        process_hosts(), m.straggler_threshold, m.straggler_logs, m.slowdown_threshold,
-        warn=logging.warning if jax.process_index() == 0 else lambda *_: None)  # the same verdict everywhere
-    self.judged_once = False  # the run's first logged interval is not judged (see _straggling)
     self.watchdog = monitor.Watchdog(m.watchdog_multiple, m.watchdog_min_s, m.watchdog_timeout_s,
                                      log_path=workdir_lib.log_path(c.workdir), describe=self._whereabouts,
                                      compile_s=m.watchdog_compile_s).start()
-    self.uncompiled = {"eval"}  # functions compiled at their first call, not yet called: see _first_call
-    self.profile = _Profiler(c)
     self._clock = (time.perf_counter(), self.counts.wall_time)
-    self.goodput.ready(self.counts.step, self.restore_s)
     preempted = False
-    try:  # the profiler trace, watchdog and writers must not outlive the loop, whatever ends it
+    try:  # the hooks (the profiler's trace), watchdog and writers must not outlive the loop, whatever ends it
+      self._tell("start")
       with PreemptionGuard() as preemption:
         while self.counts.step < self.last_step:
           if not self._step(preemption):
             preempted = True  # its step saved (unless in a run of non-finite steps)
             break
     finally:
-      self.profile.stop()
+      self._tell("close")
       self.watchdog.stop()
       self.writer.close()
     self.checkpointer.wait()
-    if self.local is not None:
-      self.local.wait()
     self.account = self.goodput.end(self.counts.step)
     if preempted:
       steps = self.checkpointer.steps()
@@ -307,15 +271,13 @@ class Loop:
     if self._settle(self.buffer.push(step, metrics)):
       return True  # rolled back: step N was dropped with the steps after the checkpoint
     preempted = preemption.requested(step)
-    due = checkpoint_due(step, self.last_step, preempted, self.checkpointer.should_save)
-    if not due and self.local is not None and self.local.should_save(step):
-      due = "local"
+    due = self.checkpointer.due(step, self.last_step, preempted)  # (tier, forced) or None
     if due:
       # Wait for the step's fingerprints before its metrics are logged, so that the save follows the log.
       fingerprints = integrity.read(self.summary[1]) if self.summary and self.summary[0] == step else None
       if self._settle(self.buffer.flush()):
         return True  # rolled back: no checkpoint follows a bad step
-      if self._save(step, due, fingerprints):
+      if self._save(step, *due, fingerprints):
         return True  # its state was not finite: rolled back
     if preempted:
       self.checkpointer.wait()
@@ -326,7 +288,7 @@ class Loop:
     return not preempted
 
   def _dispatch(self) -> tuple[int, Any]:
-    """Next batch -> the step, its eval and (before a save) its fingerprints, all dispatched, none waited for."""
+    """Next batch -> the step, its hooks and (before a save) its fingerprints, all dispatched, none waited for."""
     t = time.perf_counter()
     local = next(self.data)
     batch = data_lib.to_global(local, self.plan.batch_sharding, self.config)  # token ids checked first
@@ -335,28 +297,23 @@ class Loop:
     self.spent["data_wait"] += waited
     step = self.counts.step + 1
     self.recent_doc_ids.append((step, local.get("doc_ids")))
-    self.profile(step - 1, self.state)
     self.state, metrics = self.step_fn(self.state, batch, np.bool_(step in self.counts.bad_steps))
     self.counts.step = step
-    if self.evaluate is not None and eval_due(step, self.config.eval.every_steps, self.last_step):
-      with self._first_call("eval"):
-        self.evaluating[step] = self.evaluate(self.state.params)  # before the next step donates these params
-    if self.sample is not None and sample_due(step, self.config.train.sample_every, self.last_step):
-      self.sampling[step] = self.sample(self.state.params)  # likewise
-    if (self.local is not None and self.local.should_save(step)) or (
-        self.checkpointer.verify and (step == self.last_step or self.checkpointer.should_save(step))):
+    self._tell("dispatched", step)  # before the next step donates this state
+    if self.checkpointer.wants_fingerprints(step, self.last_step):
       self.summary = (step, self.summarize(self.state))  # the device runs it right after the step
     return step, metrics
 
-  def _first_call(self, name: str):
-    """The watchdog's ``compiling`` around the first call of ``name`` (it compiles then), else nothing."""
-    if name not in self.uncompiled:
-      return contextlib.nullcontext()
-    self.uncompiled.discard(name)
-    return self.watchdog.compiling(f"the {name} step's first call (its compile)")
+  def _tell(self, moment: str, *args) -> None:
+    """Each hook's ``moment`` (a :class:`jaxtrain.train.hooks.Hook` method): ``dispatched`` and ``logged`` at the
+    steps its cadence says (:func:`jaxtrain.train.hooks.due`), the others always."""
+    cadenced = moment in ("dispatched", "logged")
+    for hook in self.hooks:
+      if not cadenced or hooks_lib.due(args[0], hook.every, self.last_step):
+        getattr(hook, moment)(self, *args)
 
   def _settle(self, fetched: tuple[int, dict[str, float]] | None) -> bool:
-    """A fetched step: counted, judged (NaN policy), logged with its eval. True if the run went back to a
+    """A fetched step: counted, judged (NaN policy), logged (then its hooks). True if the run went back to a
     checkpoint."""
     if fetched is None:
       return False
@@ -379,11 +336,12 @@ class Loop:
     return action in ("rollback", "escalate") and self._recover(action, step)
 
   def _log(self, step: int) -> None:
+    record = None
     if step % self.config.train.log_every == 0 or step == self.last_step:
       record = self.interval.record(self.plan, self.flops, self.peak, self.counts.skipped_steps)
-      record.update(self._straggling(step, record))
-      if self.local is not None:
-        record["checkpoint/local_failures"] = self.local.failures  # failed local saves in all (agreed)
+      for hook in self.hooks:
+        record.update(hook.metrics(self, step, record))
+      record.update(self.checkpointer.metrics())  # failed saves of the tiers that let the run go on (agreed)
       found = self.anomalies(step, record)
       record["anomalies"] = len(found)
       if found:
@@ -391,84 +349,51 @@ class Loop:
       self.writer.write(step, record)
       self.history.append({"step": step, **record})
       self.interval = _Interval()
-    t = time.perf_counter()
-    if step in self.evaluating:
-      self.last_eval.update(self.evaluating.pop(step)())
-      self.writer.write(step, self.last_eval)
-      self.watchdog.beat()
-    if step in self.sampling:
-      write_samples(self.config.workdir, step, self.sampling.pop(step)(), self.writer)
-      self.watchdog.beat()
-    self.spent["eval"] += time.perf_counter() - t
-    if self.history and self.history[-1]["step"] == step:
-      self.goodput.progress(step, self._spent_now())
+    self._tell("logged", step, record)
 
-  def _spent_now(self) -> dict[str, float]:
+  def spent_now(self) -> dict[str, float]:
     """The loop's seconds so far in this run: productive (the rest of them) and each of ``self.spent``."""
     loop = time.perf_counter() - self._clock[0]
     return {"productive": loop - sum(self.spent.values()), **self.spent}
 
-  def _straggling(self, step: int, record: dict) -> dict[str, float]:
-    """Every process's data wait and step time of this log interval (a gather of two floats on a multi-process
-    job), judged by monitor.Stragglers."""
-    if not (self.stragglers.threshold or self.stragglers.slowdown):
-      return {}  # both off: no gather
-    if not self.judged_once:  # the same on every process: they all log the same steps
-      # The run's first interval holds its one-time costs (the first dispatch of the compiled step, buffers
-      # allocated, the input pipeline warming up): seconds on a loaded host that later intervals do not have and
-      # that would dilute a real straggler's share of the time. Judging starts with the second.
-      self.judged_once = True
-      return {}
-    own = np.array([record["data_wait_s"], record["step_time"]], np.float32)
-    every = np.asarray(multihost_utils.process_allgather(own)) if jax.process_count() > 1 else own[None]
-    return self.stragglers(step, [float(t) for t in every[:, 0]], float(every[:, 1].max()))
-
-  def _save(self, step: int, due: str, fingerprints) -> bool:
-    """Saves ``step`` if it may (:func:`may_save`): to the persistent tier (``due``: 'forced' or 'periodic') or
-    the node-local one ('local'). True if its state was non-finite and the run rolled back."""
-    if not may_save(due == "forced", self.nonfinite.streak, bool(self.last["skipped"])):
+  def _save(self, step: int, tier: checkpoint_lib.Tier, forced: bool, fingerprints) -> bool:
+    """Saves ``step`` to ``tier`` if it may (:func:`may_save`). True if its state was non-finite and the run rolled
+    back."""
+    if not may_save(forced, self.nonfinite.streak, bool(self.last["skipped"])):
       logging.warning("step %d: not saving a checkpoint after a step whose update was not applied", step)
       return False
     meta = checkpoint_meta(RunMeta.now(self.plan, self.last.get("loss")), self._counts_now())
-    tier = self.local if due == "local" else self.checkpointer
     try:
-      if due == "local":
-        self.local.save(step, self.state, self.data, meta=meta, summary=fingerprints)
-      else:
-        self.checkpointer.save(step, self.state, self.data, meta=meta, config=self.config_dict,
-                               force=due == "forced", summary=fingerprints)
+      blocked = self.checkpointer.save(tier, step, self.state, self.data, meta, self.config_dict, forced,
+                                       fingerprints)
     except checkpoint_lib.NonFiniteState as e:
       logging.warning("step %d: not saved: %s", step, e)
       return self._recover("escalate", step, why=f"a state with {e}")
-    self.interval.checkpoint_blocked += tier.last_save_blocked_s
-    self.spent["checkpoint"] += tier.last_save_blocked_s
-    self.goodput.progress(step, self._spent_now())
+    self.interval.checkpoint_blocked += blocked
+    self.spent["checkpoint"] += blocked
+    self._tell("saved", step)
     return False
 
   def _recover(self, action: monitor.Action, bad_step: int, why: str = "") -> bool:
     """Back to the newest checkpoint that restores (params, optimizer state, data position and LoopState), within
-    :class:`RollbackLimits`; the loop then replays the batches since, skipping the bad ones (the node-local tier's
-    steps past that checkpoint are deleted first, on every process). False if there is none (a policy rollback
-    then goes on, the update skipped)."""
+    :class:`RollbackLimits` (:meth:`jaxtrain.checkpoint.Checkpointer.rollback`: the persistent tier's newest; the
+    other tiers' steps past it are deleted first, on every process); the loop then replays the batches since,
+    skipping the bad ones. False if there is none (a policy rollback then goes on, the update skipped)."""
     why = why or (f"{self.nonfinite.streak} non-finite step(s) in a row" if action == "escalate" else
                   "a non-finite step")
     self.limits.check(action, bad_step, why, self.checkpointer.steps())
     plan = self.plan
-    restored = self.checkpointer.restore(state_lib.abstract(plan.model, plan.tx, plan.state_shardings), self.data)
+    restored = self.checkpointer.rollback(state_lib.abstract(plan.model, plan.tx, plan.state_shardings), self.data)
     if restored is None:
       logging.warning("rollback at step %d: no checkpoint yet; the update was skipped instead", bad_step)
       return False
     self.state, meta = restored
-    if self.local is not None:
-      self.local.forget_after(int(self.state.step))  # the abandoned timeline's local steps: never resumed
-    self.goodput.rollback(self.counts.step, int(self.state.step), self._spent_now())  # the steps since: lost
-    self.counts = self.counts.rewound_to(LoopState.from_meta(meta, int(self.state.step)))
+    reached, self.counts = self.counts.step, self.counts.rewound_to(LoopState.from_meta(meta, int(self.state.step)))
     logging.warning("rollback at step %d (%s): back to checkpoint step %d; the batches of the non-finite steps "
                     "will be skipped", bad_step, why, self.counts.step)
     self.nonfinite.streak, self.summary = 0, None
     self.buffer.clear()
-    self.evaluating = {s: fetch for s, fetch in self.evaluating.items() if s <= self.counts.step}
-    self.sampling = {s: fetch for s, fetch in self.sampling.items() if s <= self.counts.step}
+    self._tell("rolled_back", reached)
     return True
 
   def _counts_now(self) -> LoopState:
@@ -484,7 +409,8 @@ class Loop:
     if "eval_loss" in self.last_eval:
       loss += f", eval loss {self.last_eval['eval_loss']:.4f}"
     minutes, seconds = divmod(round(counts.wall_time), 60)
-    saved = self.checkpointer.directory / str(step) if step in self.checkpointer.steps() else "not saved"
+    saved = epath.Path(self.checkpointer.persistent.where) / str(step) if step in self.checkpointer.steps() else \
+        "not saved"
     where = f"checkpoint {saved}, metrics {workdir / 'metrics.jsonl'}"
     if c.metrics.tensorboard:
       where += f", TensorBoard {workdir / 'tensorboard'}"
@@ -516,32 +442,6 @@ class _Interval:
     return record
 
 
-def process_hosts() -> list[str]:
-  """Every process's host name, by process index (one gather of 64 bytes each, on a multi-process job)."""
-  name = socket.gethostname()
-  if jax.process_count() == 1:
-    return [name]
-  own = np.frombuffer(name.encode()[:64].ljust(64, b"\0"), np.uint8)
-  every = np.asarray(multihost_utils.process_allgather(own))
-  return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every]
-
-
-def write_samples(workdir: str, step: int, samples: list[dict[str, str]], writer=None) -> None:
-  """Logs ``step``'s samples and appends them to ``<workdir>/samples.jsonl`` (one JSON object per sample: step,
-  prompt, completion) and, where the run writes TensorBoard, as text (process 0)."""
-  if jax.process_index() != 0:
-    return
-  for s in samples:
-    logging.info("step %d sample: %r -> %r", step, s["prompt"], s["completion"])
-  with (epath.Path(workdir) / "samples.jsonl").open("a") as f:
-    for s in samples:
-      f.write(json.dumps({"step": step, **s}, ensure_ascii=False) + "\n")
-  tb = getattr(writer, "tb", None)
-  if tb is not None:
-    tb.add_text("samples", "\n\n".join(f"**{s['prompt']}**{s['completion']}" for s in samples), step)
-    tb.flush()
-
-
 def report_bad_batch(run: Run, step: int, recent_doc_ids, why: str) -> None:
   """Logs which documents formed this process's rows of ``step`` and appends them, with their shard files
   and indices, to ``<workdir>/bad_batches.jsonl`` (one file per process)."""
@@ -554,39 +454,3 @@ def report_bad_batch(run: Run, step: int, recent_doc_ids, why: str) -> None:
   name = "bad_batches.jsonl" if jax.process_count() == 1 else f"bad_batches.p{jax.process_index()}.jsonl"
   with (epath.Path(c.workdir) / name).open("a") as f:
     f.write(json.dumps(entry) + "\n")
-
-
-class _Profiler:
-  """One jax.profiler trace of steps [profile_start, profile_start + profile_steps) into <workdir>/profile
-  (process 0; a run resumed inside that window traces the rest of it). Called before each step; ``stop`` ends
-  the trace wherever the loop ends (the window reaching train.steps, a preemption, an error): a trace that is
-  never stopped is never written."""
-
-  def __init__(self, config):
-    m = config.metrics
-    self.start, self.end = m.profile_start, m.profile_start + m.profile_steps
-    self.enabled = self.start >= 0 and jax.process_index() == 0
-    self.directory = os.fspath(epath.Path(config.workdir) / "profile")
-    self.tracing = False
-
-  def __call__(self, step: int, state) -> None:
-    """Before the step from ``step`` (``state``: the state that step starts from)."""
-    if not self.enabled:
-      return
-    inside = self.start <= step < self.end
-    if inside and not self.tracing:
-      jax.profiler.start_trace(self.directory)
-      self.tracing = True
-    elif not inside and self.tracing:
-      jax.block_until_ready(state)  # the window's last step may still be running: let the trace see it end
-      self.stop()
-
-  def stop(self) -> None:
-    if not self.tracing:
-      return
-    self.tracing = self.enabled = False  # one trace per run (a rollback may step back into the window)
-    try:
-      jax.profiler.stop_trace()
-      logging.info("profiler trace written to %s", self.directory)
-    except Exception as e:  # noqa: BLE001 - a lost trace must not end the run
-      logging.warning("the profiler trace could not be written: %s", e)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import re
 import time
 from typing import Any, Iterator
@@ -25,15 +24,15 @@ from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import data as data_lib
 from jaxtrain import goodput
 from jaxtrain import integrity
-from jaxtrain import local_checkpoint
 from jaxtrain import metrics as metrics_lib
-from jaxtrain import paths
+from jaxtrain import sampling
 from jaxtrain import sharding
 from jaxtrain import topology
 from jaxtrain import workdir as workdir_lib
 from jaxtrain.models import attention as attention_lib
 from jaxtrain.models import lora
 from jaxtrain.parallel import context as context_lib
+from jaxtrain.train import hooks as hooks_lib
 from jaxtrain.train import loop as loop_lib
 from jaxtrain.train import state as state_lib
 from jaxtrain.train import step as step_lib
@@ -68,45 +67,16 @@ def write_config(config: ml_collections.ConfigDict) -> None:
 
 
 def make_checkpointer(config: ml_collections.ConfigDict) -> checkpoint_lib.Checkpointer:
-  c = config.checkpoint
-  return checkpoint_lib.Checkpointer(c.dir, every_steps=c.every_steps, every_minutes=c.every_minutes,
-                                     keep_last=c.keep_last, keep_every=c.keep_every, async_save=c["async"],
-                                     verify=c.verify)
+  """The run's checkpointer over the tiers of ``checkpoint.tiers``."""
+  return checkpoint_lib.Checkpointer.from_config(config)
 
 
-def make_local_checkpointer(config: ml_collections.ConfigDict) -> local_checkpoint.LocalCheckpointer | None:
-  c = config.checkpoint
-  if not c.local_dir:
-    return None
-  return local_checkpoint.LocalCheckpointer(c.local_dir, c.local_every_steps, c.local_keep_last,
-                                            owner=os.fspath(paths.resolve(c.dir)), max_failures=c.local_max_failures)
-
-
-def restore_newest(run: Run, checkpointer: checkpoint_lib.Checkpointer,
-                   local: local_checkpoint.LocalCheckpointer | None, data) -> tuple[TrainState, dict, str] | None:
-  """The newest checkpoint every process can restore, with the data position: the local tier's when it is newer
-  than the persistent tier's and every process has it, else the persistent tier's. ``(state, meta, where)``. The
-  local steps newer than the one restored are deleted on every process (an abandoned timeline's)."""
+def restore_or_init(run: Run, checkpointer: checkpoint_lib.Checkpointer, data) -> tuple[TrainState, dict]:
+  """This run's newest good checkpoint in any tier (:meth:`jaxtrain.checkpoint.Checkpointer.restore`: onto the
+  current mesh, with the data position), else a fresh state, optionally started from another run's checkpoint
+  (``checkpoint.restore_from``)."""
   abstract = state_lib.abstract(run.model, run.tx, run.state_shardings)
-  restored = None
-  if local is not None:
-    persistent = checkpointer.steps()
-    restored = local.restore(abstract, data, newer_than=persistent[-1] if persistent else 0)
-    restored = restored and (*restored, f"local tier, {local.root}")
-  if restored is None:
-    restored = checkpointer.restore(abstract, data)
-    restored = restored and (*restored, os.fspath(checkpointer.directory))
-  if local is not None:
-    local.forget_after(int(restored[0].step) if restored else 0)
-  return restored
-
-
-def restore_or_init(run: Run, checkpointer: checkpoint_lib.Checkpointer, data,
-                    local: local_checkpoint.LocalCheckpointer | None = None) -> tuple[TrainState, dict]:
-  """This run's newest good checkpoint (onto the current mesh, with the data position), else a fresh state,
-  optionally started from another run's checkpoint (``checkpoint.restore_from``)."""
-  abstract = state_lib.abstract(run.model, run.tx, run.state_shardings)
-  restored = restore_newest(run, checkpointer, local, data)
+  restored = checkpointer.restore(abstract, data)
   if restored is not None:
     state, meta, where = restored
     logging.info("resumed from checkpoint step %d (%s)", int(state.step), where)
@@ -226,7 +196,7 @@ def _already_done(run: Run, checkpointer: checkpoint_lib.Checkpointer) -> bool:
   target = run.config.train.steps
   if not steps or steps[-1] < target:
     return False
-  checkpointer.check_compatible(steps[-1], state_lib.abstract(run.model, run.tx))
+  checkpointer.persistent.check_compatible(steps[-1], state_lib.abstract(run.model, run.tx))
   logging.info("%s is already at step %d (train.steps=%d): nothing to train. To train longer, run the same "
                "command with --config.train.steps=N for some N > %d (the run resumes from step %d)",
                run.config.workdir, steps[-1], target, steps[-1], steps[-1])
@@ -249,13 +219,13 @@ def _train(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Checkpoi
     summarize = jax.jit(integrity.summary).lower(state_lib.abstract(run.model, run.tx, run.state_shardings))
     summarize = summarize.compile()
   t = time.perf_counter()
-  local = make_local_checkpointer(config)
-  state, meta = restore_or_init(run, checkpointer, data, local)
+  state, meta = restore_or_init(run, checkpointer, data)
   restore_s = time.perf_counter() - t if meta else 0.0  # a fresh state's init is start-up
   evaluate = make_evaluator(run) if config.eval.every_steps else None
+  sample = sampling.Sampler(run) if config.train.sample_every else None  # compiled once, here
+  hooks = hooks_lib.standard(run, evaluate, sample, recorder, restore_s)
   logging.info("compiled and initialized in %.1fs", time.perf_counter() - t0)
-  return loop_lib.Loop(run, data, checkpointer, step_fn, summarize, evaluate, state, meta, goodput=recorder,
-                       restore_s=restore_s, local=local).run()
+  return loop_lib.Loop(run, data, checkpointer, step_fn, summarize, state, meta, hooks, goodput=recorder).run()
 
 
 def make_evaluator(run: Run):

@@ -1,4 +1,5 @@
-"""Orbax checkpoints: async multi-host saves, retention, corrupt-checkpoint fallback, restore onto any mesh.
+"""The persistent tier: Orbax checkpoints in ``checkpoint.dir`` (local or ``gs://``), every process's shards of
+one step in one folder that every process reads; async multi-host saves, retention, restore onto any mesh.
 
 Each checkpoint step holds four items: ``state`` (the train state pytree: params, optimizer state, step),
 ``data`` (every process's data position, one JSON file per process), ``meta`` (JSON: jaxtrain version, mesh,
@@ -10,23 +11,20 @@ another mesh work. Before reading a step it compares the saved tensor shapes wit
 or optimizer is the user's mistake (an error, nothing touched), not a corrupt checkpoint to fall back from.
 The data position is saved and restored only through :class:`DataPosition` (``get_state``, ``set_state``,
 ``resplit``), so any iterator that has those three methods resumes exactly, Grain's or not; one saved by another
-number of processes is re-split by the iterator itself. Creating a Checkpointer also quiets Orbax's INFO narration
+number of processes is re-split by the iterator itself. Creating a tier also quiets Orbax's INFO narration
 (:func:`quiet_libraries`), from the command line and from Python alike.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging as std_logging
 import os
-import re
 import sys
 import time
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import jax
-import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
@@ -34,130 +32,9 @@ from jax.experimental import multihost_utils
 
 from jaxtrain import integrity
 from jaxtrain import paths
-from jaxtrain.errors import ConfigError, UserError, check_choice, check_positive
-
-
-def defaults() -> ml_collections.ConfigDict:
-  """The ``checkpoint`` config group."""
-  return ml_collections.ConfigDict({
-      "dir": "",  # default: <workdir>/checkpoints; local paths and gs:// alike
-      "every_steps": 0,  # save every N steps (0: off); the last step and preemptions always save
-      "every_minutes": 0.0,  # and/or at least every T minutes (0: off)
-      "keep_last": 3,  # retention: the newest K checkpoints ...
-      "keep_every": 0,  # ... plus every M-th step kept permanently (0: none)
-      "async": True,  # save in the background; the loop blocks only for the device-to-host copy
-      "verify": True,  # fingerprint every array at save, check them (and finiteness) at restore
-      "restore_from": "",  # start from another run's checkpoint (folder of steps, or one step folder)
-      "restore_mode": "params",  # params | state: what restore_from takes from that checkpoint
-      # A node-local tier (jaxtrain.local_checkpoint): each process saves its own shards to this folder on its
-      # own disk (a local NVMe, /dev/shm; empty: off) every local_every_steps, keeping local_keep_last of them.
-      # A failed local save is counted and the run goes on; after local_max_failures in a row the tier is off.
-      "local_dir": "",
-      "local_every_steps": 0,
-      "local_keep_last": 2,
-      "local_max_failures": 3,
-  })
-
-
-def validate(config) -> None:
-  check_positive(config, ["checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.keep_every"],
-                 allow_zero=True)
-  check_positive(config, ["checkpoint.keep_last", "checkpoint.local_keep_last", "checkpoint.local_max_failures"])
-  check_positive(config, ["checkpoint.local_every_steps"], allow_zero=True)
-  c = config.checkpoint
-  if c.local_dir and not c.local_every_steps:
-    raise ConfigError("checkpoint.local_every_steps", "must be > 0 when checkpoint.local_dir is set",
-                      "set how often the local tier saves, e.g. --config.checkpoint.local_every_steps=100")
-  if c.local_dir and paths.is_url(c.local_dir):
-    raise ConfigError("checkpoint.local_dir", f"'{c.local_dir}' is not on a local disk",
-                      "give a node-local folder (a local NVMe, /dev/shm); checkpoint.dir is the persistent tier")
-  check_choice(config, "checkpoint.restore_mode", ("params", "state"))
-
-
-class CheckpointError(UserError):
-  """A checkpoint could not be written or read (disk full, permissions, nothing to restore from)."""
-
-
-class SaveFailed(Exception):
-  """A save failed for a reason other than the storage (not the user's to fix: a bug here or in a library).
-  Its ``__cause__`` is the original error with its traceback."""
-
-
-class CorruptCheckpoint(Exception):
-  """A checkpoint's data does not match the fingerprints written with it, or holds non-finite values."""
-
-
-class NonFiniteState(Exception):
-  """A state with non-finite values was handed to save(): it is not written."""
-
-
-# What storage failures say, as OSError (local writes from Python) or inside TensorStore's messages (its
-# writes run in C++ and reach us as ValueError text naming the OS error or the object store's status).
-_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG, errno.EIO,
-                   errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EMFILE, errno.ENFILE, errno.ETIMEDOUT)
-_STORAGE_WORDS = tuple(os.strerror(n) for n in _STORAGE_ERRNOS) + (
-    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "UNAUTHENTICATED", "NOT_FOUND", "DEADLINE_EXCEEDED", "UNAVAILABLE")
-
-
-def storage_error(e: BaseException) -> BaseException | None:
-  """The OS or object-store error behind ``e`` (itself, its causes or contexts, an exception group's members),
-  or None if the failure did not come from the storage."""
-  seen, todo = set(), [e]
-  while todo:
-    x = todo.pop()
-    if x is None or id(x) in seen:
-      continue
-    seen.add(id(x))
-    if isinstance(x, OSError) or _os_error_code(x) or any(w in str(x) for w in _STORAGE_WORDS):
-      return x
-    todo += [x.__cause__, x.__context__, *getattr(x, "exceptions", ())]
-  return None
-
-
-def _os_error_code(e: BaseException) -> int | None:
-  if isinstance(e, OSError) and e.errno:
-    return e.errno
-  match = re.search(r"os_error_code='?(\d+)", str(e))  # how TensorStore reports the errno
-  return int(match.group(1)) if match else None
-
-
-def storage_reason(e: BaseException) -> str:
-  """The storage failure in a few words ("File too large"), first in the message: TensorStore buries it in
-  the middle of a long one, which describe() may shorten."""
-  code = _os_error_code(e)
-  if code:
-    return os.strerror(code)
-  return next((w for w in _STORAGE_WORDS if w in str(e)), type(e).__name__)
-
-
-def describe(e: BaseException, limit: int = 240) -> str:
-  """``Type: message`` on one line. TensorStore nests the OS error ("File too large", "No space left on
-  device") at the end of a long message, so a long one keeps its head and its tail."""
-  text = " ".join(str(e).split())
-  if len(text) > limit:
-    text = f"{text[:limit // 3]} ... {text[-(limit - limit // 3):]}"
-  return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-@runtime_checkable
-class DataPosition(Protocol):
-  """What the checkpointer needs of a data iterator to save its position and resume it exactly. The train
-  iterator of :func:`jaxtrain.data.open_train` and the synthetic source have it; an iterator without these three
-  methods trains, but its checkpoints hold no data position (a resume starts its stream over)."""
-
-  def get_state(self) -> dict:
-    """This process's position, a dict that survives ``json.dumps`` / ``json.loads`` (it is saved as JSON)."""
-    ...
-
-  def set_state(self, state: dict) -> None:
-    """Moves the iterator to ``state``, one that :meth:`get_state` or :meth:`resplit` returned."""
-    ...
-
-  def resplit(self, saved_states: list[dict]) -> dict:
-    """This process's position, for :meth:`set_state`, from the positions that every process of a run with
-    *another* process count saved at one step (``saved_states[i]``: process i's). The global stream must go on
-    where that run stopped; raise a :class:`jaxtrain.config.UserError` if it cannot (another global batch)."""
-    ...
+from jaxtrain.checkpoint.errors import (CheckpointError, CorruptCheckpoint, NonFiniteState, SaveFailed, describe,
+                                        storage_error, storage_reason)
+from jaxtrain.checkpoint.tier import TIERS, DataPosition
 
 
 # How the data position is stored. Positions differ per process, so every process writes its own: the ``data``
@@ -248,7 +125,13 @@ def _policies(every_steps: int, every_minutes: float, keep_last: int, keep_every
   return cm.AnySavePolicy(save or [cm.SpecificStepsPolicy(())]), cm.AnyPreservationPolicy(keep)
 
 
-class Checkpointer:
+class PersistentTier:
+  """The :class:`jaxtrain.checkpoint.Tier` every run has, first in ``checkpoint.tiers``: an Orbax
+  CheckpointManager over one folder every process reads. Its failed save ends the run (CheckpointError: the
+  user's to fix, or SaveFailed)."""
+
+  name = "persistent"
+  failures = 0
 
   def __init__(self, directory: str, *, every_steps: int = 0, every_minutes: float = 0, keep_last: int = 3,
                keep_every: int = 0, async_save: bool = True, verify: bool = True):
@@ -258,6 +141,7 @@ class Checkpointer:
     quiet_libraries()
     self.verify = verify
     self.directory = epath.Path(paths.resolve(os.fspath(directory)))  # Orbax wants absolute paths
+    self.where = os.fspath(self.directory)
     save_policy, keep_policy = _policies(every_steps, every_minutes, keep_last, keep_every)
     options = ocp.CheckpointManagerOptions(save_decision_policy=save_policy, preservation_policy=keep_policy,
                                            enable_async_checkpointing=async_save, create=True)
@@ -330,39 +214,28 @@ class Checkpointer:
     failed.__cause__ = e
     return failed
 
-  def restore(self, abstract_state: Any, data_iterator) -> tuple[Any, dict] | None:
-    """Restores the newest committed checkpoint that reads back cleanly, onto the shardings in
-    ``abstract_state``, and sets ``data_iterator``'s position. A checkpoint that fails to read (corrupt or
-    truncated files) is reported, moved aside to ``corrupt-<step>-<time>`` and the previous one is tried;
-    one written for another model or optimizer raises CheckpointError and nothing is touched. None if there
-    is no checkpoint."""
+  def restorable(self, abstract_state: Any, newer_than: int) -> list[int]:
+    """Every committed step newer than ``newer_than``: any of them restores onto any mesh."""
     self.wait()  # a save still in flight (a rollback right after a save) must commit before it is read
-    for step in reversed(self.steps()):
-      try:
-        self.check_compatible(step, abstract_state)
-      except CheckpointError:
-        raise
-      except Exception as e:  # unreadable metadata: corrupt
-        self._fall_back(step, e)
-        continue
-      try:
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-        if self.verify:
-          verify(restored["state"], restored["meta"])
-        self._restore_data_position(step, data_iterator, restored["meta"])
-      except UserError:  # the data position does not fit this run (another global batch): the user's to fix
-        raise
-      except Exception as e:  # corrupt or truncated files: fall back to the previous checkpoint
-        self._fall_back(step, e)
-        continue
-      return restored["state"], dict(restored["meta"])
-    return None
+    return [s for s in self.steps() if s > newer_than]
+
+  def restore(self, step: int, abstract_state: Any, data_iterator) -> tuple[Any, dict]:
+    """``step`` onto the shardings in ``abstract_state``, checked against its fingerprints (``verify``), and
+    ``data_iterator`` moved to its position. A step written for another model or optimizer raises
+    CheckpointError before any tensor is read; a data position that does not fit this run (another global
+    batch), the iterator's UserError."""
+    self.check_compatible(step, abstract_state)
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+    if self.verify:
+      verify(restored["state"], restored["meta"])
+    self._restore_data_position(step, data_iterator, restored["meta"])
+    return restored["state"], dict(restored["meta"])
 
   def check_compatible(self, step: int, abstract_state: Any) -> None:
     """Raises CheckpointError if ``step`` was written for another model or optimizer (tensor names or shapes
     differ from ``abstract_state``), reading only metadata. Unreadable metadata raises what the read raised."""
-    mismatch = _mismatch(saved_tensors(self.directory / str(step) / "state"), abstract_state)
+    mismatch = shape_mismatch(saved_tensors(self.directory / str(step) / "state"), abstract_state)
     if mismatch:
       raise CheckpointError(os.fspath(self.directory / str(step)), f"was written for another model or optimizer "
                             f"({mismatch})", "use a new workdir (or checkpoint.dir) for this config, or go back "
@@ -383,13 +256,11 @@ class Checkpointer:
       logging.info("data position of %d processes re-split over %d", saved, jax.process_count())
     data_iterator.set_state(position)
 
-  def _fall_back(self, step: int, e: Exception) -> None:
+  def set_aside(self, step: int, error: Exception) -> None:
+    """Renames a bad step to ``corrupt-<step>-<time>``, so that it is neither restored nor overwritten, and keeps
+    it for inspection."""
     logging.warning("checkpoint step %d in %s cannot be restored (%s); set aside, falling back to the previous "
-                    "one", step, self.directory, describe(e))
-    self._set_aside(step)
-
-  def _set_aside(self, step: int) -> None:
-    """Renames a bad step so that it is neither restored nor overwritten, and keeps it for inspection."""
+                    "one", step, self.directory, describe(error))
     if jax.process_index() == 0:
       src = self.directory / str(step)
       if src.exists():
@@ -398,8 +269,23 @@ class Checkpointer:
       multihost_utils.sync_global_devices(f"jaxtrain_set_aside_{step}")
     self.manager.reload()
 
+  def forget_after(self, step: int) -> None:
+    """Deletes the committed steps past ``step``. A run goes on from this tier's newest step that restores or
+    from a newer step of another tier, so there are none unless a step was added behind the run's back."""
+    for newer in [s for s in self.steps() if s > step]:
+      self.manager.delete(newer)
+
   def close(self) -> None:
     self.manager.close()
+
+
+@TIERS.register("persistent")
+def from_config(config) -> PersistentTier:
+  """The persistent tier of ``config.checkpoint`` (``dir``, ``every_steps``, ``every_minutes``, ``keep_last``,
+  ``keep_every``, ``async``, ``verify``)."""
+  c = config.checkpoint
+  return PersistentTier(c.dir, every_steps=c.every_steps, every_minutes=c.every_minutes, keep_last=c.keep_last,
+                        keep_every=c.keep_every, async_save=c["async"], verify=c.verify)
 
 
 def verify(state: Any, meta: dict) -> None:
@@ -431,7 +317,7 @@ def saved_tensors(state_dir) -> dict[str, Any]:
   return integrity.named(tree)
 
 
-def _mismatch(saved: dict[str, Any], abstract_state: Any) -> str:
+def shape_mismatch(saved: dict[str, Any], abstract_state: Any) -> str:
   """What keeps a saved state from restoring into ``abstract_state`` (missing tensors, other shapes), or ''.
   Dtypes may differ: Orbax casts on restore."""
   wanted = integrity.named(abstract_state)
@@ -448,95 +334,3 @@ def _params_first(names) -> list[str]:
   return sorted(names, key=lambda k: (not k.startswith("params"), k))
 
 
-def restore_from(path: str, abstract_state: Any, params_only: bool,
-                 optional: tuple[str, ...] = (), subset: bool = False) -> tuple[Any, int]:
-  """Reads another run's checkpoint: ``path`` is a checkpoint folder (newest step) or one step folder.
-  Returns the restored state pytree (only its ``params`` are meaningful when ``params_only``) and the step.
-  ``optional`` (with ``params_only``): top-level params keys that the checkpoint may lack (LoRA adapters, when
-  starting from a base model); those it lacks are not read and are absent from the returned params. Any other
-  difference between its params and ``abstract_state``'s (a missing or extra tensor, another shape) is a
-  CheckpointError naming it (metadata only, before any tensor is read). ``subset`` (with ``params_only``):
-  ``abstract_state``'s params name only some of the checkpoint's (read one at a time: tools/convert_hf.py export);
-  the others are not compared, nor read."""
-  quiet_libraries()
-  root = epath.Path(paths.resolve(path))
-  step_dir = root if (root / "state").exists() else None
-  if step_dir is None:
-    steps = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.exists() else []
-    if not steps:
-      raise CheckpointError(path, "no committed checkpoint found", "point checkpoint.restore_from at a run's "
-                            "checkpoints folder or one of its step folders")
-    step_dir = root / str(steps[-1])
-  item = step_dir / "state"
-  target = {"params": abstract_state.params} if params_only else abstract_state
-  try:
-    if params_only:  # read just the params subtree, whatever else (optimizer state) the other run saved
-      saved = {k: v for k, v in saved_tensors(item).items() if k.startswith("params/")}
-      if subset:
-        saved = {k: v for k, v in saved.items() if k in integrity.named({"params": abstract_state.params})}
-      absent = [k for k in optional if k in abstract_state.params and not any(
-          n.startswith(f"params/{k}/") for n in saved)]
-      target = {"params": {k: v for k, v in abstract_state.params.items() if k not in absent}}
-      mismatch = _mismatch(saved, target)
-      if mismatch:
-        raise CheckpointError(os.fspath(step_dir), f"holds params of another model ({mismatch})",
-                              "check that the checkpoint matches this model config (model.lora included)")
-      with ocp.PyTreeCheckpointer() as ckptr:
-        restored = ckptr.restore(item, args=ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
-    else:
-      with ocp.StandardCheckpointer() as ckptr:
-        restored = ckptr.restore(item, target)
-    meta_file = step_dir / "meta" / "metadata"
-    verify(restored, json.loads(meta_file.read_text()) if meta_file.exists() else {})
-  except CorruptCheckpoint as e:
-    raise CheckpointError(os.fspath(step_dir), f"is corrupt ({e})", "restore from another step or run") from None
-  except CheckpointError:
-    raise
-  except Exception as e:
-    raise CheckpointError(os.fspath(step_dir), f"cannot restore ({describe(e)})",
-                          "check that the checkpoint matches this model config") from None
-  return restored, int(step_dir.name) if step_dir.name.isdigit() else -1
-
-
-# A run's checkpoints, found from what a user passes (tools/convert_hf.py export, jaxtrain.generate) ------------
-
-
-def step_dir(path: str, step: int | None = None) -> str:
-  """The step folder that ``path`` names: a run's workdir, its checkpoints folder, or a step folder itself; the
-  newest committed step unless ``step``. Raises CheckpointError (one line) when there is none."""
-  path = os.path.abspath(path)
-  if os.path.isdir(os.path.join(path, "state")):
-    if step is not None and os.path.basename(path) != str(step):
-      raise CheckpointError(path, f"is step {os.path.basename(path)}, not --step={step}",
-                            "drop --step or pass its folder")
-    return path
-  folder = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
-  steps = sorted(int(p) for p in os.listdir(folder) if p.isdigit()) if os.path.isdir(folder) else []
-  if not steps:
-    raise CheckpointError(path, "holds no committed checkpoint",
-                          "pass a run's workdir, its checkpoints folder or a step folder")
-  if step is not None and step not in steps:
-    raise CheckpointError(folder, f"has no step {step} (it has {', '.join(map(str, steps))})", "pick one of them")
-  return os.path.join(folder, str(step if step is not None else steps[-1]))
-
-
-def saved_config(step_dir: str) -> dict:
-  """The resolved config a checkpoint was written with: its ``config`` item, else its workdir's config.json."""
-  for f in (os.path.join(step_dir, "config", "metadata"),
-            os.path.join(os.path.dirname(os.path.dirname(step_dir)), "config.json")):
-    if os.path.exists(f):
-      return json.loads(open(f).read())
-  raise CheckpointError(step_dir, "has no config item and its workdir no config.json",
-                        "pass a checkpoint written by jaxtrain")
-
-
-def side_files_dir(step_dir: str, config: dict) -> str | None:
-  """The ``hf`` folder of the import this checkpoint comes from: next to its checkpoints folder, or next to the
-  checkpoint its run started from (``checkpoint.restore_from``)."""
-  candidates = [os.path.dirname(os.path.dirname(step_dir))]
-  restore_from = (config.get("checkpoint") or {}).get("restore_from")
-  if restore_from:
-    candidates += [os.path.dirname(restore_from.rstrip("/")), os.path.dirname(os.path.dirname(
-        restore_from.rstrip("/")))]
-  return next((os.path.join(c, "hf") for c in candidates if os.path.isdir(os.path.join(c, "hf"))), None)

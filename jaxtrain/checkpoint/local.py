@@ -1,6 +1,6 @@
 """The node-local checkpoint tier: frequent saves of every process's own shards to its own disk
-(``checkpoint.local_dir``, e.g. a local NVMe or ``/dev/shm``), beside the rarer persistent tier of
-:mod:`jaxtrain.checkpoint`.
+(``checkpoint.local_dir``, e.g. a local NVMe or ``/dev/shm``), beside the rarer persistent tier
+(:mod:`jaxtrain.checkpoint.persistent`). A :class:`jaxtrain.checkpoint.Tier`, named ``local``.
 
 Each process writes ``<local_dir>/run-<key>/process_<i>-of-<n>/<step>/``: its addressable shards (``shards.npz``,
 each distinct shard once), its data position and the step's ``meta`` with the fingerprints of the whole state.
@@ -13,7 +13,7 @@ never fewer than the newest step every process has plus the one being written.
 
 The tier is optional, and it never ends a run. A failed write (a full disk or ``/dev/shm``) is settled at the next
 save, on every process at once: a step that failed on any process is deleted on all of them (no restore can mix it
-in), the first failure is warned about in one line, every one is counted (:attr:`LocalCheckpointer.failures`, logged
+in), the first failure is warned about in one line, every one is counted (:attr:`LocalTier.failures`, logged
 as ``checkpoint/local_failures``) and the run goes on with the persistent tier; after ``max_failures`` in a row the
 tier is switched off for the rest of the run, on every process.
 
@@ -22,9 +22,10 @@ mesh and shardings: each process reads back exactly its shards) and are newer th
 the processes agree on the newest step that all of them have (one gather), restore it and check the fingerprints
 on the whole state (a step any process cannot read, or whose fingerprints differ, is set aside everywhere and the
 next one tried). A replaced host, with an empty local disk, has no such step: every process then resumes from the
-persistent tier (:meth:`jaxtrain.checkpoint.Checkpointer.restore`), which restores onto any layout. Whatever a run
-resumes or rolls back to, :meth:`LocalCheckpointer.forget_after` then deletes the local steps newer than it on every
-process before training goes on: they belong to the abandoned timeline, and a crash must never resume one.
+persistent tier, which restores onto any layout (:meth:`jaxtrain.checkpoint.Checkpointer.restore` tries the
+tiers' steps newest first). Whatever a run resumes or rolls back to, :meth:`LocalTier.forget_after` then deletes the
+local steps newer than it on every process before training goes on: they belong to the abandoned timeline, and a
+crash must never resume one.
 
 Why not Orbax here: Orbax's ordinary CheckpointManager assumes one storage every process sees (process 0 commits
 the step), which node-local disks are not; its emergency (multi-tier) CheckpointManager saves the train state
@@ -49,7 +50,9 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from jaxtrain import integrity
-from jaxtrain.checkpoint import CorruptCheckpoint, DataPosition, NonFiniteState, describe
+from jaxtrain import paths
+from jaxtrain.checkpoint.errors import CorruptCheckpoint, NonFiniteState, describe
+from jaxtrain.checkpoint.tier import TIERS, DataPosition
 
 _MAX_STEPS = 32  # local steps each process offers for the agreement on restore
 # Leftovers of an interrupted write or delete: removed at the next start (with the steps set aside, corrupt-*).
@@ -67,13 +70,19 @@ def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
   return [list(s.indices(n)[:2]) for s, n in zip(index, shape)]
 
 
-class LocalCheckpointer:
+class LocalTier:
+  """The node-local :class:`jaxtrain.checkpoint.Tier` (see the module's docstring). Always fingerprinted; a failed
+  save is counted, never raised."""
+
+  name = "local"
+  verify = True
 
   def __init__(self, directory: str, every_steps: int, keep_last: int = 2, owner: str = "", max_failures: int = 3):
     """``owner``: the persistent checkpoint folder of the run (it names the run's folder in ``directory`` and is
     recorded with every local step). ``max_failures``: failed saves in a row after which the tier is switched
     off. Removes what an interrupted save or an earlier restore left in this process's folder."""
     self.root, self.owner = os.path.abspath(directory), owner
+    self.where = f"local tier, {self.root}"
     self.run_dir = os.path.join(self.root, run_key(owner))
     self.directory = os.path.join(self.run_dir, f"process_{jax.process_index()}-of-{jax.process_count()}")
     self.every_steps, self.keep_last, self.max_failures = every_steps, keep_last, max_failures
@@ -104,17 +113,18 @@ class LocalCheckpointer:
   def should_save(self, step: int) -> bool:
     return self.enabled and bool(self.every_steps) and step % self.every_steps == 0
 
-  def save(self, step: int, state: Any, data_iterator, meta: dict,
-           summary: tuple[dict[str, int], list[str]] | None = None) -> None:
+  def save(self, step: int, state: Any, data_iterator, meta: dict, config: dict | None = None, force: bool = False,
+           summary: tuple[dict[str, int], list[str]] | None = None) -> bool:
     """Settles the previous write (:meth:`wait`), then copies this process's shards of ``state`` to host memory
-    (the loop waits for that) and writes them with the data position and ``meta`` in the background. Raises
-    NonFiniteState (nothing written) for a non-finite state; a failed write raises nothing (see the module's
-    docstring). Every process must call it at the same steps."""
+    (the loop waits for that) and writes them with the data position and ``meta`` in the background; returns
+    whether a write was started. Raises NonFiniteState (nothing written) for a non-finite state; a failed write
+    raises nothing (see the module's docstring). Every process must call it at the same steps. ``config`` is not
+    kept (the persistent tier keeps it); ``force`` changes nothing (the loop forces only persistent saves)."""
     t = time.perf_counter()
     self.wait()
     if not self.enabled:  # switched off just now
       self.last_save_blocked_s = time.perf_counter() - t
-      return
+      return False
     fingerprints, nonfinite = summary if summary is not None else integrity.summarize(state)
     if nonfinite:
       raise NonFiniteState(f"non-finite values in {nonfinite[0]}")
@@ -135,7 +145,7 @@ class LocalCheckpointer:
     except MemoryError as e:  # the host is out of memory for the copy: a failed save like any other
       self._error = e
       self.last_save_blocked_s = time.perf_counter() - t
-      return
+      return True
     position = data_iterator.get_state() if isinstance(data_iterator, DataPosition) else None
     record = {**meta, "fingerprints": fingerprints, "shards": shards, "position": position,
               "layout": self._layout()}
@@ -146,6 +156,7 @@ class LocalCheckpointer:
                                     name=f"jaxtrain-local-save-{step}")
     self._writer.start()
     self.last_save_blocked_s = time.perf_counter() - t
+    return True
 
   def _write(self, step: int, arrays: dict[str, np.ndarray], record: dict, prune: list[int]) -> None:
     for old in prune:  # first: the space they take may be what this write needs
@@ -243,37 +254,39 @@ class LocalCheckpointer:
         return False
     return True
 
-  def restore(self, abstract_state: Any, data_iterator, newer_than: int) -> tuple[Any, dict] | None:
-    """The newest local step newer than ``newer_than`` that every process has, fits this layout and verifies,
-    restored onto ``abstract_state``'s shardings with its data position; None if there is none (then the caller
-    restores the persistent tier). Every process must call it, before any save: it also agrees on whether the
-    tier is on (a process whose folder cannot be used switches it off everywhere)."""
+  def restorable(self, abstract_state: Any, newer_than: int) -> list[int]:
+    """The steps newer than ``newer_than`` that every process has and that fit this layout (the same process
+    count, mesh and shardings: each process reads back exactly its shards), newest ``_MAX_STEPS`` of this process's.
+    Every process must call it, before any save: it also agrees on whether the tier is on (a process whose folder
+    cannot be used switches it off everywhere: then none)."""
     self.wait()
     if not _everywhere(self.enabled):
       self._switch_off("another process cannot use its local folder (its log says why)")
-      return None
+      return []
     mine = [s for s in self.steps() if s > newer_than and self._fits(s, abstract_state)][-_MAX_STEPS:]
-    for step in reversed(_common(mine)):
-      loaded, problem = None, None
-      try:
-        loaded = self._load(step, abstract_state)
-      except Exception as e:  # noqa: BLE001 - unreadable: every process sets it aside below
-        problem = describe(e)
-      if not _everywhere(loaded is not None):
-        self._set_aside(step, problem or "another process cannot read its part")
-        continue
-      state, record = loaded
-      fingerprints, nonfinite = integrity.summarize(state)  # on the whole state: the same verdict everywhere
-      wrong = [k for k, v in record["fingerprints"].items() if fingerprints.get(k) != v]
-      if wrong or nonfinite:
-        self._set_aside(step, str(CorruptCheckpoint(f"{(wrong or nonfinite)[0]} does not match its fingerprint"
-                                                    if wrong else f"non-finite values in {nonfinite[0]}")))
-        continue
-      if record.get("position") is not None and isinstance(data_iterator, DataPosition):
-        data_iterator.set_state(record["position"])
-      meta = {k: v for k, v in record.items() if k not in ("shards", "position", "layout", "arrays")}
-      return state, meta
-    return None
+    return _common(mine)
+
+  def restore(self, step: int, abstract_state: Any, data_iterator) -> tuple[Any, dict]:
+    """``step`` (one of :meth:`restorable`) onto ``abstract_state``'s shardings, its fingerprints checked on the
+    whole state, and the data position set. Raises CorruptCheckpoint on every process if any process cannot read
+    its part or the fingerprints differ (the same verdict everywhere)."""
+    loaded, problem = None, None
+    try:
+      loaded = self._load(step, abstract_state)
+    except Exception as e:  # noqa: BLE001 - unreadable: every process sets it aside
+      problem = describe(e)
+    if not _everywhere(loaded is not None):
+      raise CorruptCheckpoint(problem or "another process cannot read its part")
+    state, record = loaded
+    fingerprints, nonfinite = integrity.summarize(state)  # on the whole state: the same verdict everywhere
+    wrong = [k for k, v in record["fingerprints"].items() if fingerprints.get(k) != v]
+    if wrong:
+      raise CorruptCheckpoint(f"{wrong[0]} does not match its fingerprint")
+    if nonfinite:
+      raise CorruptCheckpoint(f"non-finite values in {nonfinite[0]}")
+    if record.get("position") is not None and isinstance(data_iterator, DataPosition):
+      data_iterator.set_state(record["position"])
+    return state, {k: v for k, v in record.items() if k not in ("shards", "position", "layout", "arrays")}
 
   def forget_after(self, step: int) -> None:
     """The run resumes or rolls back to ``step`` (0: starts from scratch): the local steps past it belong to an
@@ -308,12 +321,20 @@ class LocalCheckpointer:
     state = jax.tree_util.tree_map_with_path(lambda path, _: arrays[integrity.name(path)], abstract_state)
     return state, record
 
-  def _set_aside(self, step: int, why: str) -> None:
+  def set_aside(self, step: int, error: Exception) -> None:
+    """Renames ``step`` to ``corrupt-<step>-<time>`` (deleted at the next start)."""
+    why = str(error) if isinstance(error, CorruptCheckpoint) else describe(error)
     logging.warning("local checkpoint step %d in %s cannot be restored (%s); set aside until the next start, "
                     "falling back", step, self.directory, why)
     folder = os.path.join(self.directory, str(step))
     if os.path.exists(folder):
       os.rename(folder, os.path.join(self.directory, f"corrupt-{step}-{int(time.time())}"))
+
+  def close(self) -> None:
+    """Waits for this process's write in flight, so that no thread writes into the folder once the run is over
+    (its outcome is not agreed: close runs on error paths too, where the other processes may not be)."""
+    if self._writer is not None:
+      self._writer.join()
 
   def _remove_leftovers(self) -> None:
     """What an interrupted write or delete left (``.tmp``, ``.trash``) and the steps set aside at an earlier
@@ -332,6 +353,17 @@ class LocalCheckpointer:
           _remove(path)
         else:
           os.rename(path, final)
+
+
+@TIERS.register("local")
+def from_config(config) -> LocalTier | None:
+  """The local tier of ``config.checkpoint`` (``local_dir``, ``local_every_steps``, ``local_keep_last``,
+  ``local_max_failures``), its run folder keyed by ``checkpoint.dir``; None without ``local_dir``."""
+  c = config.checkpoint
+  if not c.local_dir:
+    return None
+  return LocalTier(c.local_dir, c.local_every_steps, c.local_keep_last, owner=os.fspath(paths.resolve(c.dir)),
+                   max_failures=c.local_max_failures)
 
 
 def _remove(path: str) -> None:

@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain import models
 from jaxtrain.errors import ConfigError, check_positive
-from jaxtrain.models import attention, llama, quantization, scans
+from jaxtrain.models import attention, core, quantization, scans
+from jaxtrain.models.llama import model as llama
 from jaxtrain.models.attention import KV_AXES, KVCache
 from jaxtrain.parallel import experts
 from jaxtrain.sharding import constrain
@@ -98,9 +98,9 @@ def param_counts(cfg, abstract_params) -> tuple[int, int]:
 
 def flops_per_token(cfg, seq_len: int, abstract_params) -> float:
   """PaLM's dense formula over the parameters a token uses: the k routed experts (and shared ones), not all E."""
-  dense = models.dense_flops_per_token(abstract_params, seq_len, num_layers=cfg.num_layers,
-                                       attention_width=cfg.num_heads * cfg.head_dim,
-                                       tied_embeddings=cfg.tie_embeddings)
+  dense = core.dense_flops_per_token(abstract_params, seq_len, num_layers=cfg.num_layers,
+                                     attention_width=cfg.num_heads * cfg.head_dim,
+                                     tied_embeddings=cfg.tie_embeddings)
   return dense - 6 * _expert_params(abstract_params) * (1 - cfg.experts_per_token / cfg.num_experts)
 
 
@@ -231,7 +231,7 @@ class MoeLM(nnx.Module):
     self.moe_layers = cfg.num_layers - cfg.first_dense_layers
 
   def _remat(self, fn):
-    return models.remat_layer(fn, self.remat)
+    return core.remat_layer(fn, self.remat)
 
   def embed_tokens(self, tokens, positions, segment_ids):
     """The embedding and the dense first layers (so a pipeline splits only the MoE stack)."""
@@ -277,7 +277,7 @@ class MoeLM(nnx.Module):
       return (h, jax.tree.map(jnp.add, extras, new)), None
 
     (x, extras), _ = jax.lax.scan(body, (x, zero), nnx.state(self.layers), unroll=scans.unroll())
-    return models.Output(self.head(x), extras["aux_losses"], extras["metrics"])
+    return core.Output(self.head(x), extras["aux_losses"], extras["metrics"])
 
 
   @classmethod
@@ -306,6 +306,6 @@ class MoeLM(nnx.Module):
                                 v=constrain(jnp.concatenate(vs), stacked_axes), index=slots.index + tokens.shape[1])
     return self.head(x), cache
 
-models.register("moe", models.Family(module=MoeLM, defaults=defaults, flops_per_token=flops_per_token,
-                                     validate=validate, axis_keys=AXIS_KEYS,
-                                     activation_estimate=activation_estimate, quantizable=True))
+core.register("moe", core.Family(module=MoeLM, defaults=defaults, flops_per_token=flops_per_token,
+                                   validate=validate, axis_keys=AXIS_KEYS,
+                                   activation_estimate=activation_estimate, quantizable=True))

@@ -14,9 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain import models
 from jaxtrain.errors import ConfigError, check_positive
-from jaxtrain.models import attention, fusion, quantization, scans
+from jaxtrain.models import attention, core, fusion, quantization, scans
 from jaxtrain.models.attention import KV_AXES, KVCache, attend, attend_cached, write_kv
 from jaxtrain.sharding import constrain, mesh_axes
 
@@ -100,8 +99,8 @@ def validate(cfg) -> None:
 def flops_per_token(cfg, seq_len: int, abstract_params) -> float:
   """PaLM's formula (:func:`jaxtrain.models.dense_flops_per_token`), a local layer's attention term over its window
   of keys instead of the whole sequence."""
-  weights = models.dense_flops_per_token(abstract_params, 0, num_layers=0, attention_width=0,
-                                         tied_embeddings=cfg.tie_embeddings)
+  weights = core.dense_flops_per_token(abstract_params, 0, num_layers=0, attention_width=0,
+                                       tied_embeddings=cfg.tie_embeddings)
   keys = sum(min(seq_len, w) if w else seq_len for w in attention.layer_windows(cfg))
   return weights + 12 * cfg.num_heads * cfg.head_dim * keys
 
@@ -127,13 +126,13 @@ def activation_estimate(cfg, rows: int, seq_len: int, tensor: int, context: int 
   # The tagged projections (models.ACTIVATION_NAMES), and what save_dots keeps: q, k, v, the attention output
   # projection, gate and up (down's output is not read by the backward: XLA drops it).
   width = {"query_proj": h, "key_proj": kv, "value_proj": kv, "out_proj": d, "mlp_gate": unrouted,
-           "mlp_up": unrouted, "mlp_down": 0, models.LAYER_INPUT: d,
+           "mlp_up": unrouted, "mlp_down": 0, core.LAYER_INPUT: d,
            "dots": h + 2 * kv + d + 2 * unrouted + router * 4 // act_bytes}  # (down: read by no backward)
-  policy = models.REMAT.get(cfg.remat)
+  policy = core.REMAT.get(cfg.remat)
   saved = ("dots",) if policy is None else getattr(policy, "saved", ())
   offloaded = getattr(policy, "offloaded", ())
   per_layer += b * seq * sum(width[n] for n in saved)
-  if models.LAYER_INPUT in offloaded:  # offload_full: the layer's input waits in host memory instead
+  if core.LAYER_INPUT in offloaded:  # offload_full: the layer's input waits in host memory instead
     per_layer -= b * seq * d
   host_per_layer = b * seq * sum(width[n] for n in offloaded)
   if cfg.remat == "none":  # and every elementwise intermediate, and what the attention backend keeps
@@ -491,7 +490,7 @@ class Llama(nnx.Module):
     side = (positions, segment_ids) and ``local`` (see Attention). Rematerialized per ``model.remat``."""
     graphdef = nnx.graphdef(self.layers)
     layer = lambda w, h, side, local: nnx.merge(graphdef, w)(h, *side, local=local)  # noqa: E731
-    return models.remat_layer(layer, self.remat)(weights, x, side, local)
+    return core.remat_layer(layer, self.remat)(weights, x, side, local)
 
   def head(self, x):
     x = self.final_norm(x)
@@ -541,6 +540,6 @@ class Llama(nnx.Module):
     return self.head(x), cache
 
 
-models.register("llama", models.Family(module=Llama, defaults=defaults, flops_per_token=flops_per_token,
-                                       validate=validate, axis_keys=AXIS_KEYS,
-                                       activation_estimate=activation_estimate, quantizable=True))
+core.register("llama", core.Family(module=Llama, defaults=defaults, flops_per_token=flops_per_token,
+                                     validate=validate, axis_keys=AXIS_KEYS,
+                                     activation_estimate=activation_estimate, quantizable=True))

@@ -1,0 +1,88 @@
+"""The Hugging Face adapter contract: how one ``model_type`` of a Hugging Face ``config.json`` maps onto a jaxtrain
+family, both ways, and the registry that jaxtrain/hf.py reads (:data:`ADAPTERS`, by ``model_type``).
+
+jaxtrain/hf.py does what every family shares (finding and streaming safetensors, sharded writing, the tokenizer and
+generation files, the output folder built aside and renamed into place) and asks the checkpoint's adapter for the
+rest: the model group a config.json gives, the config.json a model group gives, every tensor's name, jaxtrain param
+and layout, and what of a model group the architecture does not compute. An adapter lives in its family's folder
+(``jaxtrain/models/llama/hf.py``, ``jaxtrain/models/moe/hf.py``) or in any module a user imports
+(``tests/gpt2_family.py``); one ``register`` call adds it.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, NamedTuple
+
+import ml_collections
+
+from jaxtrain.errors import UserError
+from jaxtrain.registry import Registry
+
+
+class HFError(UserError):
+  """A Hugging Face folder or checkpoint the converter cannot take (printed as one line, exit code 2)."""
+
+
+class Tensor(NamedTuple):
+  """One Hugging Face tensor and where it lives in jaxtrain's params."""
+  name: str  # the Hugging Face name
+  path: tuple[str, ...]  # the jaxtrain param
+  index: tuple[int, ...] | None  # where it sits in a stacked param: (layer,), (layer, expert); None: the whole param
+  shape: tuple[int, ...]  # the Hugging Face shape
+  linear: bool  # a torch Linear weight ([out, in]): the transpose of jaxtrain's kernel as [in, out]; else a reshape
+
+
+class Adapter(abc.ABC):
+  """One Hugging Face ``model_type`` (``architecture`` its transformers class) read as, and written from, the jaxtrain
+  family ``family``. hf.py has checked the model_type and the ``architectures`` field before it calls
+  :meth:`model_config`, and validates the model group after it."""
+  model_type: str
+  family: str
+  architecture: str
+
+  @abc.abstractmethod
+  def model_config(self, hf: dict, where: str) -> ml_collections.ConfigDict:
+    """The family's ``model`` group of a ``config.json`` dict; :class:`HFError` (naming ``where``) for anything the
+    family does not compute the same way."""
+
+  @abc.abstractmethod
+  def hf_config(self, model: Any, base: dict | None, dtype: str) -> dict:
+    """The ``config.json`` dict of the ``model`` group, on top of ``base`` (the imported source's config.json, None
+    for a model trained from scratch), ``torch_dtype`` ``dtype``."""
+
+  @abc.abstractmethod
+  def tensors(self, model: Any) -> list[Tensor]:
+    """Every tensor of the model's Hugging Face checkpoint, in file order."""
+
+  def why_not_exportable(self, model: Any) -> str | None:
+    """What of the ``model`` group the architecture does not compute (None: nothing), as "sets model.x=..."."""
+    del model
+    return None
+
+  def ignored(self, name: str, model: Any) -> bool:
+    """Whether a tensor of a source checkpoint that :meth:`tensors` does not name is skipped (a buffer, a tied
+    copy); else the import refuses the folder."""
+    del name, model
+    return False
+
+
+ADAPTERS: Registry[Adapter] = Registry("model_type", "Hugging Face model_type",
+                                       how="jaxtrain.models.hf_adapter.register")
+REFUSED: dict[str, tuple[str, str]] = {}  # model_type -> (what it is, what to do instead): named, not read
+
+
+def register(adapter: Adapter) -> Adapter:
+  """Registers ``adapter`` under its ``model_type`` (then tools/convert_hf.py imports such checkpoints, and exports
+  its family's)."""
+  return ADAPTERS.register(adapter.model_type, adapter)
+
+
+def refuse(model_type: str, problem: str, fix: str) -> None:
+  """A ``model_type`` the import names with its own line instead of "not supported" (a multimodal sibling)."""
+  REFUSED[model_type] = (problem, fix)
+
+
+def for_family(name: str) -> Adapter | None:
+  """The adapter that exports family ``name`` (the first registered, by model_type, that reads it), or None."""
+  return next((a for _, a in ADAPTERS.items() if a.family == name), None)
