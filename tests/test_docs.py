@@ -1,6 +1,6 @@
 """The docs as pages: README.md is a front page (at most 250 lines) whose map reaches every page under docs/, and
-every link between the pages (files, and #anchors to their headings) resolves. The commands on the pages are run
-by tests/test_readme.py."""
+every link between the pages (files, and #anchors to their headings) resolves, and docs/design.md's module table and
+configs list are the package's. The commands on the pages are run by tests/test_readme.py."""
 
 import pathlib
 import re
@@ -82,3 +82,31 @@ def test_the_exit_code_table_is_the_one_main_uses():
   rows = re.findall(r"^\| (\d+) \| (.+?) \| (\w+) \|$", text, re.M)
   assert {int(code): meaning for code, meaning, _ in rows} == exits.CODES
   assert {int(code) for code, _, act in rows if act == "restart"} == {exits.RESTART}
+
+
+def design_modules() -> list[str]:
+  """The package paths docs/design.md's module table names (its second column), relative to jaxtrain/: a name with
+  no folder in a cell takes the folder of the cell's first name (`models/attention.py`, `lora.py`)."""
+  text = (ROOT / "docs" / "design.md").read_text()
+  table = text.split("## What each module owns", 1)[1].split("\n## ", 1)[0]
+  named = []
+  for row in re.findall(r"^\|[^|\n]*\|([^|\n]*)\|", table, re.M):
+    names = re.findall(r"`([^`]+)`", row)
+    folder = names[0].rpartition("/")[0] if names and "/" in names[0].rstrip("/") else ""
+    named += [n if "/" in n or not folder else f"{folder}/{n}" for n in names]
+  return named
+
+
+def test_the_design_pages_module_table_names_every_module_and_only_modules_that_exist():
+  """docs/design.md's map stays true: every module of the package is in its module table (itself, or its folder:
+  `data/`), every name there is a module or folder that exists, and its list of configs is configs/."""
+  package = ROOT / "jaxtrain"
+  named = design_modules()
+  missing = [n for n in named if not (package / n).exists()]
+  assert not missing, f"docs/design.md's module table names what does not exist: {missing}"
+  files = [p.relative_to(package).as_posix() for p in package.rglob("*.py") if p.name != "__init__.py"]
+  unlisted = [f for f in files if f not in named and not any(n.endswith("/") and f.startswith(n) for n in named)]
+  assert not unlisted, f"modules docs/design.md's module table does not name: {unlisted}"
+  listed = re.search(r"^configs/ +(.+?)\n(?=\S)", (ROOT / "docs" / "design.md").read_text(), re.M | re.S)
+  assert listed, "docs/design.md lists no configs/"
+  assert sorted(re.findall(r"\w+", listed.group(1))) == sorted(p.stem for p in (ROOT / "configs").glob("[!_]*.py"))
