@@ -212,67 +212,9 @@ def test_the_check_refuses_inputs_everywhere_and_targets_under_the_loss_mask():
     ids.check(batch, VOCAB, where)
 
 
-_REGISTERED = '''
-import numpy as np
-from jaxtrain import data as data_lib
-from jaxtrain.data import batch as batch_lib
-from tests.conftest import small_config
 
 
-class Rows:
-  """Batches of in-range ids for steps 1 and 2; step 3's holds id 256 at row 1, column 7 (document 301)."""
-
-  def __init__(self, c):
-    self.c, self.step = c, 0
-
-  def __iter__(self):
-    return self
-
-  def __next__(self):
-    self.step += 1
-    c = self.c
-    tokens = np.arange(c.train.global_batch_size * (c.data.seq_len + 1)).reshape(c.train.global_batch_size, -1) % 200
-    if self.step == 3:
-      tokens[1, 7] = 256
-    batch = batch_lib.from_tokens(tokens.astype(np.int32))
-    batch["doc_ids"] = 100 * self.step + np.arange(c.train.global_batch_size)[:, None] + 0 * batch["inputs"]
-    return batch
-
-
-data_lib.SOURCES.register("rows_test", data_lib.Source(open_train=Rows, open_eval=lambda c: [],
-                                                       provenance=lambda c, step, doc_ids: {}, reads_path=False))
-
-
-def get_config():
-  c = small_config("unused", fsdp=8)
-  c.data.source = "rows_test"
-  c.train.steps = 6
-  c.checkpoint.every_steps = 1
-  c.metrics.tensorboard = False
-  return c
-'''
-
-
-def test_registered_source_ends_the_run_with_one_line_and_trains_nothing_on_it(tmp_path):
-  """End to end: python -m jaxtrain.main on a source registered by the config file. Steps 1 and 2 train and save;
-  step 3's batch is refused before it reaches a device: exit 2, one line, no checkpoint or metrics past step 2."""
-  config_file = tmp_path / "rows_config.py"
-  config_file.write_text(_REGISTERED)
-  r = forked.run(["-m", "jaxtrain.main", f"--config={config_file}", f"--config.workdir={tmp_path / 'run'}"])
-  errors = [line for line in r.stderr.splitlines() if line.startswith("jaxtrain: error:")]
-  assert r.returncode == 2 and len(errors) == 1, r.stderr[-3000:]
-  assert errors[0] == ("jaxtrain: error: data.source 'rows_test', document 301: token id 256 at position 7 of the "
-                       "document (input row 1, column 7 of this process's batch) is outside the model's vocabulary "
-                       "[0, 256) (model.vocab_size=256); set model.vocab_size to the tokenizer's vocabulary size (at "
-                       "least 257), or fix data.source 'rows_test'"), errors
-  assert "Traceback" not in r.stderr
-  steps = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
-  assert steps and steps[-1] == 2, steps  # what steps 1 and 2 saved, nothing after
-  logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-  assert max(m["step"] for m in logged if "loss" in m) == 2
-
-
-_ONE_PROCESS_BAD = '''
+_ROWS_CONFIG = '''
 import jax
 import numpy as np
 from jaxtrain import data as data_lib
@@ -281,7 +223,8 @@ from tests.conftest import small_config
 
 
 class Rows:
-  """This process's rows: in range, but for step 3's on process {bad} (id 256 at row 1, column 7; document 301)."""
+  """This process's rows: in range, but for step 3's on process {bad} (id 256 at row 1, column 7; document 301).
+  A config file that registers its source: on one process or several."""
 
   def __init__(self, c):
     self.c, self.step = c, 0
@@ -316,6 +259,27 @@ def get_config():
 '''
 
 
+def test_registered_source_ends_the_run_with_one_line_and_trains_nothing_on_it(tmp_path):
+  """End to end: python -m jaxtrain.main on a source registered by the config file. Steps 1 and 2 train and save;
+  step 3's batch is refused before it reaches a device: exit 2, one line, no checkpoint or metrics past step 2."""
+  config_file = tmp_path / "rows_config.py"
+  config_file.write_text(_ROWS_CONFIG.format(bad=0))
+  r = forked.run(["-m", "jaxtrain.main", f"--config={config_file}", f"--config.workdir={tmp_path / 'run'}"])
+  errors = [line for line in r.stderr.splitlines() if line.startswith("jaxtrain: error:")]
+  assert r.returncode == 2 and len(errors) == 1, r.stderr[-3000:]
+  assert errors[0] == ("jaxtrain: error: data.source 'rows_test', document 301: token id 256 at position 7 of the "
+                       "document (input row 1, column 7 of this process's batch) is outside the model's vocabulary "
+                       "[0, 256) (model.vocab_size=256); set model.vocab_size to the tokenizer's vocabulary size (at "
+                       "least 257), or fix data.source 'rows_test'"), errors
+  assert "Traceback" not in r.stderr
+  steps = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+  assert steps and steps[-1] == 2, steps  # what steps 1 and 2 saved, nothing after
+  logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert max(m["step"] for m in logged if "loss" in m) == 2
+
+
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bad", [0, 1])
 def test_a_bad_id_on_one_process_stops_every_process_of_the_job_with_its_line_and_exit_2(tmp_path, bad):
@@ -325,7 +289,7 @@ def test_a_bad_id_on_one_process_stops_every_process_of_the_job_with_its_line_an
   that follows the coordination service's end."""
   from tests import multiprocess
   config_file = tmp_path / "rows_config.py"
-  config_file.write_text(_ONE_PROCESS_BAD.format(bad=bad))
+  config_file.write_text(_ROWS_CONFIG.format(bad=bad))
   procs = multiprocess.start_main([f"--config={config_file}", f"--config.workdir={tmp_path / 'run'}"])
   codes = multiprocess.wait_all(procs, 300)
   errs = [p.err_path.read_text() for p in procs]
