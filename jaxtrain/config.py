@@ -20,7 +20,7 @@ from absl import logging
 from jaxtrain import checkpoint, data, distributed, mesh, metrics, models, monitor, optim, paths, sharding, topology
 from jaxtrain.errors import ConfigError, DataError, UserError, check_positive  # noqa: F401 - callers import them here
 from jaxtrain.parallel import context, pipeline
-from jaxtrain.train import hooks
+from jaxtrain.train import hooks, objectives
 
 # Config group -> the module that owns its defaults (``defaults()``) and its checks (``validate(config)``), next to
 # the code that reads those keys. The core (this module) keeps only what every run shares: workdir, train, eval.
@@ -79,6 +79,8 @@ def base_config(model: str = "llama") -> ml_collections.ConfigDict:
       # Your loop hooks (jaxtrain.train.hooks.Hook), each a factory named by import path, "module.path:factory",
       # called with the run (jaxtrain.train.run.Run); told of the run's moments after the built-in ones.
       hooks=(),
+      # What the step minimizes (jaxtrain.train.objectives): lm (next-token cross-entropy).
+      objective="lm",
   ))
   c.eval = ml_collections.ConfigDict(dict(
       every_steps=0,  # eval loss and perplexity on the held-out split every N steps (0: off)
@@ -162,6 +164,7 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
   check_positive(cfg, ["train.sample_every", "train.z_loss_weight"], allow_zero=True)
   check_positive(cfg, ["train.sample_tokens"])
   hooks.validate(cfg)
+  objectives.validate(cfg)
   prompts = cfg.train.sample_prompts
   if cfg.train.sample_every and (isinstance(prompts, str) or not prompts or
                                  not all(isinstance(p, str) and p for p in prompts)):

@@ -23,7 +23,6 @@ from jaxtrain import mesh as mesh_lib
 from jaxtrain import models
 from jaxtrain import optim
 from jaxtrain import sharding
-from jaxtrain.data import batch as batch_lib
 from jaxtrain.data import mixture
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import attention as attention_lib
@@ -161,10 +160,3 @@ def report(run: Run) -> dict[str, Any]:
                     path, nbytes / mib)
   return info
 
-
-def abstract_batch(run: Run) -> dict[str, jax.ShapeDtypeStruct]:
-  b, t = run.config.train.global_batch_size, run.config.data.seq_len
-  example = batch_lib.from_tokens(np.zeros((1, t + 1), np.int32))
-  if run.sources:
-    example["sources"] = np.zeros((1, t), np.int32)
-  return {k: jax.ShapeDtypeStruct((b, t), v.dtype, sharding=run.batch_sharding) for k, v in example.items()}

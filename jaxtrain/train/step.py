@@ -95,9 +95,7 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
   aux_weights = aux_weights or {}
   # Only the trained params are differentiated, updated and checked (LoRA: the adapters; the frozen base is
   # passed through untouched, bitwise); without LoRA that is all of them.
-  param_shardings = state_shardings.params if state_shardings is not None else None
-  trained_shardings = model.split_trainable(param_shardings)[0] if param_shardings is not None else None
-  update_shardings = (trained_shardings, state_shardings.opt_state) if state_shardings is not None else None
+  trained_shardings, update_shardings = trained_shardings_of(model, state_shardings)
   passes = 1 if pipeline is not None else microbatches
 
   def objective(params, batch, tokens):
@@ -114,14 +112,11 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
     return value / jnp.maximum(tokens, 1.0), out
 
   def grad_fn(params, batch, tokens):  # the gradient with respect to the trained params only
-    trained, frozen = model.split_trainable(params)
-    return jax.value_and_grad(lambda t: objective(model.join_trainable(t, frozen), batch, tokens),
-                              has_aux=True)(trained)
+    return value_and_trained_grad(model, objective, params, batch, tokens)
 
   def train_step(state: TrainState, batch, skip):
     batch = context_lib.balance(batch, context)
     tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))  # the batch's real target tokens
-    trained, frozen = model.split_trainable(state.params)
     if passes == 1:
       (_, out), grads = grad_fn(state.params, batch, tokens)
       aux = jax.tree.map(lambda v: v / out["forwards"], (out["aux"], out["metrics"]))
@@ -131,7 +126,7 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
         mean = jax.tree.map(lambda v: v / out["forwards"], (out["aux"], out["metrics"]))
         return jax.tree.map(jnp.add, carry, (out["loss_sum"], out["tokens"], mean, g, out.get("by_source"),
                                              out.get("z_sum"))), None
-      zero_grads = jax.tree.map(jnp.zeros_like, trained)
+      zero_grads = jax.tree.map(jnp.zeros_like, model.split_trainable(state.params)[0])
       if trained_shardings is not None:
         zero_grads = jax.lax.with_sharding_constraint(zero_grads, trained_shardings)
       micro = split_microbatches(batch, microbatches)
@@ -146,20 +141,12 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
                                                                            unroll=scans.unroll())
       aux = jax.tree.map(lambda v: v / microbatches, aux)
       out = {"loss_sum": loss_sum, "tokens": counted, "by_source": by_source, "z_sum": z_sum}
-    # The optimizer sees the whole params tree (frozen params: zero gradients it ignores, no state).
-    full_grads = model.join_trainable(grads, jax.tree.map(jnp.zeros_like, frozen))
-    updates, opt_state = tx.update(full_grads, state.opt_state, state.params)
-    new_trained = optax.apply_updates(trained, model.split_trainable(updates)[0])
+    state, metrics = apply_update(model, tx, lr_schedule, state, grads, out["loss_sum"], out["tokens"], skip,
+                                  update_shardings)
     denom = jnp.maximum(out["tokens"], 1.0)
-    loss, grad_norm = out["loss_sum"] / denom, optax.tree.norm(grads)
-    finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-              & integrity.all_finite((new_trained, opt_state), update_shardings))
-    apply = finite & ~skip
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)  # noqa: E731
     aux_losses, model_metrics = aux
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step), "tokens": out["tokens"],
-               "nonfinite": (~finite).astype(jnp.float32), "skipped": (~apply).astype(jnp.float32),
-               **{f"aux_loss/{k}": v for k, v in aux_losses.items()}, **model_metrics}
+    metrics = {**metrics, "tokens": out["tokens"], **{f"aux_loss/{k}": v for k, v in aux_losses.items()},
+               **model_metrics}
     if z_loss_weight:
       metrics["z_loss"] = out["z_sum"] / denom
     if sources:
@@ -168,10 +155,50 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
         metrics[f"mix/{name}"] = source_tokens[i] / denom
         metrics[f"loss/{name}"] = jnp.where(source_tokens[i] > 0, source_loss[i] / jnp.maximum(source_tokens[i], 1.0),
                                             jnp.nan)
-    params = model.join_trainable(keep(new_trained, trained), frozen)
-    return TrainState(step=state.step + 1, params=params, opt_state=keep(opt_state, state.opt_state)), metrics
+    return state, metrics
 
   return train_step
+
+
+def trained_shardings_of(model: Model, state_shardings: TrainState | None):
+  """(The trained params' shardings, (those, the optimizer state's)) for :func:`apply_update`'s finiteness check;
+  (None, None) without shardings."""
+  if state_shardings is None:
+    return None, None
+  trained = model.split_trainable(state_shardings.params)[0]
+  return trained, (trained, state_shardings.opt_state)
+
+
+def value_and_trained_grad(model: Model, fn, params, *args):
+  """``jax.value_and_grad(fn, has_aux=True)`` with respect to the trained params only (LoRA: the adapters; the
+  frozen base is passed through untouched, bitwise; without LoRA, all of them): ``((value, aux), grads)``, grads
+  shaped like the trained params. ``fn(params, *args) -> (value, aux)``."""
+  trained, frozen = model.split_trainable(params)
+  return jax.value_and_grad(lambda t: fn(model.join_trainable(t, frozen), *args), has_aux=True)(trained)
+
+
+def apply_update(model: Model, tx: optax.GradientTransformation, lr_schedule: optax.Schedule, state: TrainState,
+                 grads, loss_sum, count, skip, update_shardings=None) -> tuple[TrainState, dict]:
+  """The optimizer step every objective ends with: ``grads`` (of the trained params) applied to ``state`` only if
+  the loss (``loss_sum / max(count, 1)``: the mean over what ``count`` counts), the gradient norm and every element
+  of the new trained params and optimizer state are finite (one fused reduction per device,
+  :func:`jaxtrain.integrity.all_finite`) and ``skip`` (a host-side decision: a known bad batch being replayed) is
+  false; otherwise params and optimizer state stay as they were and only the step
+  counter advances. Returns the new state and ``{loss, grad_norm, lr, nonfinite, skipped}``."""
+  trained, frozen = model.split_trainable(state.params)
+  # The optimizer sees the whole params tree (frozen params: zero gradients it ignores, no state).
+  full_grads = model.join_trainable(grads, jax.tree.map(jnp.zeros_like, frozen))
+  updates, opt_state = tx.update(full_grads, state.opt_state, state.params)
+  new_trained = optax.apply_updates(trained, model.split_trainable(updates)[0])
+  loss, grad_norm = loss_sum / jnp.maximum(count, 1.0), optax.tree.norm(grads)
+  finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            & integrity.all_finite((new_trained, opt_state), update_shardings))
+  apply = finite & ~skip
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)  # noqa: E731
+  metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step),
+             "nonfinite": (~finite).astype(jnp.float32), "skipped": (~apply).astype(jnp.float32)}
+  params = model.join_trainable(keep(new_trained, trained), frozen)
+  return TrainState(step=state.step + 1, params=params, opt_state=keep(opt_state, state.opt_state)), metrics
 
 
 def host_metrics(values: dict[str, float]) -> dict[str, float]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import re
 import time
 from typing import Any, Iterator
@@ -30,33 +29,33 @@ from jaxtrain import sharding
 from jaxtrain import topology
 from jaxtrain import workdir as workdir_lib
 from jaxtrain.models import attention as attention_lib
-from jaxtrain.models import lora
-from jaxtrain.parallel import context as context_lib
 from jaxtrain.train import hooks as hooks_lib
 from jaxtrain.train import loop as loop_lib
+from jaxtrain.train import objectives
+from jaxtrain.train import start
+from jaxtrain.train.start import init_state  # noqa: F401 - trainer.init_state: the API tests and tools use
 from jaxtrain.train import state as state_lib
-from jaxtrain.train import step as step_lib
 from jaxtrain.train.loop import TrainingStopped  # noqa: F401 - main catches trainer.TrainingStopped
-from jaxtrain.train.run import Run, abstract_batch, build, report  # noqa: F401 - trainer.build is the public name
+from jaxtrain.train.run import Run, build, report  # noqa: F401 - trainer.build is the public name
 from jaxtrain.train.state import TrainState
 
 
-def compile_step(run: Run, train_step=None):
-  """The jitted, donated, sharded train step compiled for this run's shapes (one compile)."""
-  train_step = train_step or step_lib.make_train_step(
-      run.model, run.tx, run.lr_schedule, run.microbatches, run.state_shardings, run.pipeline_schedule,
-      run.aux_weights, context_lib.shards(run.mesh), run.sources, run.config.train.z_loss_weight)
+def compile_step(run: Run, train_step=None, extra: tuple = ()):
+  """The jitted, donated, sharded train step compiled for this run's shapes (one compile): ``train_step``, by
+  default the run's objective's (``train.objective``, :mod:`jaxtrain.train.objectives`), called as
+  ``(state, batch, skip, *extra)``; ``extra``: shapes (with their shardings) of arguments an objective's step
+  takes besides (a frozen reference model's params), never donated."""
+  objective = objectives.of(run.config)
+  train_step = train_step or objective.make_train_step(run)
+  batch = objective.abstract_batch(run)
   replicated = NamedSharding(run.mesh, P())
-  jitted = jax.jit(train_step, in_shardings=(run.state_shardings, run.batch_sharding, replicated),
+  shardings_of = lambda tree: jax.tree.map(lambda a: a.sharding, tree)  # noqa: E731
+  jitted = jax.jit(train_step, in_shardings=(run.state_shardings, shardings_of(batch), replicated,
+                                             *map(shardings_of, extra)),
                    out_shardings=(run.state_shardings, replicated), donate_argnums=0)
   with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
-    return jitted.lower(state_lib.abstract(run.model, run.tx), abstract_batch(run),
-                        jax.ShapeDtypeStruct((), np.bool_)).compile()
-
-
-def init_state(run: Run) -> TrainState:
-  with jax.set_mesh(run.mesh):
-    return state_lib.make_init(run.model, run.tx, run.state_shardings)(jax.random.key(run.config.train.seed))
+    return jitted.lower(state_lib.abstract(run.model, run.tx), batch, jax.ShapeDtypeStruct((), np.bool_),
+                        *extra).compile()
 
 
 def write_config(config: ml_collections.ConfigDict) -> None:
@@ -73,8 +72,8 @@ def make_checkpointer(config: ml_collections.ConfigDict) -> checkpoint_lib.Check
 
 def restore_or_init(run: Run, checkpointer: checkpoint_lib.Checkpointer, data) -> tuple[TrainState, dict]:
   """This run's newest good checkpoint in any tier (:meth:`jaxtrain.checkpoint.Checkpointer.restore`: onto the
-  current mesh, with the data position), else a fresh state, optionally started from another run's checkpoint
-  (``checkpoint.restore_from``)."""
+  current mesh, with the data position), else the run's starting state (:func:`jaxtrain.train.start.starting_state`:
+  a fresh init, optionally another run's checkpoint, ``checkpoint.restore_from``)."""
   abstract = state_lib.abstract(run.model, run.tx, run.state_shardings)
   restored = checkpointer.restore(abstract, data)
   if restored is not None:
@@ -85,24 +84,7 @@ def restore_or_init(run: Run, checkpointer: checkpoint_lib.Checkpointer, data) -
       logging.info("resumed on another layout: %s; the global batch stays %d rows", ", ".join(changed),
                    run.config.train.global_batch_size)
     return state, meta
-  state = init_state(run)
-  c = run.config.checkpoint
-  if c.restore_from:
-    # LoRA from a base checkpoint (e.g. tools/convert_hf.py import): its params lack the adapters, which then
-    # keep their fresh init (B = 0: the run starts from exactly the base model).
-    optional = (lora.KEY,) if run.model.lora and c.restore_mode == "params" else ()
-    other, step = checkpoint_lib.restore_from(c.restore_from, abstract, params_only=c.restore_mode == "params",
-                                              optional=optional)
-    if c.restore_mode == "params":
-      fresh = [k for k in state.params if k not in other["params"]]
-      state = state.replace(params={**state.params, **other["params"]})
-      if fresh:
-        logging.info("%s has no %s params: freshly initialized", c.restore_from, ", ".join(fresh))
-    else:
-      state = other
-    logging.info("started from %s of %s (step %d)", c.restore_mode, c.restore_from, step)
-  return state, {}
-
+  return start.starting_state(run), {}
 
 def dry_run(config: ml_collections.ConfigDict, devices=None) -> dict[str, Any]:
   """Validates, lays out and compiles the step without allocating or training; reports per-device memory
@@ -175,7 +157,7 @@ def train(config: ml_collections.ConfigDict, devices=None, data: Iterator[dict] 
   ``(None, [])`` if the workdir's newest checkpoint is already at ``train.steps`` (nothing is compiled)."""
   run = build(config, devices)
   config = run.config
-  data = data if data is not None else data_lib.open_train(config)
+  data = data if data is not None else objectives.of(config).open_train(config)
   try:
     with workdir_lib.hold(config.workdir):  # nothing in the workdir is touched before this
       checkpointer = make_checkpointer(config)
@@ -211,7 +193,7 @@ def _train(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Checkpoi
   write_config(config)
   report(run)
   t0 = time.perf_counter()
-  step_fn = compile_step(run)
+  step_fn = objectives.of(config).step_fn(run, compile_step)
   # Fingerprints and finiteness of a state about to be saved (jaxtrain.integrity), compiled now so that the
   # first save does not wait for a compile.
   summarize = None
@@ -229,33 +211,6 @@ def _train(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Checkpoi
 
 
 def make_evaluator(run: Run):
-  """``params -> fetch``: dispatches the eval of ``params`` over every eval set (:func:`jaxtrain.data.eval_sets`;
-  one compiled step, not waited for, so the params may be donated next); ``fetch()`` waits and returns
-  ``{eval_loss, eval_perplexity, eval_tokens}`` over the training data's eval split (each loss the mean over all
-  real target tokens: a mixture's components' splits pooled, so token-weighted) and ``eval_loss/<name>`` for each
-  named set (a mixture's components, ``eval.sets``)."""
-  sets = [(s.name, s.in_total, [data_lib.to_global(b, run.batch_sharding) for b in s.batches])
-          for s in data_lib.eval_sets(run.config)]
-  eval_step = jax.jit(step_lib.make_eval_step(run.model, run.pipeline_schedule, context_lib.shards(run.mesh)),
-                      in_shardings=(run.state_shardings.params, run.batch_sharding))
-
-  def evaluate(params):
-    with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
-      sums = [(name, in_total, [eval_step(params, b) for b in batches]) for name, in_total, batches in sets]
-
-    def fetch() -> dict[str, float]:
-      out, total = {}, [0.0, 0.0]
-      for name, in_total, parts in sums:
-        loss_sum, tokens = (sum(float(x[i]) for x in parts) for i in (0, 1))
-        if name is not None:
-          out[f"eval_loss/{name}"] = loss_sum / max(tokens, 1.0)
-        if in_total:
-          total = [total[0] + loss_sum, total[1] + tokens]
-      if any(in_total for _, in_total, _ in sums):
-        loss = total[0] / max(total[1], 1.0)
-        out = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": total[1], **out}
-      return out
-
-    return fetch
-
-  return evaluate
+  """``params -> fetch``: the run's objective's evaluation (the language model's: eval loss and perplexity over
+  every eval set, :meth:`jaxtrain.train.objectives.lm.LanguageModel.make_evaluator`), or None when it has none."""
+  return objectives.of(run.config).make_evaluator(run)

@@ -1,0 +1,74 @@
+"""What preference and RL objectives share: per-token log-probabilities of a batch's targets under the model, and
+the reference model they are measured against.
+
+:func:`token_logps` is the training forward's own arithmetic (:func:`jaxtrain.train.losses.cross_entropy`, float32
+from logits in the compute dtype), so a log-probability computed here for the loss, for a reference or for a
+sampled token's check is the same number wherever it is computed.
+
+:class:`Reference` gives the reference model's params for a step: with LoRA (``reference="adapters_off"``) the
+policy's own base weights with the adapters switched off (no second copy of the base in memory); otherwise
+(``"frozen"``) a copy of the run's starting params (:func:`jaxtrain.train.start.starting_state`: the seeded init or
+``checkpoint.restore_from``), laid out like the params and never updated. Both are rebuilt the same on every
+restart, so a resumed run's reference is the one it started with.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.models import Model, Output, lora
+from jaxtrain.train import losses as losses_lib
+from jaxtrain.train import start
+from jaxtrain.train.run import Run
+
+REFERENCES = ("frozen", "adapters_off")
+
+
+def token_logps(model: Model, params, batch: dict, prefix: str = "") -> jax.Array:
+  """``log p(target | inputs)`` per token, float32 ``[rows, seq_len]``, 0 where ``loss_mask`` is 0 (selected, not
+  multiplied: a masked token's logits never reach the value or the gradient). ``prefix``: the batch's keys are
+  ``prefix + "inputs"`` etc. (``"chosen_"`` for one side of a preference pair)."""
+  out = Output.of(model.forward(params, batch[prefix + "inputs"], batch[prefix + "positions"],
+                                batch[prefix + "segment_ids"]))
+  logps = -losses_lib.cross_entropy(out.logits, batch[prefix + "targets"])
+  return jnp.where(batch[prefix + "loss_mask"] > 0, logps, 0.0)
+
+
+def without_adapters(params: dict) -> dict:
+  """The base model's params of LoRA-adapted ``params`` (the adapters dropped: the model then computes with the
+  base weights as they are, bitwise what a frozen copy of the base computes)."""
+  return {k: v for k, v in params.items() if k != lora.KEY}
+
+
+class Reference:
+  """The reference model's params for a run: ``mode`` ``"adapters_off"`` (LoRA only) or ``"frozen"``."""
+
+  def __init__(self, run: Run, mode: str):
+    self.mode = mode
+    self._frozen = None
+    if mode == "frozen":
+      self._frozen = without_adapters(start.starting_state(run).params)
+
+  @staticmethod
+  def default_mode(config) -> str:
+    """``adapters_off`` with LoRA, else ``frozen``."""
+    return "adapters_off" if lora.active(config.model) else "frozen"
+
+  @property
+  def extra(self) -> tuple:
+    """What a compiled step takes besides ``(state, batch, skip)``: the frozen params, or nothing."""
+    return (self._frozen,) if self._frozen is not None else ()
+
+  def abstract_extra(self, run: Run) -> tuple:
+    """:attr:`extra` as shapes laid out like the params (for compiling)."""
+    if self._frozen is None:
+      return ()
+    shardings = without_adapters(run.state_shardings.params)
+    return (jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self._frozen, shardings),)
+
+  def params(self, policy_params: dict, *extra) -> dict:
+    """Inside a step: the reference's params (``extra``: the step's arguments after ``skip``), never
+    differentiated."""
+    params = extra[0] if self.mode == "frozen" else without_adapters(policy_params)
+    return jax.tree.map(jax.lax.stop_gradient, params)
