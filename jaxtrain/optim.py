@@ -36,14 +36,17 @@ The optimizer state is laid out on the mesh like the params, whatever its shape 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import Any, Callable
 
 import jax
 import ml_collections
 import optax
+from jax.sharding import PartitionSpec as P
 from ml_collections import config_dict
 
+from jaxtrain import loss_scale
 from jaxtrain.errors import ConfigError, check_positive
 from jaxtrain.registry import Registry
 
@@ -72,6 +75,11 @@ def defaults() -> ml_collections.ConfigDict:
       eps=1e-8,  # adamw; muon
       weight_decay=0.1,  # not applied to norm scales and biases; multiplied by the lr (decoupled, as AdamW)
       clip_norm=1.0,  # global-norm clipping; 0 disables
+      # Loss scaling for model.dtype=float16 (jaxtrain/loss_scale.py): none | dynamic (doubles after
+      # loss_scale_period finite steps, halves and skips the step on an overflow) | a constant, e.g. "1024".
+      loss_scale="none",
+      loss_scale_init=2.0 ** 15,  # dynamic: the first scale
+      loss_scale_period=2000,  # dynamic: finite steps in a row before the scale doubles
   ))
 
 
@@ -85,6 +93,8 @@ def validate(config) -> None:
                       "give the fraction of the horizon the lr decays over, e.g. 0.2")
   OPTIMIZERS.check(config)
   SCHEDULES.check(config)
+  loss_scale.parse(config.optim.loss_scale)
+  check_positive(config, ["optim.loss_scale_init", "optim.loss_scale_period"])
 
 
 def schedule(optim_cfg, train_steps: int) -> optax.Schedule:
@@ -102,19 +112,23 @@ def decay_mask(params):
                                           params)
 
 
-def make(optim_cfg, train_steps: int,
-         trainable: Callable[[Any], Any] | None = None) -> optax.GradientTransformation:
+def optimizer(optim_cfg, train_steps: int, trainable: Callable[[Any], Any] | None = None,
+              logical_specs: Any = None) -> optax.GradientTransformation:
   """Global-norm clipping (unless ``clip_norm`` is 0), then ``OPTIMIZERS[optim_cfg.name]`` with the lr
   :func:`schedule`. ConfigError naming ``optim.name`` if it is not registered.
 
   ``trainable``: ``params -> tree of bools`` when only part of the params is trained (LoRA: the model's
   ``trainable_mask()``); the clipping and the optimizer then see only the trained params (the global norm is
   theirs), and the frozen ones get zero updates and have no optimizer state at all (``optax.multi_transform``
-  with ``set_to_zero``)."""
+  with ``set_to_zero``). ``logical_specs``: the model's logical axis names per param, given to an optimizer
+  whose factory takes a ``logical_specs`` argument (Muon: which axes are batch axes)."""
   chain = []
   if optim_cfg.clip_norm > 0:
     chain.append(optax.clip_by_global_norm(optim_cfg.clip_norm))
-  chain.append(OPTIMIZERS.get(optim_cfg.name)(optim_cfg, schedule(optim_cfg, train_steps)))
+  factory = OPTIMIZERS.get(optim_cfg.name)
+  takes_specs = "logical_specs" in inspect.signature(factory).parameters
+  chain.append(factory(optim_cfg, schedule(optim_cfg, train_steps),
+                       **({"logical_specs": logical_specs} if takes_specs else {})))
   tx = optax.chain(*chain)
   if trainable is None:
     return tx
@@ -123,6 +137,14 @@ def make(optim_cfg, train_steps: int,
     return jax.tree.map(lambda t: "train" if t else "frozen", trainable(params))
 
   return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
+
+
+def make(optim_cfg, train_steps: int, trainable: Callable[[Any], Any] | None = None,
+         logical_specs: Any = None) -> optax.GradientTransformation:
+  """The run's optimizer (:func:`optimizer`), loss-scaled as ``optim.loss_scale`` says (the outermost layer: its
+  state holds the scale, :mod:`jaxtrain.loss_scale`)."""
+  return loss_scale.wrap(optimizer(optim_cfg, train_steps, trainable, logical_specs), optim_cfg.loss_scale,
+                         optim_cfg.loss_scale_init, optim_cfg.loss_scale_period)
 
 
 # Schedules after the warmup ----------------------------------------------------------------------------------
@@ -178,17 +200,27 @@ def _adafactor(cfg, learning_rate: optax.Schedule) -> optax.GradientTransformati
                          weight_decay_rate=decay_rate if cfg.weight_decay else None, weight_decay_mask=decay_mask)
 
 
-def muon_dimension_numbers(path, shape) -> optax.contrib.MuonDimensionNumbers | None:
+# The logical axes Muon treats as batch axes (one matrix per index): the stacked layers and an expert kernel's
+# experts (each expert's matrix is orthogonalized on its own).
+MUON_BATCH_AXES = ("layers", "experts")
+
+
+def muon_dimension_numbers(path, shape, logical=None) -> optax.contrib.MuonDimensionNumbers | None:
   """How Muon sees a param, or None for a param AdamW updates instead. Muon orthogonalizes the weight matrices
   of the stacked layers (params under the top-level ``layers`` key, leading axis the layer: one matrix per
   layer); embeddings, the output head and norm scales (and anything with fewer than two axes per layer) are
-  left to AdamW, as Muon's authors do. A kernel with more than two axes per layer is the matrix between its
-  leading and its trailing axes, split where the two sizes are closest: attention's ``[embed, heads,
-  head_dim]`` is ``embed x (heads * head_dim)``, ``[heads, head_dim, embed]`` is ``(heads * head_dim) x
-  embed``."""
-  if not path or getattr(path[0], "key", None) != "layers" or len(shape) < 3:
+  left to AdamW, as Muon's authors do. With the param's logical axis names (``logical``: the model's spec of it),
+  every axis named in :data:`MUON_BATCH_AXES` is a batch axis: an expert kernel ``[layers, experts, in, out]`` is
+  one ``in x out`` matrix per layer and expert. The axes left are the matrix between the leading and the trailing
+  ones, split where the two sizes are closest: attention's ``[embed, heads, head_dim]`` is ``embed x (heads *
+  head_dim)``, ``[heads, head_dim, embed]`` is ``(heads * head_dim) x embed`` (the heads flattened, as Moonlight
+  and the anchors do)."""
+  if not path or getattr(path[0], "key", None) != "layers":
     return None
-  axes = tuple(range(1, len(shape)))
+  batch = {0} | {i for i, name in enumerate(logical or ()) if name in MUON_BATCH_AXES}
+  axes = tuple(a for a in range(len(shape)) if a not in batch)
+  if len(axes) < 2:
+    return None
 
   def imbalance(i):
     fan_in, fan_out = math.prod(shape[a] for a in axes[:i]), math.prod(shape[a] for a in axes[i:])
@@ -198,18 +230,39 @@ def muon_dimension_numbers(path, shape) -> optax.contrib.MuonDimensionNumbers | 
   return optax.contrib.MuonDimensionNumbers(reduction_axis=axes[:split], output_axis=axes[split:])
 
 
-def _muon_label(path, param) -> str:
-  return "adamw" if muon_dimension_numbers(path, param.shape) is None else "muon"
+def check_muon(abstract_params, logical_specs, model_name: str) -> None:
+  """ConfigError (``optim.name``) when Muon would orthogonalize nothing: no param of the model is a matrix of the
+  stacked layers."""
+  dims = jax.tree.leaves(_muon_dimensions(abstract_params, logical_specs),
+                         is_leaf=lambda x: isinstance(x, optax.contrib.MuonDimensionNumbers))
+  if not any(isinstance(d, optax.contrib.MuonDimensionNumbers) for d in dims):
+    raise ConfigError("optim.name", f"muon orthogonalizes the weight matrices of the stacked layers, and model "
+                      f"'{model_name}' has none (no param under 'layers' with two axes besides the layer's)",
+                      "use optim.name=adamw")
+
+
+def _muon_dimensions(params, logical_specs=None):
+  """:func:`muon_dimension_numbers` of every param (a tree like ``params``: None for AdamW's)."""
+  if logical_specs is None:
+    return jax.tree_util.tree_map_with_path(lambda path, p: muon_dimension_numbers(path, p.shape), params)
+  specs = {tuple(path): tuple(spec) for path, spec in jax.tree_util.tree_leaves_with_path(
+      logical_specs, is_leaf=lambda x: isinstance(x, P))}
+  return jax.tree_util.tree_map_with_path(
+      lambda path, p: muon_dimension_numbers(path, p.shape, specs.get(tuple(path))), params)
 
 
 @OPTIMIZERS.register("muon")
-def _muon(cfg, learning_rate: optax.Schedule) -> optax.GradientTransformation:
+def _muon(cfg, learning_rate: optax.Schedule, logical_specs=None) -> optax.GradientTransformation:
   # consistent_rms=0.2 scales Muon's updates to AdamW's RMS (Liu et al., "Muon is Scalable for LLM Training"),
   # so one lr and weight decay serve both parts. The AdamW part is ours (with decay_mask): optax.contrib.muon's
   # own AdamW takes no weight-decay mask, so it only ever sees the Muon params here.
+  dimensions = functools.partial(_muon_dimensions, logical_specs=logical_specs)
   muon = optax.contrib.muon(
       learning_rate, eps=cfg.eps, weight_decay=cfg.weight_decay, weight_decay_mask=decay_mask, consistent_rms=0.2,
-      muon_weight_dimension_numbers=functools.partial(
-          jax.tree_util.tree_map_with_path, lambda path, p: muon_dimension_numbers(path, p.shape)))
-  return optax.partition({"muon": muon, "adamw": _adamw(cfg, learning_rate)},
-                         functools.partial(jax.tree_util.tree_map_with_path, _muon_label))
+      muon_weight_dimension_numbers=dimensions)
+
+  def labels(params):
+    return jax.tree.map(lambda d: "adamw" if d is None else "muon", dimensions(params),
+                        is_leaf=lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers))
+
+  return optax.partition({"muon": muon, "adamw": _adamw(cfg, learning_rate)}, labels)

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import metrics, optim
+from jaxtrain.train import trainer
 from jaxtrain.config import ConfigError, base_config
 from tests import forked
 from tests.conftest import small_config
@@ -115,6 +116,75 @@ def test_muon_matrices():
   assert dims(("layers", "attn_norm", "scale"), (2, 128)) is None
   assert dims(("embed", "embedding"), (256, 128)) is None
   assert dims(("lm_head", "kernel"), (128, 256)) is None
+
+  # With the model's logical axes: an expert kernel is one matrix per layer and expert.
+  expert = P("layers", "experts", "embed", "expert_mlp")
+  assert optim.muon_dimension_numbers(tuple(jax.tree_util.DictKey(k) for k in ("layers", "moe", "up")),
+                                      (2, 8, 128, 192), tuple(expert)) == ((2,), (3,))
+
+
+def _muon_config(lr=0.02):
+  c = base_config()
+  c.optim.update(name="muon", lr=lr, warmup_steps=0, schedule="constant", clip_norm=0.0, weight_decay=0.0)
+  return c.optim
+
+
+def test_muon_orthogonalizes_each_layer_and_expert_as_optax_muon_does_a_plain_matrix():
+  """Three steps of jaxtrain's Muon on a stacked expert kernel ``[layers, experts, in, out]`` and an attention
+  kernel ``[layers, embed, heads, head_dim]`` equal ``optax.contrib.muon`` run on each layer's (and expert's)
+  plain 2D matrix alone (the heads flattened), within 1e-6: the layer and expert axes are batch axes, never part
+  of the orthogonalized matrix."""
+  rng = np.random.default_rng(0)
+  shapes = {"up": (2, 3, 8, 6), "q": (2, 8, 2, 4)}
+  specs = {"layers": {"moe": {"up": P("layers", "experts", "embed", "expert_mlp")},
+                      "attn": {"q": {"kernel": P("layers", "embed", "heads", "head_dim")}}}}
+  params = {"layers": {"moe": {"up": rng.normal(size=shapes["up"]).astype(np.float32)},
+                       "attn": {"q": {"kernel": rng.normal(size=shapes["q"]).astype(np.float32)}}}}
+  grads = [jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params) for _ in range(3)]
+  cfg = _muon_config()
+  tx = optim.make(cfg, 10, None, specs)
+  state, got = tx.init(params), params
+  for g in grads:
+    updates, state = tx.update(g, state, got)
+    got = optax.apply_updates(got, updates)
+
+  def plain(matrix, gs):  # optax's Muon on one 2D matrix, its default reduction/output axes
+    ref = optax.contrib.muon(cfg.lr, eps=cfg.eps, consistent_rms=0.2)
+    ref_state, m = ref.init(matrix), matrix
+    for g in gs:
+      u, ref_state = ref.update(g, ref_state, m)
+      m = optax.apply_updates(m, u)
+    return np.asarray(m)
+
+  for layer in range(2):
+    for e in range(3):
+      want = plain(params["layers"]["moe"]["up"][layer, e], [g["layers"]["moe"]["up"][layer, e] for g in grads])
+      np.testing.assert_allclose(got["layers"]["moe"]["up"][layer, e], want, atol=1e-6)
+    q = lambda t: t["layers"]["attn"]["q"]["kernel"][layer].reshape(8, 8)  # noqa: E731 - embed x (heads*head_dim)
+    np.testing.assert_allclose(q(got), plain(q(params), [q(g) for g in grads]), atol=1e-6)
+
+
+def test_muon_on_a_model_without_layer_matrices_is_one_config_error():
+  params = {"embed": {"embedding": np.zeros((16, 8), np.float32)}, "layers": {"norm": {"scale": np.zeros((2, 8))}}}
+  specs = {"embed": {"embedding": P("vocab", "embed")}, "layers": {"norm": {"scale": P("layers", "embed")}}}
+  with pytest.raises(ConfigError, match="optim.name: muon orthogonalizes the weight matrices of the stacked layers, "
+                                        "and model 'mine' has none .* use optim.name=adamw"):
+    optim.check_muon(params, specs, "mine")
+
+
+@pytest.mark.slow
+def test_muon_trains_an_expert_parallel_moe_as_one_device(tmp_path):
+  """Muon's per-expert Newton-Schulz iterations on experts split over the expert axis, the fsdp and tensor axes
+  splitting each matrix: the same losses as one device within 1e-5."""
+  from tests.test_moe import training_config  # (the MoE tests' tiny model and run)
+  runs = {}
+  for name, mesh in (("one", {}), ("sharded", dict(fsdp=2, expert=2, tensor=2))):
+    c = training_config(tmp_path / name, **mesh)
+    c.optim.name = "muon"
+    runs[name] = trainer.train(c, devices=jax.devices()[:1] if not mesh else None)[1]
+  losses = {k: [h["loss"] for h in h_] for k, h_ in runs.items()}
+  np.testing.assert_allclose(losses["sharded"], losses["one"], rtol=1e-5)
+  assert losses["one"][-1] < losses["one"][0]
 
 
 def _factored_dims(shape):

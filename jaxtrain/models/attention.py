@@ -572,6 +572,14 @@ def transient_bytes(backend, rows, heads, q_len, kv_len, block_size, itemsize, w
   return memory(rows, heads, q_len, kv_len, block_size, itemsize)["transient"]
 
 
+def _float16_on_cpu(q) -> bool:
+  """float16 attention compiled for CPU, which XLA:CPU cannot run: it has no float16 matmul accumulating in float32
+  (every backend's scores and values). There it runs on the inputs converted to float32 (exact: the same products,
+  float32 sums), only the probabilities staying float32 where a GPU rounds them to float16 for the values' matmul.
+  float16 is for GPUs without bfloat16; on CPU it runs so that its loss scaling is tested."""
+  return q.dtype == jnp.float16 and target_platform() == "cpu"
+
+
 def takes_variants(backend: str) -> bool:
   """Whether the registered backend takes ``variant=`` (sliding window, soft-cap, query scale)."""
   return "variant" in inspect.signature(BACKENDS.get(backend)).parameters
@@ -586,6 +594,9 @@ def attend(backend: str, q, k, v, segment_ids, positions=None, block_size: int =
   the variants for it: :func:`check_available`)."""
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), segment_ids.shape)
+  if _float16_on_cpu(q):
+    return attend(backend, *(x.astype(jnp.float32) for x in (q, k, v)), segment_ids, positions, block_size,
+                  variant).astype(jnp.float16)
   k, v = (constrain(x, ("batch", None, "kv_heads", "head_dim")) for x in (k, v))
   q = constrain(q, ("batch", "length", "heads", "head_dim"))
   if variant == PLAIN and not takes_variants(backend):
@@ -652,6 +663,9 @@ def attend_cached(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positi
   the full cache (it keeps every slot: simple, and a prompt's packed rows stay exact; a window-sized ring buffer
   would save memory on long generations). A query that sees no key (a padding slot) gets a finite, meaningless
   output."""
+  if _float16_on_cpu(q):
+    return attend_cached(*(x.astype(jnp.float32) for x in (q, k, v)), q_segment_ids, q_positions, kv_segment_ids,
+                         kv_positions, variant).astype(jnp.float16)
   mask = cached_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions, variant.window)
   if variant.softcap:
     return dense(q, k, v, mask, variant)

@@ -50,7 +50,7 @@ from jaxtrain.models import attention, lora, quantization, scans
 from jaxtrain.registry import Registry
 
 _STAGE_METHODS = ("embed_tokens", "apply_layer", "head")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float16")  # float16: with optim.loss_scale (jaxtrain/loss_scale.py)
 
 
 def _shared_defaults() -> dict:
@@ -230,6 +230,9 @@ def validate(config) -> None:
                       "line (which swaps in that family's keys)")
   check_positive(config, ["model.vocab_size"])
   check_choice(config, "model.dtype", DTYPES)
+  if m.dtype == "float16" and config.get("dry_run_topology"):
+    raise ConfigError("model.dtype", "float16 is not a TPU compute type (TPUs compute in bfloat16, which needs no "
+                      "loss scaling)", "set model.dtype=bfloat16 and optim.loss_scale=none")
   REMAT.check(config)
   check_positive(config, ["model.attention_block_size"])
   attention.BACKENDS.check(config)

@@ -67,8 +67,14 @@ see :func:`jaxtrain.config.resolve`). Raises ConfigError on user mistakes."""
       if sharding.logical_to_mesh_spec(P(logical), rules)[0] != "pipeline":
         raise ConfigError("sharding.rules", f"'{logical}' must map to the pipeline mesh axis when mesh.pipeline > 1",
                           f"remove the '{logical}=' override")
+  platform = "tpu" if config.get("dry_run_topology") else jax.default_backend()
+  if config.model.dtype == "float16" and platform == "tpu":
+    raise ConfigError("model.dtype", "float16 is not a TPU compute type (TPUs compute in bfloat16, which needs no "
+                      "loss scaling)", "set model.dtype=bfloat16 and optim.loss_scale=none")
+  if config.model.dtype == "float16" and config.optim.loss_scale == "none":
+    logging.warning("model.dtype=float16 without loss scaling: gradients below float16's range underflow to 0; "
+                    "set optim.loss_scale=dynamic")
   if config.model.attention == "auto":
-    platform = "tpu" if config.get("dry_run_topology") else jax.default_backend()
     chosen = attention_lib.choose(platform, config.data.seq_len, mesh.shape["context"], in_shard_map=bool(pipeline),
                                   dtype=config.model.dtype, softcap=bool(config.model.get("attn_softcap")))
     logging.info("model.attention=auto: %s (%s, seq_len %d, mesh.context %d%s)", chosen, platform,
@@ -96,7 +102,10 @@ see :func:`jaxtrain.config.resolve`). Raises ConfigError on user mistakes."""
   if config.data.num_workers and per_process % config.data.num_workers:
     raise ConfigError("data.num_workers", f"{config.data.num_workers} does not divide the {per_process} rows "
                       "each process loads per step", "use a divisor of global_batch_size / processes")
-  tx = optim.make(config.optim, config.train.steps, model.trainable_mask())  # LoRA: the adapters only
+  if config.optim.name == "muon":
+    optim.check_muon(model.abstract_params, model.logical_specs, config.model.name)
+  # LoRA: the adapters only; the logical axes tell Muon an expert kernel's experts from its matrix
+  tx = optim.make(config.optim, config.train.steps, model.trainable_mask(), model.logical_specs)
   aux_weights = model.aux_loss_weights(step_lib.aux_loss_names(model, config.data.seq_len))
   return Run(config=config, mesh=mesh, rules=rules, model=model, tx=tx,
              lr_schedule=optim.schedule(config.optim, config.train.steps),

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxtrain import integrity
+from jaxtrain import loss_scale as loss_scale_lib
 from jaxtrain.models import Model, Output, scans
 from jaxtrain.parallel import context as context_lib
 from jaxtrain.parallel import pipeline as pipeline_lib
@@ -98,7 +99,9 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
   trained_shardings, update_shardings = trained_shardings_of(model, state_shardings)
   passes = 1 if pipeline is not None else microbatches
 
-  def objective(params, batch, tokens):
+  scaler = tx if isinstance(tx, loss_scale_lib.LossScaled) else None  # float16: the loss scaled (optim.loss_scale)
+
+  def objective(params, batch, tokens, scale=None):
     """(Summed token losses + z_loss_weight x summed (log Z)^2 + (tokens / passes) x the weighted aux losses) /
     tokens, ``tokens`` being the real target tokens of the whole batch (at least 1 in the division): the mean
     objective, or a microbatch's share of it. Divided here, the gradient comes out of the backward pass divided (no
@@ -109,20 +112,22 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
       value = value + z_loss_weight * out["z_sum"]
     if aux_weights:  # (no term at all without aux losses: the same program as a plain language model)
       value = value + tokens / passes * sum(w * out["aux"][n] / out["forwards"] for n, w in aux_weights.items())
-    return value / jnp.maximum(tokens, 1.0), out
+    value = value / jnp.maximum(tokens, 1.0)
+    return (value if scale is None else value * scale), out
 
-  def grad_fn(params, batch, tokens):  # the gradient with respect to the trained params only
-    return value_and_trained_grad(model, objective, params, batch, tokens)
+  def grad_fn(params, batch, tokens, scale):  # the gradient with respect to the trained params only
+    return value_and_trained_grad(model, objective, params, batch, tokens, scale)
 
   def train_step(state: TrainState, batch, skip):
     batch = context_lib.balance(batch, context)
     tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))  # the batch's real target tokens
+    scale = state.opt_state.scale if scaler else None
     if passes == 1:
-      (_, out), grads = grad_fn(state.params, batch, tokens)
+      (_, out), grads = grad_fn(state.params, batch, tokens, scale)
       aux = jax.tree.map(lambda v: v / out["forwards"], (out["aux"], out["metrics"]))
     else:
       def accumulate(carry, microbatch):
-        (_, out), g = grad_fn(state.params, microbatch, tokens)
+        (_, out), g = grad_fn(state.params, microbatch, tokens, scale)
         mean = jax.tree.map(lambda v: v / out["forwards"], (out["aux"], out["metrics"]))
         return jax.tree.map(jnp.add, carry, (out["loss_sum"], out["tokens"], mean, g, out.get("by_source"),
                                              out.get("z_sum"))), None
@@ -141,8 +146,10 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
                                                                            unroll=scans.unroll())
       aux = jax.tree.map(lambda v: v / microbatches, aux)
       out = {"loss_sum": loss_sum, "tokens": counted, "by_source": by_source, "z_sum": z_sum}
+    if scaler:
+      grads = jax.tree.map(lambda g: g / scale, grads)
     state, metrics = apply_update(model, tx, lr_schedule, state, grads, out["loss_sum"], out["tokens"], skip,
-                                  update_shardings)
+                                  update_shardings, scaler)
     denom = jnp.maximum(out["tokens"], 1.0)
     aux_losses, model_metrics = aux
     metrics = {**metrics, "tokens": out["tokens"], **{f"aux_loss/{k}": v for k, v in aux_losses.items()},
@@ -178,27 +185,41 @@ def value_and_trained_grad(model: Model, fn, params, *args):
 
 
 def apply_update(model: Model, tx: optax.GradientTransformation, lr_schedule: optax.Schedule, state: TrainState,
-                 grads, loss_sum, count, skip, update_shardings=None) -> tuple[TrainState, dict]:
+                 grads, loss_sum, count, skip, update_shardings=None,
+                 scaler: loss_scale_lib.LossScaled | None = None) -> tuple[TrainState, dict]:
   """The optimizer step every objective ends with: ``grads`` (of the trained params) applied to ``state`` only if
   the loss (``loss_sum / max(count, 1)``: the mean over what ``count`` counts), the gradient norm and every element
   of the new trained params and optimizer state are finite (one fused reduction per device,
   :func:`jaxtrain.integrity.all_finite`) and ``skip`` (a host-side decision: a known bad batch being replayed) is
-  false; otherwise params and optimizer state stay as they were and only the step
-  counter advances. Returns the new state and ``{loss, grad_norm, lr, nonfinite, skipped}``."""
+  false; otherwise params and optimizer state stay as they were and only the step counter advances. Returns the new
+  state and ``{loss, grad_norm, lr, nonfinite, skipped}``. With a loss ``scaler`` (``grads`` already unscaled), an
+  overflow of the scaled gradients is the scaler's to handle: the step is skipped and the scale adjusted, and only
+  a non-finite loss, or gradients that overflow at the smallest scale (1), count as ``nonfinite`` for the NaN
+  policy; metrics ``loss_scale`` (the scale this step used) and ``overflow`` are added."""
   trained, frozen = model.split_trainable(state.params)
   # The optimizer sees the whole params tree (frozen params: zero gradients it ignores, no state).
   full_grads = model.join_trainable(grads, jax.tree.map(jnp.zeros_like, frozen))
   updates, opt_state = tx.update(full_grads, state.opt_state, state.params)
   new_trained = optax.apply_updates(trained, model.split_trainable(updates)[0])
   loss, grad_norm = loss_sum / jnp.maximum(count, 1.0), optax.tree.norm(grads)
-  finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            & integrity.all_finite((new_trained, opt_state), update_shardings))
+  if scaler is None:
+    finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+              & integrity.all_finite((new_trained, opt_state), update_shardings))
+    nonfinite = ~finite
+  else:
+    grads_finite = jnp.isfinite(grad_norm) & integrity.all_finite((new_trained, opt_state), update_shardings)
+    finite = jnp.isfinite(loss) & grads_finite
+    nonfinite = ~jnp.isfinite(loss) | (~grads_finite & (state.opt_state.scale <= 1.0))
   apply = finite & ~skip
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)  # noqa: E731
   metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step),
-             "nonfinite": (~finite).astype(jnp.float32), "skipped": (~apply).astype(jnp.float32)}
+             "nonfinite": nonfinite.astype(jnp.float32), "skipped": (~apply).astype(jnp.float32)}
   params = model.join_trainable(keep(new_trained, trained), frozen)
-  return TrainState(step=state.step + 1, params=params, opt_state=keep(opt_state, state.opt_state)), metrics
+  opt_state = keep(opt_state, state.opt_state)
+  if scaler is not None:
+    metrics.update(loss_scale=state.opt_state.scale, overflow=(jnp.isfinite(loss) & ~grads_finite).astype(jnp.float32))
+    opt_state = scaler.adjust(opt_state, finite)
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
 def host_metrics(values: dict[str, float]) -> dict[str, float]:

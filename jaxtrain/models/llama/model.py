@@ -121,7 +121,7 @@ def activation_estimate(cfg, rows: int, seq_len: int, tensor: int, context: int 
   backend = cfg.attention  # a concrete backend (tools/estimate.py resolves auto for its target platform)
   heads, kv_heads = cfg.num_heads // tensor, cfg.num_kv_heads // tensor
   h, kv = heads * cfg.head_dim, kv_heads * cfg.head_dim
-  act_bytes = 2 if cfg.dtype == "bfloat16" else 4
+  act_bytes = jnp.dtype(cfg.dtype).itemsize
   per_layer = b * seq * d  # the layer's input
   # The tagged projections (models.ACTIVATION_NAMES), and what save_dots keeps: q, k, v, the attention output
   # projection, gate and up (down's output is not read by the backward: XLA drops it).

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxtrain import data as data_lib
 from jaxtrain.data import batch as batch_lib
+from jaxtrain.errors import ConfigError
 from jaxtrain.registry import Registry
 
 OBJECTIVES: Registry[type["Objective"]] = Registry(
@@ -31,6 +32,9 @@ OBJECTIVES: Registry[type["Objective"]] = Registry(
 class Objective:
   """One training objective. The base class's answers are the language model's (``lm``), so an objective overrides
   only what it changes. One instance per run (:func:`of`)."""
+
+  # Whether its step scales the loss for float16 (optim.loss_scale, jaxtrain/loss_scale.py).
+  loss_scaling: bool = False
 
   def validate(self, config: ml_collections.ConfigDict) -> None:
     """Checks that need no devices (its own keys; what it needs of the data and the model). Raises ConfigError."""
@@ -70,4 +74,8 @@ def of(config: ml_collections.ConfigDict) -> Objective:
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """``train.objective`` is registered, and the objective's own checks pass."""
-  of(config).validate(config)
+  objective = of(config)
+  if str(config.optim.loss_scale).lower() != "none" and not objective.loss_scaling:
+    raise ConfigError("optim.loss_scale", f"train.objective={config.train.objective} does not scale its loss",
+                      "set optim.loss_scale=none and model.dtype=bfloat16 (or float32)")
+  objective.validate(config)

@@ -21,6 +21,7 @@ from jaxtrain.train.objectives.base import OBJECTIVES, Objective
 @OBJECTIVES.register("lm")
 class LanguageModel(Objective):
   """Next-token cross-entropy (plus the z-loss and the model's weighted auxiliary losses)."""
+  loss_scaling = True
 
   def make_train_step(self, run):
     return step_lib.make_train_step(run.model, run.tx, run.lr_schedule, run.microbatches, run.state_shardings,
