@@ -1,4 +1,4 @@
-"""The commands README.md and the pages under docs/ show a user typing: every line of their fenced ```bash blocks
+"""The commands README.md and the pages under docs/ (and docs/recipes/) show a user typing: every line of their fenced ```bash blocks
 (backslash continuations joined, trailing ``# comments`` dropped). Tests run them as written, so the docs cannot
 drift from the code.
 
@@ -17,8 +17,8 @@ README = ROOT / "README.md"
 
 
 def pages() -> list[pathlib.Path]:
-  """README.md, then every page under docs/."""
-  return [README] + sorted((ROOT / "docs").glob("*.md"))
+  """README.md, then every page under docs/ and docs/recipes/."""
+  return [README] + sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "docs" / "recipes").glob("*.md"))
 
 
 def commands(text: str | None = None) -> list[str]:
