@@ -153,8 +153,8 @@ def tool_flags(path: pathlib.Path) -> set[str]:
   """The flags a tool defines: absl's ``flags.DEFINE_*("name"`` (config_flags' too) and argparse's
   ``add_argument("--name"``, read from its source."""
   source = path.read_text()
-  return (set(re.findall(r"DEFINE_\w+\(\s*\"(\w+)\"", source)) | set(re.findall(r"add_argument\(\s*\"--(\w+)\"", source))
-          | ABSL_BUILTIN)
+  absl = set(re.findall(r"DEFINE_\w+\(\s*\"(\w+)\"", source))
+  return absl | set(re.findall(r"add_argument\(\s*\"--(\w+)\"", source)) | ABSL_BUILTIN
 
 
 _CONFIGS: dict[str, object] = {}
