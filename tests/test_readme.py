@@ -358,8 +358,9 @@ def test_hugging_face_import_lora_fine_tune_generate_export(user):
                      "--config.train.global_batch_size=8"))
   assert "LoRA rank 8" in err and "done: step 3/3" in err, err[-3000:]
   assert user.committed("runs/my-llama") == [3]
-  # docs/recipes/lora_tpu_pod.md's rehearsal: the pod run's overrides, compiled here, nothing written.
-  rehearsal = user.run(readme.command(HF_REHEARSAL))
+  # docs/recipes/lora_tpu_pod.md's rehearsal: the pod run's overrides (shorter rows, fewer), compiled here, nothing
+  # written.
+  rehearsal = user.run(readme.command(HF_REHEARSAL), "--config.data.seq_len=256", "--config.train.global_batch_size=8")
   _ok(rehearsal)
   info = json.loads(rehearsal.stdout.strip().splitlines()[-1])
   assert 0 < info["trainable_params"] < info["params"], info  # the adapters only
