@@ -192,7 +192,7 @@ def check_command(line: str) -> list[str]:
   line = re.sub(r"\s+2>&1\b.*$", "", line)
   if not COMMAND.match(line):
     return []  # pip, gcloud, sacct, tail: not this repository's
-  if "..." in line.split()[0] + line.split()[-1] and len(line.split()) <= 2:
+  if len(line.split()) <= 2 and "..." in line:
     return []  # a placeholder: `python ...`, `tools/...`
   env = dict(re.findall(r"([A-Z_][A-Z0-9_]*)=(\S+)\s+", re.match(ENV, line).group(0)))
   words = re.sub(r"[\[\]]", "", line[re.match(ENV, line).end():]).split()
@@ -235,13 +235,11 @@ def check_command(line: str) -> list[str]:
   else:
     flags = tool_flags(source)
     spec = next((a.split("=", 1)[1] for a in args if a.startswith("--config=")), None)
-    if spec is None and source.name == "main.py":
-      spec = None
   for arg in args:
     if not arg.startswith("--"):
       continue
     name, _, value = arg[2:].partition("=")
-    if name.startswith("config.") and "config" in flags and source.name in ("main.py",):
+    if name.startswith("config.") and source == ROOT / "jaxtrain" / "main.py":
       key = name[len("config."):]
       if unknown_key(key, spec):
         errors.append(f"--config.{key}: no such config key")
