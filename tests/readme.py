@@ -1,6 +1,6 @@
-"""The commands README.md and the pages under docs/ (and docs/recipes/) show a user typing: every line of their fenced ```bash blocks
-(backslash continuations joined, trailing ``# comments`` dropped). Tests run them as written, so the docs cannot
-drift from the code.
+"""The commands README.md and the pages under docs/ (and docs/recipes/) show a user typing: every line of their
+fenced ```bash blocks (backslash continuations joined, trailing ``# comments`` dropped). Tests run them as
+written, so the docs cannot drift from the code.
 
 Standard library only: ``.ci/run`` calls ``python3 tests/readme.py test-command`` before anything is installed
 and runs what it prints, so CI runs exactly the README's test command.
