@@ -1,7 +1,7 @@
 """Llama 3 70B (70.6B parameters). Pod-scale defaults: bf16, FSDP x 8-way tensor parallel, full remat.
 
 Variant for a TPU slice, the fastest of the settings compared on the TPU compiler's own estimate that fits the chip
-(``tools/bench_tpu.py``; docs/benchmarks.md "Defaults per target"): ``configs/llama3_70b.py:v5p`` for v5p-128 (64
+(``tools/bench_tpu.py``; docs/benchmarks.md "TPU: defaults per target"): ``configs/llama3_70b.py:v5p`` for v5p-128 (64
 chips, pure FSDP, 2 sequences of 8,192 tokens each, splash attention, remat ``save_qkv_proj``) and
 ``configs/llama3_70b.py:v6e`` for v6e-64 (64 chips of 32 GiB, pure FSDP, 1 sequence, splash, remat ``offload_full``:
 the layer inputs in host memory). On another slice size, scale ``train.global_batch_size`` with the chips. Their
@@ -11,10 +11,9 @@ workdirs are ``runs/llama3_70b_<target>``.
 from jaxtrain.config import base_config, for_target
 
 # Per target: the overrides for its 64 chips, from bench_tpu's estimates
-# (benchmarks/results/tpu_llama3_70b_<target>.json). v5p, per sequence of 8,192 tokens: remat full 11.316 s
-# (jax 0.12.0.1, peak 34.7 GiB), save_qkv_proj 11.050 s (jax 0.10.2, 46.7 of 95 GiB), save_qkv_proj x 2 sequences
-# 10.810 s (71.8 GiB); save_dots would need 127 GiB (tools/estimate.py). v6e: full would need 34.3 of 32 GiB
-# (tools/estimate.py); offload_full 5.570 s (24.6 GiB), offload_full x 2 sequences 5.238 s but 32.3 GiB: too much.
+# (benchmarks/results/tpu_llama3_70b_<target>.json; their figures: docs/benchmarks.md "TPU: defaults per target";
+# the settings compared: benchmarks/NOTES.md).
+# On v6e full remat would need 34.3 of 32 GiB (tools/estimate.py); on v5p save_dots would need 127 GiB.
 TARGETS = {"v5p": {"train.global_batch_size": 128, "model.remat": "save_qkv_proj", "model.attention": "splash",
                    "mesh.tensor": 1},
            "v6e": {"train.global_batch_size": 64, "model.remat": "offload_full", "model.attention": "splash",

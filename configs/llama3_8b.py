@@ -2,7 +2,7 @@
 
 Variants for a TPU slice, each the fastest of the settings compared on the TPU compiler's own estimate that fits
 the chip (``tools/bench_tpu.py``; remat full or save_dots, 1 or 2 sequences per chip: docs/benchmarks.md
-"Defaults per target"): ``configs/llama3_8b.py:v5p`` for v5p-128 (64 chips, 2 sequences of 8,192 tokens each)
+"TPU: defaults per target"): ``configs/llama3_8b.py:v5p`` for v5p-128 (64 chips, 2 sequences of 8,192 tokens each)
 and ``:v6e`` for v6e-64 (64 chips, 1 sequence each), both splash attention and remat ``save_dots``. On another
 slice size, scale ``train.global_batch_size`` with the chips. Each variant has its own workdir,
 ``runs/llama3_8b_<variant>``.
@@ -10,10 +10,9 @@ slice size, scale ``train.global_batch_size`` with the chips. Each variant has i
 
 from jaxtrain.config import base_config, for_target
 
-# Per target: the overrides for its 64 chips, from bench_tpu's estimates (jax 0.10.2, libtpu
-# 0.0.42; benchmarks/results/tpu_llama3_8b_<target>.json). v5p, per sequence of 8,192 tokens: remat full 1.260 s
-# (jax 0.12.0.1), save_dots 1.047 s (peak 27.6 of 95 GiB per chip), save_dots x 2 sequences 1.006 s (49.8 GiB).
-# v6e: full 0.699 s (jax 0.12.0.1), save_dots 0.607 s (26.7 of 32 GiB; 2 sequences would not fit).
+# Per target: the overrides for its 64 chips, from bench_tpu's estimates
+# (benchmarks/results/tpu_llama3_8b_<target>.json; their figures: docs/benchmarks.md "TPU: defaults per target";
+# the settings compared: benchmarks/NOTES.md).
 TARGETS = {
     "v5p": {"train.global_batch_size": 128, "model.remat": "save_dots", "model.attention": "splash"},
     "v6e": {"train.global_batch_size": 64, "model.remat": "save_dots", "model.attention": "splash"},

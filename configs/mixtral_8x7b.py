@@ -18,17 +18,16 @@ no dropped tokens.
   python tools/estimate.py --config=configs/mixtral_8x7b.py --devices=256
 
 Variant for a TPU slice, the fastest of the settings compared on the TPU compiler's own estimate that fits the chip
-(``tools/bench_tpu.py``; docs/benchmarks.md "Defaults per target"): ``configs/mixtral_8x7b.py:v5p`` for v5p-128 (64
+(``tools/bench_tpu.py``; docs/benchmarks.md "TPU: defaults per target"): ``configs/mixtral_8x7b.py:v5p`` for v5p-128 (64
 chips: expert 8 x fsdp 8, 2 sequences of 4,096 tokens each, splash attention, remat ``save_dots``). On another
 slice size, scale ``train.global_batch_size`` with the chips. Its workdir is ``runs/mixtral_8x7b_v5p``.
 """
 
 from jaxtrain.config import base_config, for_target
 
-# Per target: the overrides for its 64 chips, from bench_tpu's estimates (jax 0.10.2, libtpu 0.0.42;
-# benchmarks/results/tpu_mixtral_8x7b_<target>*.json). v5p, per sequence of 4,096 tokens: remat full 1.590 s
-# (peak 17.8 of 95 GiB per chip), save_dots 1.564 s (20.2 GiB), save_qkv_proj x 2 sequences 1.515 s (23.4 GiB),
-# save_dots x 2 sequences 1.504 s (25.1 GiB; tools/estimate.py: 22.0).
+# Per target: the overrides for its 64 chips, from bench_tpu's estimates
+# (benchmarks/results/tpu_mixtral_8x7b_<target>*.json; their figures: docs/benchmarks.md "TPU: defaults per target";
+# the settings compared: benchmarks/NOTES.md).
 TARGETS = {"v5p": {"train.global_batch_size": 128, "model.remat": "save_dots", "model.attention": "splash"}}
 
 

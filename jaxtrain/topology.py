@@ -38,7 +38,7 @@ def slice_shape(name: str) -> dict:
   every dimension of a v4/v5p slice made of whole 4x4x4 cubes, a v5e/v6e dimension of 16 chips (Cloud TPU's slice
   shapes; MaxText describes its compile targets the same way). The TPU compiler plans collectives for the links it
   is told of: described as an open mesh, v5p:4x4x4 had the train step's weights gathered as all-reduces of
-  zero-padded buffers (docs/benchmarks.md)."""
+  zero-padded buffers (benchmarks/NOTES.md)."""
   generation, dims = name.split(":")
   dims = [int(d) for d in dims.split("x")]
   if generation in ("v4", "v5p"):

@@ -1,4 +1,4 @@
-"""An example data source added from outside the package (docs/extending.md, "Add a data source"): documents that
+"""An example data source added from outside the package (docs/extending.md, "Adding a data source"): documents that
 count, ``(d + k * stride) mod vocab`` for document d, ``length`` tokens each. Everything it is lives here: its keys
 (``data.counting_test.length``, ``.stride``, ``.documents``, ``.held_out``) and their checks, its train stream (the
 package's packed lanes, so its position is checkpointed), its eval split, its tokenizer, its provenance, and its

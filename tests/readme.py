@@ -1,6 +1,6 @@
-"""The commands README.md and the pages under docs/ show a user typing: every line of their fenced ```bash blocks
-(backslash continuations joined, trailing ``# comments`` dropped). Tests run them as written, so the docs cannot
-drift from the code.
+"""The commands README.md and the pages under docs/ (and docs/recipes/) show a user typing: every line of their
+fenced ```bash blocks (backslash continuations joined, trailing ``# comments`` dropped). Tests run them as
+written, so the docs cannot drift from the code.
 
 Standard library only: ``.ci/run`` calls ``python3 tests/readme.py test-command`` before anything is installed
 and runs what it prints, so CI runs exactly the README's test command.
@@ -17,8 +17,8 @@ README = ROOT / "README.md"
 
 
 def pages() -> list[pathlib.Path]:
-  """README.md, then every page under docs/."""
-  return [README] + sorted((ROOT / "docs").glob("*.md"))
+  """README.md, then every page under docs/ and docs/recipes/."""
+  return [README] + sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "docs" / "recipes").glob("*.md"))
 
 
 def commands(text: str | None = None) -> list[str]:

@@ -871,6 +871,6 @@ def test_target_variants_are_the_measured_settings_and_their_estimate_fits_their
     ("v5e:2x2", {"chip_config_name": "default", "wrap": (False, False, False)})])
 def test_a_dry_run_topology_is_described_as_the_real_slice(name, shape):
   """Megacore chips and wrap-around links as Cloud TPU builds the slice: the TPU compiler plans collectives for
-  them (on an open v5p:4x4x4 it gathered weights as all-reduces of zero-padded buffers, docs/benchmarks.md)."""
+  them (on an open v5p:4x4x4 it gathered weights as all-reduces of zero-padded buffers, benchmarks/NOTES.md)."""
   from jaxtrain import topology
   assert topology.slice_shape(name) == shape

@@ -42,7 +42,7 @@ TRAIN_LONGER = "--config.train.steps=300"
 INSPECT = "tools/inspect_checkpoint.py"
 PLOT = "tools/plot_metrics.py"
 TP = "configs/tiny.py:tp"
-DRY_RUN = "--config.dry_run=true"
+DRY_RUN = "configs/llama3_8b.py --config.dry_run=true"
 GPIPE = "--config.workdir=runs/gpipe"
 CIRCULAR = "--config.workdir=runs/circular"
 MOE = "configs/moe_tiny.py --config.mesh.expert=4"
@@ -59,7 +59,13 @@ TRAIN_SFT = "--config.data.path=data/chats"
 GENERATE = "--checkpoint=runs/tiny"
 HF_IMPORT = "import --hf=hf/my-llama"
 HF_PREPARE = "--tokenizer=imported/my-llama/hf"
-HF_TRAIN = "--config=imported/my-llama/config.py"
+HF_TRAIN = "--config.model.lora.rank=8"
+# docs/recipes/lora_tpu_pod.md's rehearsal of a pod run
+HF_REHEARSAL = "--config=imported/my-llama/config.py --config.data.path=data/llama_chats --config.model.lora.rank=16"
+ATTENTION_AUTO = "--config.data.seq_len=4096 --config.dry_run=true 2>&1 | grep model.attention=auto"
+ATTENTION_BLOCKWISE = "--config.workdir=runs/tiny_blockwise"
+ESTIMATE_70B = "tools/estimate.py --config=configs/llama3_70b.py --devices=256"
+RESTART_BUDGET = "--config_value=distributed.max_restarts_per_hour"
 HF_GENERATE = "--checkpoint=runs/my-llama --prompt"
 HF_EXPORT = "export --checkpoint=runs/my-llama"
 LOCAL = "tools/launch/local.sh configs/tiny.py runs/long"
@@ -73,20 +79,37 @@ NOT_RUN = {
                   "(test_ci_runs_the_readme_test_command)",
     "--config.workdir=gs://bucket/run1": "needs a Cloud Storage bucket and the memory of an 8B model",
     "--runner=DataflowRunner": "needs a Google Cloud project and bucket",
+    "gcloud storage cp -r imported/my-llama": "needs a Cloud Storage bucket",
+    "gcloud storage cp -r data/llama_chats": "needs a Cloud Storage bucket",
+    "gcloud compute tpus tpu-vm scp": "needs a TPU VM slice",
+    "tools/launch/tpu_vm.sh": "needs a TPU VM slice, gcloud and a bucket (its flags: tests/test_docs.py)",
+    "export --checkpoint=gs://": "needs a Cloud Storage bucket holding a run",
+    "v5p:4x4x4 --config.dry_run=true 2>&1": "needs libtpu and minutes of TPU compiles of Llama 3 8B "
+                                                "(tests/test_tpu_compile.py compiles that path for a small model)",
+    "--config.dry_run_topology=v6e:16x16": "needs libtpu and many minutes of TPU compiles of Llama 3 70B "
+                                           "(tests/test_tpu_compile.py compiles that path for a small model)",
+    "configs/llama3_8b.py:v5p --config.dry_run=true":
+        "needs libtpu and minutes of TPU compiles of Llama 3 8B (tests/test_tpu_compile.py compiles that path for a "
+        "small model)",
+    "sbatch --nodes=4": "needs a Slurm cluster (tests/test_distributed.py runs the script with stand-in srun)",
+    "sacct -j": "needs a Slurm cluster",
+    "tail -n 3 /shared/runs": "reads a Slurm job's workdir",
+    "tools/goodput.py /shared/runs": "reads a Slurm job's workdir (tools/goodput.py runs on runs/long here)",
 }
 
 
 def test_every_readme_command_is_run_by_a_test():
   """A command added to the README or a docs page without a test here (or one a test no longer finds) fails."""
-  run = [QUICK_START] + [readme.command(part) for part in (TRAIN_LONGER, INSPECT, PLOT, TP, DRY_RUN, GPIPE,
-                                                           CIRCULAR, MOE, CONTEXT, PREPARE, TRAIN_PREPARED, PREPARE_BEAM,
-                                                           TRAIN_RAW, MIX_PREPARE_WEB, MIX_PREPARE_CODE, MIX_TRAIN,
-                                                           PREPARE_SFT,
-                                                           TRAIN_SFT, GENERATE, HF_IMPORT,
-                                                           HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT, LOCAL,
-                                                           GOODPUT)]
+  parts = (TRAIN_LONGER, INSPECT, PLOT, TP, DRY_RUN, GPIPE, CIRCULAR, MOE, CONTEXT, PREPARE, TRAIN_PREPARED,
+           PREPARE_BEAM, TRAIN_RAW, MIX_PREPARE_WEB, MIX_PREPARE_CODE, MIX_TRAIN, PREPARE_SFT, TRAIN_SFT, GENERATE,
+           HF_IMPORT, HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT, LOCAL, GOODPUT, HF_REHEARSAL, ATTENTION_AUTO,
+           ATTENTION_BLOCKWISE, ESTIMATE_70B, RESTART_BUDGET)
+  run = [QUICK_START] + [readme.command(part) for part in parts]
   not_run = [readme.command(part) for part in NOT_RUN]
   assert sorted(run + not_run) == sorted(readme.commands())
+  for command, why in zip(not_run, NOT_RUN.values()):  # shown, with the reason it is not run here
+    assert why.strip(), command
+    print(f"not run here: {command}\n  why: {why}")
 
 
 def test_ci_runs_the_readme_test_command():
@@ -335,6 +358,13 @@ def test_hugging_face_import_lora_fine_tune_generate_export(user):
                      "--config.train.global_batch_size=8"))
   assert "LoRA rank 8" in err and "done: step 3/3" in err, err[-3000:]
   assert user.committed("runs/my-llama") == [3]
+  # docs/recipes/lora_tpu_pod.md's rehearsal: the pod run's overrides (shorter rows, fewer), compiled here, nothing
+  # written.
+  rehearsal = user.run(readme.command(HF_REHEARSAL), "--config.data.seq_len=256", "--config.train.global_batch_size=8")
+  _ok(rehearsal)
+  info = json.loads(rehearsal.stdout.strip().splitlines()[-1])
+  assert 0 < info["trainable_params"] < info["params"], info  # the adapters only
+  assert user.committed("runs/my-llama") == [3]
   out = _ok_out(user.run(readme.command(HF_GENERATE)))
   assert len(out.splitlines()) == 1
   _ok(user.run(readme.command(HF_EXPORT)))
@@ -373,3 +403,26 @@ def test_local_launcher_starts_a_run_stopped_by_sigterm_again_and_it_resumes(use
   r = user.run("python tools/goodput.py runs/nothing")
   assert r.returncode == 2 and r.stderr == "goodput: error: runs/nothing: no run recorded there (no events in " \
       "goodput/); pass the workdir of a run\n", r.stderr
+
+
+def test_attention_backend_recipe(user):
+  """docs/recipes/attention_backend.md: auto's choice is one console line; a chosen backend trains."""
+  out = _ok_out(user.run(readme.command(ATTENTION_AUTO)))
+  assert out.strip().endswith("model.attention=auto: blockwise (cpu, seq_len 4096, mesh.context 1)"), out
+  err = _ok(user.run(readme.command(ATTENTION_BLOCKWISE), "--config.train.steps=2"))
+  assert "model.attention=auto" not in err and user.committed("runs/tiny_blockwise") == [2]
+  assert json.loads((user.repo / "runs/tiny_blockwise/config.json").read_text())["model"]["attention"] == "blockwise"
+
+
+def test_estimate_recipe(user):
+  """docs/recipes/size_a_slice.md: Llama 3 70B on 256 chips, the figures the page quotes."""
+  out = _ok_out(user.run(readme.command(ESTIMATE_70B)))
+  assert "70,553,706,496 params on mesh" in out and "'fsdp': 256" in out, out[-2000:]
+  for part, gib in (("activations", "10.000"), ("transient", "7.828"), ("total", "21.935")):
+    assert re.search(rf"^  {part} +{gib} GiB per device$", out, re.M), out[-2000:]
+
+
+def test_restart_budget_recipe(user):
+  """docs/recipes/resume_on_slurm.md: the budget the Slurm script asks jaxtrain for."""
+  result = user.run(readme.command(RESTART_BUDGET))
+  assert _ok_out(result).strip() == "6"

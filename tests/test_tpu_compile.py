@@ -150,7 +150,7 @@ def test_offload_full_moves_the_layer_inputs_to_host_memory(compiled):
 def test_estimate_is_within_15_percent_of_the_tpu_compilers_peak(compiled):
   """tools/estimate.py's per-device total (state, gradients, saved activations and the largest transient, per
   attention backend) against the TPU compiler's peak for the same step (ESTIMATED on v5e:2x2). Measured: within
-  7% here at either optimization level (fixture compiled), 4.1% for llama3_8b at 8k on v5p (docs/benchmarks.md)."""
+  7% here at either optimization level (fixture compiled), 4.1% for llama3_8b at 8k on v5p (docs/multihost.md)."""
   for backend, figures in compiled.items():
     assert figures["total"] == pytest.approx(figures["compiled_peak"], rel=0.15), (backend, figures)
   # The attention transient is what separates the backends: xla's T x T scores, none for the kernel.

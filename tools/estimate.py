@@ -29,7 +29,7 @@ then arithmetic over the mesh (no arrays are created, no program is compiled). A
   gathered in the compute dtype).
   Activations shrink with tensor parallelism for h, kv, f, vocab, and with context parallelism for t.
   total = params + grads + optimizer + activations + transient: the peak the TPU compiler reports, within 15%
-  (tests/test_tpu_compile.py; llama3_8b at 8k on v5p: docs/benchmarks.md).
+  (tests/test_tpu_compile.py; llama3_8b at 8k on v5p: docs/multihost.md).
 - communication per step (bytes sent per device, ring algorithms): fsdp: all-gather of the params in forward
   and again in backward, reduce-scatter of the grads (each (n-1)/n x the fsdp-sharded bytes); data: all-reduce
   of the grads (2 (n-1)/n x their size on the device); tensor: 2 all-reduces per layer forward and 2 backward

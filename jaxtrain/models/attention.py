@@ -446,7 +446,7 @@ def choose(platform: str, seq_len: int, context: int = 1, in_shard_map: bool = F
   ``shard_map`` such as the pipeline's): ``splash`` on TPU (``seq_len`` a multiple of its tiles), ``cudnn`` on a
   Hopper or newer GPU (16-bit ``dtype``, no soft-capping); else ``xla`` up to :data:`AUTO_XLA_MAX_LEN` tokens and
   ``blockwise`` above (its memory is linear in the length; xla's quadratic: 3 GiB of temporaries per device for
-  configs/tiny.py at 4k, docs/benchmarks.md)."""
+  configs/tiny.py at 4k, docs/models.md)."""
   kernel = context == 1 and not in_shard_map
   if kernel and platform == "tpu" and seq_len % SPLASH_MIN_BLOCK == 0:
     return "splash"

@@ -7,7 +7,7 @@ operand, and it decides the layout the value is written in. In a Llama layer on 
 ``activation(gate) * up`` fused into the down projection (forward) and its gradient into the gate's input
 gradient (backward); the final RMSNorm's backward fused into the head's input gradient; and the gradient of the
 attention kernel's output, which the output projection's gradient writes in a layout the kernel then copies twice
-(docs/benchmarks.md, "The TPU step"). The models call these where they compile for TPU only: CPU and GPU keep
+(benchmarks/NOTES.md, "The TPU step"). The models call these where they compile for TPU only: CPU and GPU keep
 their compilers' fusions (not measured there). Each keeps the values it is given (an ``optimization_barrier``
 rounds nothing), so the TPU program computes what the default one does (``tests/test_models.py``).
 """

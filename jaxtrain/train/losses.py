@@ -14,7 +14,7 @@ largest logit is 1e4 or -1e4 included), and every probability the backward pass 
 a row the loss mask drops (its cotangent 0) gets a zero gradient whatever its logits. (Programs for TPU took the
 normalizer from sums over three fixed shifts once, fused into the head's matmul: 0.87 ms of Llama 3 8B's 1.22 s
 step by the compiler's estimate, exact only while a row's largest logit lay in [-100, 309]; not worth a loss that
-is wrong, or a step skipped, outside: docs/benchmarks.md.)
+is wrong, or a step skipped, outside: benchmarks/NOTES.md.)
 
 :func:`cross_entropy_and_log_normalizer` also returns the log normalizer ``log Z`` with its gradient (softmax), for
 an output z-loss (``train.z_loss_weight``, jaxtrain.train.step).

@@ -2,7 +2,7 @@
 # Run jaxtrain on every worker of a TPU VM pod slice (the same command on all workers; JAX finds its peers
 # from the TPU metadata, so no coordinator flags are needed).
 #
-# Needs: gcloud with access to the project; a TPU VM slice (e.g. v5p-64) whose workers can read the code (a
+# Needs: gcloud with access to the project; a TPU VM slice (e.g. v5p-128: 64 chips) whose workers can read the code (a
 # git checkout in the same path on every worker, or the repo copied there first) and the data / checkpoint
 # bucket. The run's workdir should be a gs:// path so that every worker writes the same checkpoints:
 #

@@ -266,9 +266,9 @@ def lookup(embed: nnx.Embed, tokens, where_the_table_is: bool = True):
   tokens' rows are read from the table.
 
   Every platform takes the same path for a layout (Llama 3 8B on v5p-128: 11.8 GB and 4.9 ms less per step than
-  the gathered table, docs/benchmarks.md), so that no platform sums the table's gradient in another order than
+  the gathered table, benchmarks/NOTES.md), so that no platform sums the table's gradient in another order than
   another: the two paths' gradients differ by float32 summation order for ids seen on several devices, and a
-  training run carries such a difference on (docs/benchmarks.md: the TPU program's numerics on the CPU mesh).
+  training run carries such a difference on (benchmarks/NOTES.md, "The TPU program's numerics on the CPU mesh").
   ``where_the_table_is=False``: the gathered table whatever the layout (tests compare the two). Every path gives the
   same rows and, within float32 summation order, the same gradient for every id: ``table[clip(id, 0, vocab - 1)]``
   (:func:`_take_rows`)."""
@@ -306,7 +306,7 @@ def _lookup_where_the_table_is(table, tokens, dtype, shared, vocab_axes, batch_a
     # Exchanged as n leading blocks (block i of the result: device i's slice of the embed dim for this device's
     # tokens), then put in column order. The backward pass then sends the gradient's column blocks from one
     # chunk-major copy; exchanged along the embed dim itself, the TPU compiler wrote two transposing copies for it
-    # (Llama 3 8B on v5p-128: 0.4 ms a step less, docs/benchmarks.md).
+    # (Llama 3 8B on v5p-128: 0.4 ms a step less, benchmarks/NOTES.md).
     n = found.shape[0] // tokens.shape[0]
     blocks = jax.lax.all_to_all(found.reshape(n, -1, *found.shape[1:]), shared, 0, 0, tiled=True)
     return jnp.moveaxis(blocks, 0, 2).reshape(*blocks.shape[1:3], -1)  # [b, t, d]
