@@ -66,6 +66,7 @@ ATTENTION_AUTO = "--config.data.seq_len=4096 --config.dry_run=true 2>&1 | grep m
 ATTENTION_BLOCKWISE = "--config.workdir=runs/tiny_blockwise"
 ESTIMATE_70B = "tools/estimate.py --config=configs/llama3_70b.py --devices=256"
 RESTART_BUDGET = "--config_value=distributed.max_restarts_per_hour"
+FLOAT16 = "--config.optim.loss_scale=dynamic"
 HF_GENERATE = "--checkpoint=runs/my-llama --prompt"
 HF_EXPORT = "export --checkpoint=runs/my-llama"
 LOCAL = "tools/launch/local.sh configs/tiny.py runs/long"
@@ -103,7 +104,7 @@ def test_every_readme_command_is_run_by_a_test():
   parts = (TRAIN_LONGER, INSPECT, PLOT, TP, DRY_RUN, GPIPE, CIRCULAR, MOE, CONTEXT, PREPARE, TRAIN_PREPARED,
            PREPARE_BEAM, TRAIN_RAW, MIX_PREPARE_WEB, MIX_PREPARE_CODE, MIX_TRAIN, PREPARE_SFT, TRAIN_SFT, GENERATE,
            HF_IMPORT, HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT, LOCAL, GOODPUT, HF_REHEARSAL, ATTENTION_AUTO,
-           ATTENTION_BLOCKWISE, ESTIMATE_70B, RESTART_BUDGET)
+           ATTENTION_BLOCKWISE, ESTIMATE_70B, RESTART_BUDGET, FLOAT16)
   run = [QUICK_START] + [readme.command(part) for part in parts]
   not_run = [readme.command(part) for part in NOT_RUN]
   assert sorted(run + not_run) == sorted(readme.commands())
@@ -426,3 +427,10 @@ def test_restart_budget_recipe(user):
   """docs/recipes/resume_on_slurm.md: the budget the Slurm script asks jaxtrain for."""
   result = user.run(readme.command(RESTART_BUDGET))
   assert _ok_out(result).strip() == "6"
+
+
+def test_float16_command(user):
+  """docs/parallelism.md's float16 run, shortened: it trains with a loss scale, logged with every step."""
+  _ok(user.run(readme.command(FLOAT16), "--config.train.steps=4", "--config.train.log_every=2"))
+  records = [r for r in user.records("runs/tiny_fp16") if "loss" in r]
+  assert [r["step"] for r in records] == [2, 4] and all(r["loss_scale"] >= 2 ** 14 for r in records), records
