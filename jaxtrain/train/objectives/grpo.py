@@ -56,6 +56,7 @@ from jaxtrain import sharding
 from jaxtrain.data import prompts as prompts_lib
 from jaxtrain.errors import ConfigError, check_positive
 from jaxtrain.models import lora
+from jaxtrain.train import losses as losses_lib
 from jaxtrain.train import step as step_lib
 from jaxtrain.train.objectives import rewards as rewards_lib
 from jaxtrain.train.objectives.base import OBJECTIVES, Objective
@@ -314,7 +315,13 @@ def rollout_generator(run, rows: int, stops: tuple[int, ...]) -> sampling.Genera
   return sampling.Generator(run.model, run.mesh, run.rules, run.state_shardings.params, rows=rows,
                             prompt_len=prompts_lib.prompt_width(c), max_new_tokens=c.rl.max_new_tokens,
                             sampling=sampling.Sampling(c.rl.temperature, 0, c.rl.top_p), eos_ids=stops,
-                            return_logps=True)
+                            token_logp=sampled_logp)
+
+
+def sampled_logp(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """A sampled token's log-probability from its untempered logits ``[rows, vocab]``: the training loss's own
+  arithmetic (:func:`jaxtrain.train.losses.cross_entropy`, as :func:`.logprobs.token_logps` computes it)."""
+  return -losses_lib.cross_entropy(logits[:, None], tokens[:, None])[:, 0]
 
 
 class Trainer:
