@@ -219,9 +219,10 @@ class GRPO(Objective):
     for key, what in (("mesh.pipeline", "pipeline stages"), ("mesh.context", "context parallelism")):
       if c.mesh[key.split(".")[1]] not in (1,):
         raise ConfigError(key, f"train.objective=grpo has no {what}", f"set {key}=1")
-    if c.train.microbatches > 1 or c.train.max_rows_per_device:
-      raise ConfigError("train.microbatches", "train.objective=grpo updates on the whole batch at once",
-                        "leave train.microbatches and train.max_rows_per_device at 0")
+    for key in ("microbatches", "max_rows_per_device"):
+      if c.train[key] > (1 if key == "microbatches" else 0):
+        raise ConfigError(f"train.{key}", "train.objective=grpo updates on the whole batch at once",
+                          f"leave train.{key} at 0")
     if reference_mode(c) == "adapters_off" and not lora.active(c.model):
       raise ConfigError("rl.reference", "adapters_off needs LoRA (model.lora.rank > 0)", "use frozen, or LoRA")
     if c.eval.every_steps and not c.data.eval_path:
