@@ -153,15 +153,21 @@ def test_sharded_grpo_loss_equals_one_device(sharded_losses):
   assert sharded_losses["one"]["rl/kl"] > 0 and sharded_losses["one"]["rl/clip_fraction"] > 0  # terms present
 
 
-def test_sampler_logps_equal_the_training_forward(task, tmp_path):
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_sampler_logps_equal_the_training_forward(task, tmp_path, lora_rank):
   """The KV-cache sampler's log-probability of each token it samples (temperature 1.3, top-p 0.9: the draw is
-  tempered, the log-probability is the model's) equals the training forward's for the same row within 1e-5; a
-  generator that does not ask for them returns what it always did."""
+  tempered, the log-probability is the model's) equals the training forward's for the same row within 1e-5, with
+  LoRA too (the sampler merges the adapters, the training forward applies them); a generator that does not ask for
+  them returns what it always did."""
   c = grpo_config(tmp_path, task, fsdp=2, tensor=2)
   c.model.update(**MODEL)
+  c.model.lora.update(rank=lora_rank, alpha=8.0)
   c.rl.update(temperature=1.3, top_p=0.9)
   run = trainer.build(config_lib.resolve(c), jax.devices()[:4])
   params = start.starting_state(run).params
+  if lora_rank:  # adapters not at their zero start, so that they count
+    params = jax.tree_util.tree_map_with_path(lambda p, x: x + 0.05 if "lora" in jax.tree_util.keystr(p) else x,
+                                              params)
   gen = grpo.rollout_generator(run, 64, (10,))
   plain = sampling.Generator(run.model, run.mesh, run.rules, run.state_shardings.params, rows=64, prompt_len=5,
                              max_new_tokens=4, sampling=sampling.Sampling(1.3, 0, 0.9), eos_ids=(10,))
