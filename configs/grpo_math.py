@@ -14,6 +14,6 @@ def get_config():
   # 8 prompts a step, 8 completions each, at most 4 new tokens, a newline ends one; the answer checked exactly.
   c.rl.update(group_size=8, max_new_tokens=4, stop=("\n",), rewards="exact_match", kl_weight=0.04)
   c.eval.every_steps = 20  # eval_reward_mean: the held-out problems, one completion each
-  c.optim.update(lr=1e-3, warmup_steps=0, schedule="constant", weight_decay=0.0)
+  c.optim.update(lr=2e-4, warmup_steps=0, schedule="constant", weight_decay=0.0)  # 1e-3 undoes the fine-tuning
   c.checkpoint.restore_from = "runs/arithmetic_sft/checkpoints"
   return c
