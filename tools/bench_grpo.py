@@ -43,7 +43,8 @@ from jaxtrain.models import attention, scans  # noqa: E402
 from jaxtrain.train import trainer  # noqa: E402
 from jaxtrain.train.objectives import grpo  # noqa: E402
 
-_STEPS = flags.DEFINE_integer("steps", 12, "CPU: GRPO steps timed (the first two are left out of the medians).")
+_STEPS = flags.DEFINE_integer("steps", 12, "CPU: GRPO steps timed (the first two are left out of the medians; 0: "
+                              "no CPU run).")
 _MESH = flags.DEFINE_list("mesh", ["1", "1", "1"], "CPU: data,fsdp,tensor sizes.")
 _NEW = flags.DEFINE_integer("max_new_tokens", 16, "CPU: new tokens per completion (no stop token: all of them).")
 _TOPOS = flags.DEFINE_list("topologies", ["v5p:4x4x4"], "TPU topologies (jaxtrain.topology names); empty: none.")
@@ -120,12 +121,13 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   folder = tempfile.mkdtemp(prefix="bench_grpo-")
-  result = {"cpu": cpu_split(folder)}
+  result = {"cpu": cpu_split(folder) if _STEPS.value else None}
   r = result["cpu"]
-  print(f"CPU ({jax.devices()[0].device_kind}, mesh {r['mesh']}): rollout {r['rollout_s'] * 1e3:.1f} ms, update "
-        f"{r['update_s'] * 1e3:.1f} ms per step (rollout {r['rollout_share']:.0%}); rollout "
-        f"{r['rollout_tokens_per_s']:,.0f} new tokens/s, update {r['update_tokens_per_s']:,.0f} row tokens/s; "
-        f"logp mismatch {r['logp_mismatch']:.1e}", flush=True)
+  if r:
+    print(f"CPU ({jax.devices()[0].device_kind}, mesh {r['mesh']}): rollout {r['rollout_s'] * 1e3:.1f} ms, update "
+          f"{r['update_s'] * 1e3:.1f} ms per step (rollout {r['rollout_share']:.0%}); rollout "
+          f"{r['rollout_tokens_per_s']:,.0f} new tokens/s, update {r['update_tokens_per_s']:,.0f} row tokens/s; "
+          f"logp mismatch {r['logp_mismatch']:.1e}", flush=True)
   result["tpu"] = []
   for topo in filter(None, _TOPOS.value):
     e = tpu_estimate(_prompts(folder + "/tpu"), topo)
@@ -136,7 +138,7 @@ def main(argv):
           f"{e['update']['seconds']:.3f} s (peak {e['update']['peak_bytes'] / 2**30:.1f} GiB); rollout "
           f"{e['rollout_seconds']:.2f} s = {e['rollout_share']:.0%} of rollout + update", flush=True)
   print(f"wrote {_bench.write_json(_OUT.value, {'results': result})}")
-  print(json.dumps(result["cpu"]))
+  print(json.dumps(result))
 
 
 if __name__ == "__main__":
