@@ -204,6 +204,22 @@ def test_a_lora_run_on_fsdp_x_tensor_measures_kl_against_the_adapters_off_refere
   assert all(np.isfinite(h["loss"]) and h["rl/completion_length"] >= 1 for h in history)
 
 
+def test_updates_per_batch_update_the_optimizer_twice_and_count_one_step(task, tmp_path):
+  """rl.updates_per_batch=2: two optimizer updates per rollout (the optimizer's own count is 4 after 2 steps, the
+  second update of a batch sees a ratio away from 1), one loop and TrainState step each."""
+  c = grpo_config(tmp_path, task, data=1, fsdp=1)
+  c.model.update(**MODEL)
+  c.train.update(steps=2)
+  c.rl.update(updates_per_batch=2, rewards="tests.grpo_rewards:letters", clip_epsilon=0.01)
+  c.optim.update(lr=1e-2)
+  state, history = trainer.train(config_lib.resolve(c), devices=jax.devices()[:1])
+  assert int(state.step) == 2 and [h["step"] for h in history] == [1, 2]
+  leaves = jax.tree_util.tree_leaves_with_path(state.opt_state)
+  counts = [int(x) for p, x in leaves if "count" in jax.tree_util.keystr(p)]
+  assert counts and set(counts) == {4}, counts
+  assert all(h["rl/clip_fraction"] > 0 for h in history)  # (the mean over the two updates: the second one clips)
+
+
 def test_bad_input_is_one_line_exit_2_nothing_written(task, tmp_path):
   base = grpo_flags(task)
   cases = [  # (flags, what the line names)
