@@ -16,7 +16,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -113,11 +113,14 @@ class Generator:
   up to ``prompt_len`` tokens, ``max_new_tokens`` new ones, one :class:`Sampling`. ``param_shardings``: where the
   params live (e.g. the train state's). Compiled once, at construction; :meth:`__call__` dispatches without
   waiting. ``use_cache=False`` recomputes the whole forward for every new token; ``return_logits`` also returns
-  every step's logits ``[rows, max_new_tokens, vocab]`` (tests)."""
+  every step's logits ``[rows, max_new_tokens, vocab]`` (tests); ``token_logp`` (``(logits [rows, vocab], tokens
+  [rows]) -> float32 [rows]``), when given, is applied to each new token and its untempered logits, whatever the
+  sampling, and the values ``[rows, max_new_tokens]`` (0 after a row's end) are returned too: RL passes the
+  training loss's arithmetic, so that a sampled token's log-probability is the training forward's number."""
 
   def __init__(self, model: models.Model, mesh, rules, param_shardings, *, rows: int, prompt_len: int,
                max_new_tokens: int, sampling: Sampling = Sampling(), eos_ids: Sequence[int] = (),
-               use_cache: bool = True, return_logits: bool = False):
+               use_cache: bool = True, return_logits: bool = False, token_logp: Callable | None = None):
     _, shards = sharding.batch_shards(dict(mesh.shape), rules)
     if rows % shards:
       raise ValueError(f"rows={rows} is not a multiple of the {shards} batch shards")
@@ -127,7 +130,7 @@ class Generator:
     self.model, self.mesh, self.rules = model, mesh, rules
     self.rows, self.prompt_len, self.max_new_tokens = rows, prompt_len, max_new_tokens
     self.sampling, self.eos_ids = sampling, tuple(int(e) for e in eos_ids)
-    self.use_cache, self.return_logits = use_cache, return_logits
+    self.use_cache, self.return_logits, self.token_logp = use_cache, return_logits, token_logp
     self.batch_sharding = sharding.batch_sharding(mesh, rules)
     row_sharding = sharding.batch_sharding(mesh, rules, ndim=1)
     replicated = NamedSharding(mesh, P())
@@ -183,7 +186,8 @@ class Generator:
   def _decode(self, params, state, first_logits, lengths, rows, key):
     """The whole decode loop: token 0 from the prefill's logits, then one step per token while any row is not
     done. Returns the new tokens ``[rows, max_new_tokens]`` (0 after a row's end), how many each row produced
-    (an EOS included), with ``return_logits`` every step's logits, and the final state."""
+    (an EOS included), with ``return_logits`` every step's logits, with ``token_logp`` its values for each new
+    token, and the final state."""
     n, eos = self.max_new_tokens, jnp.asarray(self.eos_ids or (-1,), jnp.int32)
     params = self.model.effective_params(params)  # LoRA: merged once, not in every step (a no-op after this)
 
@@ -195,29 +199,36 @@ class Generator:
     out = jnp.zeros((self.rows, n), jnp.int32).at[:, 0].set(jnp.where(live, first, 0))
     done = ~live | jnp.isin(first, eos)
     produced = live.astype(jnp.int32)
-    all_logits = None
+    all_logits = logps = None
     if self.return_logits:
       all_logits = jnp.zeros((self.rows, n, first_logits.shape[-1]), jnp.float32).at[:, 0].set(first_logits)
+    if self.token_logp is not None:
+      logps = jnp.zeros((self.rows, n), jnp.float32).at[:, 0].set(
+          jnp.where(live, self.token_logp(first_logits, first), 0.0))
 
     def cond(carry):
-      i, _, _, done, _, _ = carry
+      i, _, _, done, _, _, _ = carry
       return (i < n) & ~jnp.all(done)
 
     def body(carry):
-      i, state, out, done, produced, all_logits = carry
+      i, state, out, done, produced, all_logits, logps = carry
       logits, state = self._step(params, state, out[:, i - 1], lengths + i - 1, rows)
       token = jnp.where(done, 0, pick(logits, i))
       out = jax.lax.dynamic_update_index_in_dim(out, token, i, axis=1)
+      if logps is not None:
+        logps = jax.lax.dynamic_update_index_in_dim(logps, jnp.where(done, 0.0, self.token_logp(logits, token)),
+                                                    i, axis=1)
       produced = produced + (~done).astype(jnp.int32)
       done = done | jnp.isin(token, eos)
       if all_logits is not None:
         all_logits = jax.lax.dynamic_update_index_in_dim(all_logits, logits, i, axis=1)
-      return i + 1, state, out, done, produced, all_logits
+      return i + 1, state, out, done, produced, all_logits, logps
 
-    carry = (jnp.int32(1), state, out, done, produced, all_logits)
-    _, state, out, _, produced, all_logits = jax.lax.while_loop(cond, body, carry)
+    carry = (jnp.int32(1), state, out, done, produced, all_logits, logps)
+    _, state, out, _, produced, all_logits, logps = jax.lax.while_loop(cond, body, carry)
     # The state is returned (and dropped by the caller) so that its donated buffer is updated in place.
-    return (out, produced, all_logits, state) if self.return_logits else (out, produced, state)
+    extras = ((all_logits,) if self.return_logits else ()) + ((logps,) if logps is not None else ())
+    return (out, produced, *extras, state)
 
   # Use ---------------------------------------------------------------------------------------------------------
 

@@ -190,5 +190,5 @@ def test_a_data_source_registers_from_outside(make_config):
     trainer.build(config)
   config.data.source, config.data.path = "parquet_nope", ""
   with pytest.raises(ConfigError, match="data.source: 'parquet_nope' is not a registered data source; use one of "
-                                        "arrayrecord, raw, seven_test, synthetic"):
+                                        "arrayrecord, prompts, raw, seven_test, synthetic"):
     trainer.build(config)

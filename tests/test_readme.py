@@ -50,7 +50,7 @@ CONTEXT = "--config.mesh.context=4"
 PREPARE = "--input=my_texts --output=data/my_texts"
 TRAIN_PREPARED = "--config.data.path=data/my_texts"
 PREPARE_BEAM = "--runner=FnApiRunner"
-TRAIN_RAW = "--config.data.source=raw"
+TRAIN_RAW = "--config.data.source=raw --config.data.path=my_texts"
 MIX_PREPARE_WEB = "--output=data/web"
 MIX_PREPARE_CODE = "--output=data/code"
 MIX_TRAIN = "--config.workdir=runs/mixture"
@@ -69,6 +69,9 @@ RESTART_BUDGET = "--config_value=distributed.max_restarts_per_hour"
 FLOAT16 = "--config.optim.loss_scale=dynamic"
 HF_GENERATE = "--checkpoint=runs/my-llama --prompt"
 HF_EXPORT = "export --checkpoint=runs/my-llama"
+GRPO_DATA = "tools/arithmetic_prompts.py"
+GRPO_SFT = "--config.workdir=runs/arithmetic_sft"
+GRPO_TRAIN = "configs/grpo_math.py"
 LOCAL = "tools/launch/local.sh configs/tiny.py runs/long"
 GOODPUT = "tools/goodput.py runs/long"
 # Appended to the launcher's command (with --config.train.steps): what is tested there is the stop, the restart
@@ -104,7 +107,8 @@ def test_every_readme_command_is_run_by_a_test():
   parts = (TRAIN_LONGER, INSPECT, PLOT, TP, DRY_RUN, GPIPE, CIRCULAR, MOE, CONTEXT, PREPARE, TRAIN_PREPARED,
            PREPARE_BEAM, TRAIN_RAW, MIX_PREPARE_WEB, MIX_PREPARE_CODE, MIX_TRAIN, PREPARE_SFT, TRAIN_SFT, GENERATE,
            HF_IMPORT, HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT, LOCAL, GOODPUT, HF_REHEARSAL, ATTENTION_AUTO,
-           ATTENTION_BLOCKWISE, ESTIMATE_70B, RESTART_BUDGET, FLOAT16)
+           ATTENTION_BLOCKWISE, ESTIMATE_70B, RESTART_BUDGET, FLOAT16, GRPO_DATA, GRPO_SFT,
+           GRPO_TRAIN)
   run = [QUICK_START] + [readme.command(part) for part in parts]
   not_run = [readme.command(part) for part in NOT_RUN]
   assert sorted(run + not_run) == sorted(readme.commands())
@@ -333,6 +337,17 @@ def test_generate_from_the_quick_start_run(user):
   assert len(lines) == 1 and len(lines[0].replace("\\n", "\n").encode()) >= 60, out
   again = _ok_out(user.run(readme.command(GENERATE)))
   assert again == out  # greedy: the same completion every time
+
+
+def test_grpo_on_arithmetic(user):
+  """The post-training page's GRPO commands: the problems written, the format fine-tuned, GRPO resumed from it."""
+  assert "401 training and 40 held-out problems" in _ok_out(user.run(readme.command(GRPO_DATA)))
+  _ok(user.run(readme.command(GRPO_SFT), "--config.train.steps=3"))
+  err = _ok(user.run(readme.command(GRPO_TRAIN), "--config.train.steps=2"))
+  assert "runs/arithmetic_sft/checkpoints" in err and "done: step 2/2" in err
+  last = user.records("runs/grpo_math")
+  assert {"rl/reward_mean", "rl/kl", "rl/logp_mismatch", "rl/rollout_s"} <= set(last[-2]) | set(last[-1])
+  assert any("eval_reward_mean" in r for r in last)  # the eval at the last step
 
 
 def test_hugging_face_import_lora_fine_tune_generate_export(user):

@@ -18,7 +18,7 @@ import ml_collections
 from jax.sharding import NamedSharding
 
 from jaxtrain import paths
-from jaxtrain.data import arrayrecord, folders, ids, mixture, stream, synthetic  # noqa: F401 - built-in sources
+from jaxtrain.data import arrayrecord, folders, ids, mixture, prompts, stream, synthetic  # noqa: F401 - built-in sources
 from jaxtrain.data.batch import KEYS
 from jaxtrain.data import source as source_lib
 from jaxtrain.data.source import SOURCES, Documents, Folder, Source, options  # noqa: F401 - the API of sources

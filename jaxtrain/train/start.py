@@ -1,6 +1,7 @@
 """Where a run's state starts when it has no checkpoint of its own: a fresh, seeded, sharded init, or another run's
 checkpoint (``checkpoint.restore_from``: its params, or its whole state). Deterministic: a preference or RL
-objective rebuilds its reference model from the same start on every restart."""
+objective rebuilds its reference model from the same start on every restart. ``run``: a
+:class:`jaxtrain.train.run.Run` (not imported: objectives import this module, and the config imports them)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,16 @@ from absl import logging
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain.models import lora
 from jaxtrain.train import state as state_lib
-from jaxtrain.train.run import Run
 from jaxtrain.train.state import TrainState
 
 
-def init_state(run: Run) -> TrainState:
+def init_state(run) -> TrainState:
   """A fresh state from ``train.seed``, laid out on the run's shardings."""
   with jax.set_mesh(run.mesh):
     return state_lib.make_init(run.model, run.tx, run.state_shardings)(jax.random.key(run.config.train.seed))
 
 
-def starting_state(run: Run) -> TrainState:
+def starting_state(run) -> TrainState:
   """A fresh state, started from ``checkpoint.restore_from`` when set (``checkpoint.restore_mode``: its params
   only, or its whole state)."""
   state = init_state(run)

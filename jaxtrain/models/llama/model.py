@@ -534,7 +534,7 @@ class Llama(nnx.Module):
 
     x = self.embed_tokens(tokens, positions)
     k, v = constrain(cache.k, stacked_axes), constrain(cache.v, stacked_axes)
-    x, (k, v) = jax.lax.scan(layer, x, (nnx.state(self.layers), k, v, self.layer_kinds()))
+    x, (k, v) = jax.lax.scan(layer, x, (nnx.state(self.layers), k, v, self.layer_kinds()), unroll=scans.unroll())
     cache = dataclasses.replace(slots, k=constrain(k, stacked_axes), v=constrain(v, stacked_axes),
                                 index=slots.index + tokens.shape[1])
     return self.head(x), cache

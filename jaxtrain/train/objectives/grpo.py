@@ -1,0 +1,396 @@
+"""``grpo``: reinforcement learning with verifiable rewards, Group Relative Policy Optimization (Shao et al. 2024,
+DeepSeekMath), and the ``rl`` config group.
+
+A step (one loop step, one rollout):
+  1. rollout: the step's prompts (``data.source=prompts``, :mod:`jaxtrain.data.prompts`: ``train.global_batch_size /
+     rl.group_size`` prompts, each ``rl.group_size`` times) are completed by the current policy with jaxtrain's
+     KV-cache sampler (:class:`jaxtrain.sampling.Generator`, sharded like the model, on the training mesh): at
+     ``rl.temperature`` within the nucleus ``rl.top_p``, up to ``rl.max_new_tokens`` tokens or a stop token
+     (``rl.stop`` and the tokenizer's EOS). Row r of step s draws with a key derived from (``train.seed``, s): a
+     resumed run samples what the uninterrupted one did.
+  2. rewards, on the host: ``rl.rewards`` (:mod:`.rewards`), weighted and summed per completion; the advantage of
+     completion i of a group is ``(r_i - mean(r)) / (std(r) + 1e-4)`` over its group (sample std, ddof=1).
+  3. scoring: the training forward (:func:`.logprobs.token_logps`) gives the completion tokens' log-probabilities
+     under the policy (the "old" ones the ratio divides by) and under the reference (``rl.reference``: the starting
+     params frozen, or with LoRA the base with the adapters off). ``rl/logp_mismatch`` is the largest difference
+     between the sampler's log-probability of a sampled token and the training forward's: trainer and rollout
+     numerics the same (torchtitan's lesson), ~1e-6 in float32.
+  4. ``rl.updates_per_batch`` optimizer updates on the batch, each minimizing (per token t of completion i, with
+     ``ratio = exp(logp - old_logp)``)
+       ``-min(ratio A_i, clip(ratio, 1 - eps, 1 + eps) A_i) + kl_weight (exp(ref - logp) - (ref - logp) - 1)``
+     (the clipped surrogate, the k3 estimator of KL(policy || reference)), averaged over each completion's tokens,
+     then over the completions: every completion weighs the same, whatever its length (the GRPO paper's
+     aggregation; a token-level mean would let long completions dominate).
+
+Steps and the schedule: the loop's step and ``TrainState.step`` count rollouts (checkpoints, resume and the sampling
+keys follow them). The optimizer takes ``rl.updates_per_batch`` updates per step, all in the step's one program, and
+its learning-rate schedule counts updates: its default horizon is ``train.steps x rl.updates_per_batch`` updates, and
+``optim.warmup_steps`` and ``optim.decay_steps`` count updates.
+
+Google's Tunix computes the same loss (its advantages, the clipped ratio and k3 are what this module computes); its
+learner drives its own rollout engine and NNX models through its RL cluster, so jaxtrain computes the formulas in its
+own sharded step instead of importing it.
+
+Metrics per step: ``loss`` (the objective), ``rl/reward_mean``, ``rl/reward_std``, ``rl/reward/<name>``, ``rl/kl``
+(the mean k3 per completion token, against the reference), ``rl/clip_fraction`` (completion tokens whose clipped
+term was taken), ``rl/completion_length`` (mean tokens per completion, its stop token included),
+``rl/logp_mismatch``, ``rl/rollout_s`` and ``rl/rollout_tokens_per_s`` (new tokens per second of sampling),
+``rl/update_s`` and ``rl/update_tokens_per_s`` (row tokens per second of scoring and updating). Evaluation
+(``eval.every_steps``): the held-out prompts of ``data.eval_path``, one completion each with the rollout's sampling
+and a fixed key, scored: ``eval_reward_mean`` and ``eval_reward/<name>``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxtrain import optim
+from jaxtrain import sampling
+from jaxtrain import sharding
+from jaxtrain.data import prompts as prompts_lib
+from jaxtrain.errors import ConfigError, check_positive
+from jaxtrain.models import lora
+from jaxtrain.train import losses as losses_lib
+from jaxtrain.train import step as step_lib
+from jaxtrain.train.objectives import rewards as rewards_lib
+from jaxtrain.train.objectives.base import OBJECTIVES, Objective
+from jaxtrain.train.objectives.logprobs import REFERENCES, Reference, token_logps
+
+ADVANTAGE_EPS = 1e-4  # as Tunix and TRL: a group whose rewards are all equal has advantages 0, not 0 / 0
+EVAL_SEED = 2**20  # the held-out evaluation's sampling key, the same at every eval
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """The ``rl`` config group (read by ``train.objective=grpo``)."""
+  return ml_collections.ConfigDict(dict(
+      group_size=8,  # completions per prompt (a group); train.global_batch_size counts completions
+      temperature=1.0,  # rollout sampling
+      top_p=1.0,
+      max_new_tokens=64,  # at most this many new tokens per completion (data.seq_len + 1 - this: the prompt's room)
+      stop=(),  # strings, each one token of the tokenizer, that end a completion (besides the tokenizer's EOS)
+      # rewards (jaxtrain/train/objectives/rewards.py): registered names or module.path:function, =weight each
+      rewards="exact_match",
+      answer_field="answer",  # exact_match: the record's field holding the answer
+      format_regex=r".*####\s*\S+\s*",  # format: the whole completion must match it
+      kl_weight=0.04,  # the k3 KL penalty's weight (0: none, and no reference is computed)
+      clip_epsilon=0.2,  # the ratio is clipped to [1 - eps, 1 + eps]
+      updates_per_batch=1,  # optimizer updates per rollout batch (old log-probs kept)
+      reference="",  # frozen | adapters_off (LoRA only); empty: adapters_off with LoRA, else frozen
+  ))
+
+
+def validate(config) -> None:
+  """The ``rl`` group's own ranges (its relations to the rest of the config: :meth:`GRPO.validate`)."""
+  rl = config.rl
+  check_positive(config, ["rl.max_new_tokens", "rl.updates_per_batch", "rl.clip_epsilon", "rl.temperature"])
+  check_positive(config, ["rl.kl_weight"], allow_zero=True)
+  if rl.group_size < 2:
+    raise ConfigError("rl.group_size", f"must be >= 2, got {rl.group_size}", "advantages compare a group's "
+                      "completions: sample at least 2 per prompt")
+  if not 0 < rl.top_p <= 1:
+    raise ConfigError("rl.top_p", f"must be in (0, 1], got {rl.top_p}", "use 1 for no nucleus cut")
+  if rl.reference and rl.reference not in REFERENCES:
+    raise ConfigError("rl.reference", f"'{rl.reference}' is not one of {', '.join(REFERENCES)}",
+                      "leave it empty for the default")
+  if isinstance(rl.stop, str) or not all(isinstance(s, str) and s for s in rl.stop):
+    raise ConfigError("rl.stop", f"{rl.stop!r} is not a tuple of non-empty strings", "e.g. \"('\\n',)\"")
+
+
+def stop_ids(config, tok) -> tuple[int, ...]:
+  """The token ids that end a completion: ``rl.stop``'s (each must be one token) and the tokenizer's EOS."""
+  out = []
+  for text in config.rl.stop:
+    ids = np.asarray(tok.encode(text))
+    if ids.size != 1:
+      raise ConfigError("rl.stop", f"{text!r} is {ids.size} tokens of the tokenizer, not one",
+                        "give stop strings that are single tokens")
+    out.append(int(ids[0]))
+  eos = getattr(tok, "special_tokens", {}).get("eos_token")
+  if eos:
+    ids = np.asarray(tok.encode(eos))
+    if ids.size == 1:
+      out.append(int(ids[0]))
+  return tuple(dict.fromkeys(out))
+
+
+def reference_mode(config) -> str:
+  return config.rl.reference or Reference.default_mode(config)
+
+
+def group_advantages(rewards: np.ndarray, group_size: int) -> np.ndarray:
+  """``(r - group mean) / (group std + 1e-4)`` per completion (float32; groups: consecutive ``group_size``
+  rows; std with ddof=1)."""
+  grouped = np.asarray(rewards, np.float64).reshape(-1, group_size)
+  adv = (grouped - grouped.mean(1, keepdims=True)) / (grouped.std(1, ddof=1, keepdims=True) + ADVANTAGE_EPS)
+  return adv.reshape(-1).astype(np.float32)
+
+
+def grpo_loss(logps, batch, clip_epsilon: float, kl_weight: float) -> tuple[jax.Array, dict]:
+  """The GRPO objective (see the module docstring) from the policy's per-token log-probabilities ``logps``
+  ``[rows, seq]`` and the batch's ``old_logps``, ``ref_logps``, ``advantages`` and ``loss_mask``: (the loss,
+  ``{kl, clip_fraction}``, means over the completion tokens)."""
+  real = batch["loss_mask"] > 0
+  adv = batch["advantages"][:, None]
+  ratio = jnp.exp(jnp.where(real, logps - batch["old_logps"], 0.0))
+  clipped = jnp.clip(ratio, 1 - clip_epsilon, 1 + clip_epsilon)
+  per_token = -jnp.minimum(ratio * adv, clipped * adv)
+  kl = jnp.zeros_like(logps)
+  if kl_weight:
+    d = jnp.where(real, batch["ref_logps"] - logps, 0.0)
+    kl = jnp.exp(d) - d - 1
+    per_token = per_token + kl_weight * kl
+  tokens = jnp.sum(real, axis=1).astype(jnp.float32)
+  per_sequence = jnp.sum(jnp.where(real, per_token, 0.0), axis=1) / jnp.maximum(tokens, 1.0)
+  loss = jnp.mean(per_sequence)
+  count = jnp.maximum(jnp.sum(tokens), 1.0)
+  taken = real & (clipped * adv < ratio * adv)
+  return loss, {"rl/kl": jnp.sum(jnp.where(real, kl, 0.0)) / count,
+                "rl/clip_fraction": jnp.sum(taken.astype(jnp.float32)) / count}
+
+
+def _host(x) -> np.ndarray:
+  """A global array's value on this host (gathered from every process on several)."""
+  if jax.process_count() == 1:
+    return np.asarray(jax.device_get(x))
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def sampling_seed(seed: int, step: int) -> int:
+  """The rollout key's seed for (``train.seed``, loop step): the same on every restart."""
+  return int(np.random.SeedSequence([seed, step]).generate_state(1)[0]) >> 1
+
+
+class Completions:
+  """Sampled rows as the host sees them: token ids ``[rows, n]``, how many each produced (a stop token included),
+  the sampler's log-probabilities ``[rows, n]``, and their texts (up to, not including, a stop token)."""
+
+  def __init__(self, result, stops: tuple[int, ...], tok):
+    self.tokens, self.produced, self.logps = (_host(x) for x in result[:3])
+    self.texts = []
+    for row, n in zip(self.tokens, self.produced):
+      ids = row[:n].tolist()
+      if ids and ids[-1] in stops:
+        ids = ids[:-1]
+      self.texts.append(tok.decode(ids))
+
+
+def update_batch(prompt: dict[str, np.ndarray], done: Completions, advantages: np.ndarray) -> dict[str, np.ndarray]:
+  """The training rows: each the left-padded prompt then its completion, ``seq_len + 1`` tokens as inputs and
+  targets; the loss mask on the completion's tokens (a stop token included); ``advantages`` per row."""
+  tokens = np.concatenate([prompt["inputs"], done.tokens], axis=1)
+  rows, width = prompt["inputs"].shape
+  n = done.tokens.shape[1]
+  lengths = prompt["segment_ids"].sum(1)
+  new = np.arange(n)[None, :] < done.produced[:, None]
+  positions = np.concatenate([prompt["positions"], lengths[:, None] + np.arange(n)[None, :]], axis=1)
+  segments = np.concatenate([prompt["segment_ids"], new.astype(np.int32)], axis=1)
+  trained = np.concatenate([np.zeros((rows, width), bool), new], axis=1)
+  return {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32),
+          "loss_mask": trained[:, 1:].astype(np.float32),
+          "positions": np.where(segments > 0, positions, 0)[:, :-1].astype(np.int32),
+          "segment_ids": segments[:, :-1].astype(np.int32), "advantages": advantages.astype(np.float32)}
+
+
+@OBJECTIVES.register("grpo")
+class GRPO(Objective):
+  """Group Relative Policy Optimization on the ``rl`` group's settings (see the module docstring)."""
+
+  UPDATE_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids", "advantages", "old_logps",
+                 "ref_logps")
+
+  def validate(self, config) -> None:
+    c = config
+    if c.data.source != "prompts" or not c.data.path:
+      raise ConfigError("data.source", f"train.objective=grpo needs prompts, got data.source='{c.data.source}'"
+                        + ("" if c.data.source != "prompts" else " without data.path"),
+                        "set data.source=prompts and data.path to a JSONL file of {\"prompt\": ..., \"answer\": ...}")
+    if c.train.global_batch_size % c.rl.group_size:
+      raise ConfigError("train.global_batch_size", f"{c.train.global_batch_size} completions do not make groups of "
+                        f"rl.group_size={c.rl.group_size}", "use a multiple of rl.group_size")
+    if prompts_lib.prompt_width(c) < 1:
+      raise ConfigError("rl.max_new_tokens", f"{c.rl.max_new_tokens} leaves no room for a prompt in data.seq_len="
+                        f"{c.data.seq_len}", "raise data.seq_len or lower rl.max_new_tokens")
+    for key, what in (("mesh.pipeline", "pipeline stages"), ("mesh.context", "context parallelism")):
+      if c.mesh[key.split(".")[1]] not in (1,):
+        raise ConfigError(key, f"train.objective=grpo has no {what}", f"set {key}=1")
+    for key in ("microbatches", "max_rows_per_device"):
+      if c.train[key] > (1 if key == "microbatches" else 0):
+        raise ConfigError(f"train.{key}", "train.objective=grpo updates on the whole batch at once",
+                          f"leave train.{key} at 0")
+    if reference_mode(c) == "adapters_off" and not lora.active(c.model):
+      raise ConfigError("rl.reference", "adapters_off needs LoRA (model.lora.rank > 0)", "use frozen, or LoRA")
+    if c.eval.every_steps and not c.data.eval_path:
+      raise ConfigError("eval.every_steps", "train.objective=grpo evaluates held-out prompts, and data.eval_path "
+                        "is empty", "set data.eval_path to a JSONL file of held-out prompts, or eval.every_steps=0")
+    # Everything the rollouts need, before anything is written: the prompts, the stop tokens, the rewards (each
+    # called once on the first record, so that one that fails or returns the wrong shape is one line now).
+    table = prompts_lib.load(c.data.path, c)
+    stop_ids(c, prompts_lib._tokenizer(prompts_lib.tokenizer_spec(c)))
+    if c.data.eval_path:
+      prompts_lib.load(c.data.eval_path, c, "data.eval_path")
+    record = table.records[0]
+    rewards_lib.score(rewards_lib.load(c.rl), ["", table.texts[0]], [record, record])
+
+  def abstract_batch(self, run) -> dict[str, jax.ShapeDtypeStruct]:
+    b, t = run.config.train.global_batch_size, run.config.data.seq_len
+    rows = sharding.batch_sharding(run.mesh, run.rules, ndim=1)
+    out = {k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k in ("loss_mask", "old_logps", "ref_logps") else jnp.int32,
+                                   sharding=run.batch_sharding) for k in self.UPDATE_KEYS if k != "advantages"}
+    out["advantages"] = jax.ShapeDtypeStruct((b,), jnp.float32, sharding=rows)
+    return out
+
+  def open_train(self, config):
+    return prompts_lib.open_train(config)
+
+  def make_train_step(self, run):
+    """``(state, batch, skip) -> (state, metrics)``: ``rl.updates_per_batch`` updates on one scored batch, the step
+    counter advanced by one (see the module docstring on the schedule)."""
+    c, model = run.config, run.model
+    updates = c.rl.updates_per_batch
+    tx, schedule = run.tx, run.lr_schedule
+    if updates > 1:  # the schedule counts updates (the same optimizer state's structure)
+      tx = optim.make(c.optim, c.train.steps * updates, model.trainable_mask())
+      schedule = optim.schedule(c.optim, c.train.steps * updates)
+    _, update_shardings = step_lib.trained_shardings_of(model, run.state_shardings)
+    eps, beta = c.rl.clip_epsilon, c.rl.kl_weight
+
+    def objective(params, batch):
+      loss, aux = grpo_loss(token_logps(model, params, batch), batch, eps, beta)
+      return loss, aux
+
+    def train_step(state, batch, skip):
+      step = state.step
+      tokens = jnp.sum(batch["loss_mask"])
+      history = []
+      for i in range(updates):
+        (loss, aux), grads = step_lib.value_and_trained_grad(model, objective, state.params, batch)
+        state, metrics = step_lib.apply_update(model, tx, schedule, state.replace(step=step * updates + i), grads,
+                                               loss, 1.0, skip, update_shardings)
+        history.append({**metrics, **aux})
+      mean = {k: sum(m[k] for m in history) / updates for k in history[0]}
+      mean["nonfinite"] = jnp.max(jnp.stack([m["nonfinite"] for m in history]))
+      mean["skipped"] = jnp.max(jnp.stack([m["skipped"] for m in history]))
+      mean["loss"] = history[0]["loss"]  # the objective at the rollout's params
+      return state.replace(step=step + 1), {**mean, "tokens": tokens}
+
+    return train_step
+
+  def step_fn(self, run, compile_step):
+    return Trainer(run, compile_step(run))
+
+  def make_evaluator(self, run):
+    c = run.config
+    if not c.data.eval_path:
+      return None
+    table = prompts_lib.load(c.data.eval_path, c, "data.eval_path")
+    tok = prompts_lib._tokenizer(prompts_lib.tokenizer_spec(c))
+    stops = stop_ids(c, tok)
+    generator = rollout_generator(run, sampling.padded_rows(len(table.ids), run.mesh, run.rules), stops)
+    batch = generator.batch(table.ids)
+    rewards = rewards_lib.load(c.rl)
+
+    def evaluate(params):
+      with jax.set_mesh(run.mesh):
+        result = generator(params, batch, seed=EVAL_SEED + c.train.seed)
+
+      def fetch() -> dict[str, float]:
+        done = Completions(result, stops, tok)
+        total, parts = rewards_lib.score(rewards, done.texts[:batch.count], table.records)
+        return {"eval_reward_mean": float(total.mean()),
+                **{f"eval_reward/{name}": float(v.mean()) for name, v in parts.items()}}
+
+      return fetch
+
+    return evaluate
+
+
+def rollout_generator(run, rows: int, stops: tuple[int, ...]) -> sampling.Generator:
+  """The rollout sampler for ``rows`` rows on the run's mesh (compiled once)."""
+  c = run.config
+  return sampling.Generator(run.model, run.mesh, run.rules, run.state_shardings.params, rows=rows,
+                            prompt_len=prompts_lib.prompt_width(c), max_new_tokens=c.rl.max_new_tokens,
+                            sampling=sampling.Sampling(c.rl.temperature, 0, c.rl.top_p), eos_ids=stops,
+                            token_logp=sampled_logp)
+
+
+def sampled_logp(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """A sampled token's log-probability from its untempered logits ``[rows, vocab]``: the training loss's own
+  arithmetic (:func:`jaxtrain.train.losses.cross_entropy`, as :func:`.logprobs.token_logps` computes it)."""
+  return -losses_lib.cross_entropy(logits[:, None], tokens[:, None])[:, 0]
+
+
+class Trainer:
+  """What the loop calls each step (``(state, prompt batch, skip) -> (state, metrics)``): rollout, rewards,
+  scoring, update (see the module docstring). Compiles the sampler and the scoring program at construction; the
+  update is the trainer's compiled :meth:`GRPO.make_train_step`."""
+
+  def __init__(self, run, update):
+    c = self.config = run.config
+    self.run, self.update = run, update
+    self.tok = prompts_lib._tokenizer(prompts_lib.tokenizer_spec(c))
+    self.stops = stop_ids(c, self.tok)
+    self.table = prompts_lib.load(c.data.path, c)
+    self.rewards = rewards_lib.load(c.rl)
+    self.generator = rollout_generator(run, c.train.global_batch_size, self.stops)
+    self.reference = Reference(run, reference_mode(c)) if c.rl.kl_weight else None
+    batch = GRPO().abstract_batch(run)
+    scored = {k: v for k, v in batch.items() if k not in ("old_logps", "ref_logps")}
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          run.model.abstract_params, run.state_shardings.params)
+    extra = self.reference.abstract_extra(run) if self.reference else ()
+    with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
+      self.score = jax.jit(self._score).lower(params, scored, *extra).compile()
+
+  def _score(self, params, batch, *extra):
+    """(The policy's per-token log-probabilities, the reference's; zeros without a KL term)."""
+    logps = token_logps(self.run.model, params, batch)
+    if self.reference is None:
+      return logps, jnp.zeros_like(logps)
+    return logps, token_logps(self.run.model, self.reference.params(params, *extra), batch)
+
+  def __call__(self, state, prompt: dict, skip):
+    c, run = self.config, self.run
+    t0 = time.perf_counter()
+    step = int(jax.device_get(state.step)) + 1
+    host = {k: _host(prompt[k]) for k in ("inputs", "positions", "segment_ids", "targets")}
+    rows = host["inputs"].shape[0]
+    batch = sampling.Batch(host["inputs"], host["positions"], host["segment_ids"], host["segment_ids"].sum(1),
+                           np.ones((rows,), np.int32), rows)
+    with jax.set_mesh(run.mesh):
+      done = Completions(self.generator(state.params, batch, sampling_seed(c.train.seed, step)), self.stops, self.tok)
+    rollout_s = time.perf_counter() - t0
+    records = [self.table.records[i] for i in prompts_lib.record_indices(host)]
+    total, parts = rewards_lib.score(self.rewards, done.texts, records)
+    t1 = time.perf_counter()
+    local = update_batch(host, done, group_advantages(total, c.rl.group_size))
+    rows_sharding = sharding.batch_sharding(run.mesh, run.rules, ndim=1)
+    on_device = {k: jax.device_put(v, rows_sharding if k == "advantages" else run.batch_sharding)
+                 for k, v in local.items()}
+    with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
+      old, ref = self.score(state.params, on_device, *(self.reference.extra if self.reference else ()))
+      mismatch = self._mismatch(_host(old), done, host["inputs"].shape[1])
+      state, metrics = self.update(state, {**on_device, "old_logps": old, "ref_logps": ref}, skip)
+      jax.block_until_ready(metrics)
+    update_s = time.perf_counter() - t1
+    metrics = {**metrics, "rl/reward_mean": float(total.mean()), "rl/reward_std": float(total.std()),
+               **{f"rl/reward/{name}": float(v.mean()) for name, v in parts.items()},
+               "rl/completion_length": float(done.produced.mean()), "rl/logp_mismatch": mismatch,
+               "rl/rollout_s": rollout_s, "rl/rollout_tokens_per_s": float(done.produced.sum()) / rollout_s,
+               "rl/update_s": update_s,
+               "rl/update_tokens_per_s": rows * c.data.seq_len * c.rl.updates_per_batch / update_s}
+    return state, metrics
+
+  @staticmethod
+  def _mismatch(old: np.ndarray, done: Completions, width: int) -> float:
+    """The largest |sampler log-prob - training forward's| over the completion tokens."""
+    n = done.tokens.shape[1]
+    new = np.arange(n)[None, :] < done.produced[:, None]
+    trained = old[:, width - 1:width - 1 + n]  # target t = token t + 1: completion token i is target width - 1 + i
+    return float(np.max(np.abs(np.where(new, trained - done.logps, 0.0)), initial=0.0))
+
