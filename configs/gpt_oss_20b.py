@@ -11,7 +11,7 @@ family: jaxtrain/models/gpt_oss). ``jaxtrain.models.gpt_oss.param_counts`` on th
 20,914,757,184 total (transformers' count of the same shapes), 3,608,307,264 active (the published 20.9B / 3.6B; the
 model card's 3.61B, which counts the head and not the input embedding table).
 
-The released weights are MXFP4 (the experts): tools/convert_hf.py imports a bf16 copy (docs/huggingface.md). No
+The released weights are MXFP4 (the experts): tools/convert_hf.py dequantizes them on import (docs/huggingface.md). No
 training recipe is published: AdamW 3e-4 as at this scale, 4M-token batches (1024 x 4096).
 
   python tools/estimate.py --config=configs/gpt_oss_20b.py --devices=256

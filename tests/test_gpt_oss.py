@@ -27,9 +27,9 @@ torch = pytest.importorskip("torch", reason="torch (test-only, in setup.cfg's te
 transformers = pytest.importorskip("transformers", reason="transformers (test-only) is not installed: the "
                                    "Hugging Face comparisons need it")
 
-# Window 5 of 24 tokens, layers local / global / local / global; gate and up reach ~0.5 with these weights, so a
+# Window 5 of 24 tokens (hidden sizes multiples of 32: MXFP4's groups), layers local / global / local / global; gate and up reach ~0.5 with these weights, so a
 # limit of 0.3 clamps some; YaRN over 16 original positions puts dims on both sides of its ramp.
-HF_CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+HF_CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
                  swiglu_limit=0.3, rms_norm_eps=1e-5, max_position_embeddings=64,
                  rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
@@ -111,7 +111,7 @@ def test_imported_logits_equal_transformers_and_each_mis_mapping_fails(imported)
                                     "rope_original_max_positions", "rope_yarn_beta_fast", "rope_yarn_truncate",
                                     "num_experts", "experts_per_token", "expert_mlp_dim", "swiglu_limit")} == dict(
       sliding_window=5, global_every=2, rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_positions=16,
-      rope_yarn_beta_fast=8.0, rope_yarn_truncate=False, num_experts=4, experts_per_token=2, expert_mlp_dim=48,
+      rope_yarn_beta_fast=8.0, rope_yarn_truncate=False, num_experts=4, experts_per_token=2, expert_mlp_dim=64,
       swiglu_limit=0.3)
   padded, packed = logit_errors(model, params, ref)
   print(f"gpt_oss: max relative logit error padded {padded:.2e}, packed {packed:.2e}")
@@ -189,12 +189,12 @@ def test_sinks_in_every_backend_equal_the_reference(backend, window):
 
 @pytest.fixture(scope="module")
 def refusals(tmp_path_factory):
-  """Forked commands: training with sinks on splash and on cudnn; importing an MXFP4-quantized config."""
+  """Forked commands: training with sinks on splash and on cudnn; importing an fp8-quantized config."""
   tmp = tmp_path_factory.mktemp("refused")
-  src = tmp / "mxfp4"
+  src = tmp / "fp8"
   _hf_gpt_oss(src)
   config = json.loads((src / "config.json").read_text())
-  config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+  config["quantization_config"] = {"quant_method": "fp8"}
   (src / "config.json").write_text(json.dumps(config))
   argvs = [["-m", "jaxtrain.main", "--config=configs/tiny_family.py:gpt_oss", f"--config.model.attention={name}",
             f"--config.workdir={tmp / name}"] for name in ("splash", "cudnn")]
@@ -206,15 +206,51 @@ def refusals(tmp_path_factory):
     (0, "jaxtrain: error: model.attention: the backend 'splash' has no attention sinks and model.attention_sinks is "
         "set; use xla or blockwise"),
     (1, "jaxtrain: error: model.attention: the backend 'cudnn' has no attention sinks"),
-    (2, "is quantized (mxfp4); dequantize it to bf16 first: transformers' GptOssForCausalLM.from_pretrained")])
-def test_sinks_on_a_kernel_without_them_and_mxfp4_are_one_line_exit_2(refusals, case, message):
+    (2, "is quantized (fp8); dequantize it to bf16 first")])
+def test_sinks_on_a_kernel_without_them_and_other_quantizations_are_one_line_exit_2(refusals, case, message):
   tmp, results = refusals
   result = results[case]
   errors = [line for line in result.stderr.splitlines() if ": error:" in line]
   assert result.returncode == 2, result.stderr
   assert len(errors) == 1 and message in errors[0], result.stderr
   assert "Traceback" not in result.stderr
-  assert sorted(p.name for p in tmp.iterdir()) == ["mxfp4"]  # nothing written: no workdir, no output
+  assert sorted(p.name for p in tmp.iterdir()) == ["fp8"]  # nothing written: no workdir, no output
+
+
+def test_mxfp4_experts_dequantize_on_import_as_transformers_does(imported, tmp_path):
+  """The released checkpoints' form: gate_up_proj and down_proj as MXFP4 blocks and scales (random codes, scales
+  2^-6 to 2^-3), the rest as it is. The import's expert weights are bitwise transformers' own dequantization
+  (``convert_moe_packed_tensors``), and its logits equal those of transformers' model holding them."""
+  import copy
+  from safetensors.numpy import load_file, save_file
+  from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+  tmp, ref, *_ = imported
+  (tmp_path / "src").mkdir()
+  tensors, dequantized = load_file(str(tmp / "src" / "model.safetensors")), {}
+  rng = np.random.default_rng(3)
+  for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
+    experts, fan_in, fan_out = tensors.pop(name).shape
+    blocks = rng.integers(0, 256, (experts, fan_out, fan_in // 32, 16), dtype=np.uint8)
+    scales = rng.integers(121, 125, (experts, fan_out, fan_in // 32), dtype=np.uint8)
+    tensors.update({f"{name}_blocks": blocks, f"{name}_scales": scales})
+    dequantized[name] = convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales))
+  save_file(tensors, str(tmp_path / "src" / "model.safetensors"))
+  config = json.loads((tmp / "src" / "config.json").read_text())
+  config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+  (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+  (tmp_path / "src" / "tokenizer.json").write_text((tmp / "src" / "tokenizer.json").read_text())
+  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
+  _, model, params = _restore(tmp_path / "out")
+  theirs = copy.deepcopy(ref)
+  with torch.no_grad():
+    for name, value in dequantized.items():
+      theirs.get_parameter(name).copy_(value.float())
+      layer = int(name.split(".")[2])
+      ours = np.asarray(params["layers"]["moe"]["gate_up" if "gate_up" in name else "down"][layer])
+      np.testing.assert_array_equal(ours, value.float().numpy(), err_msg=name)
+  padded, packed = logit_errors(model, params, theirs.eval())
+  print(f"gpt_oss mxfp4: max relative logit error padded {padded:.2e}, packed {packed:.2e}")
+  assert padded < TOL and packed < TOL
 
 
 def _config(tmp_path, **mesh):

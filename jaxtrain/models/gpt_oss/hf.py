@@ -5,8 +5,12 @@ layouts, jaxtrain/models/llama/hf.py), ``self_attn.sinks`` ``[heads]``, the rout
 (a Linear) and ``.bias``, and the experts stacked as jaxtrain stacks them: ``mlp.experts.gate_up_proj`` ``[E, d,
 2f]`` (``[in, out]``, gate and up interleaved: jaxtrain's ``gate_up`` is that array), ``gate_up_proj_bias`` ``[E,
 2f]``, ``down_proj`` ``[E, f, d]``, ``down_proj_bias`` ``[E, d]``. The released checkpoints (openai/gpt-oss-20b,
--120b) store the experts in MXFP4 (``*_blocks`` and ``*_scales``, ``quantization_config.quant_method=mxfp4``): the
-import refuses them in one line naming the fix (transformers dequantizes them to a bf16 folder).
+-120b) store ``gate_up_proj`` and ``down_proj`` in MXFP4 (``quantization_config.quant_method=mxfp4``): ``*_blocks``
+``[E, out, in / 32, 16]`` uint8, two 4-bit E2M1 values a byte (low nibble first), and ``*_scales`` ``[E, out, in /
+32]`` uint8, a power of two (``2^(s - 127)``) per 32 values. The import dequantizes them (:func:`dequantize_mxfp4`,
+numpy, one expert at a time) to bfloat16, bitwise transformers' ``convert_moe_packed_tensors``; an export writes
+them unquantized (bf16 for the released checkpoints, whose other tensors are bf16). Another quantization is refused
+in one line.
 """
 
 from __future__ import annotations
@@ -15,14 +19,32 @@ import dataclasses
 from typing import Any
 
 import ml_collections
+import ml_dtypes
+import numpy as np
 
 from jaxtrain.models import attention, core, hf_adapter
 from jaxtrain.models.hf_adapter import HFError, Tensor
 from jaxtrain.models.llama.hf import windows
 
-MXFP4_FIX = ("dequantize it to bf16 first: transformers' GptOssForCausalLM.from_pretrained(SOURCE, "
-             "quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16).save_pretrained(OUT), "
-             "or import a bf16 copy")
+QUANTIZED_FIX = ("dequantize it to bf16 first (transformers' from_pretrained with its quantizer's dequantize option, "
+                 "then save_pretrained), or import a bf16 copy")
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                    np.float32)
+MXFP4_TENSORS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+  """MXFP4 ``blocks`` ``[E, out, groups, 16]`` uint8 and ``scales`` ``[E, out, groups]`` uint8 -> ``[E, groups x 32,
+  out]`` bfloat16 (``[in, out]`` per expert, the layout of the checkpoint's unquantized tensor): value ``j`` of a
+  group is the E2M1 code in nibble ``j % 2`` of byte ``j // 2`` times ``2^(scale - 127)`` (exact in bfloat16)."""
+  experts, out_dim, groups, _ = blocks.shape
+  result = np.empty((experts, groups * 32, out_dim), ml_dtypes.bfloat16)
+  for e in range(experts):  # one expert's float32 values at a time
+    b = blocks[e].astype(np.uint8)
+    values = np.stack([FP4_E2M1[b & 0x0F], FP4_E2M1[b >> 4]], axis=-1).reshape(out_dim, groups, 32)
+    values = np.ldexp(values, scales[e].astype(np.int32)[..., None] - 127)
+    result[e] = values.reshape(out_dim, groups * 32).T.astype(ml_dtypes.bfloat16)
+  return result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +55,8 @@ class GptOssAdapter(hf_adapter.Adapter):
 
   def model_config(self, hf: dict, where: str) -> ml_collections.ConfigDict:
     quant = hf.get("quantization_config") or {}
-    if quant:
-      raise HFError(where, f"is quantized ({quant.get('quant_method', 'quantization_config')})", MXFP4_FIX)
+    if quant and quant.get("quant_method") != "mxfp4":
+      raise HFError(where, f"is quantized ({quant.get('quant_method', 'quantization_config')})", QUANTIZED_FIX)
     if hf.get("attention_bias") is False:
       raise HFError(where, "sets attention_bias=false", "GPT-OSS always has attention biases; pass the model's own "
                     "config.json")
@@ -109,6 +131,13 @@ class GptOssAdapter(hf_adapter.Adapter):
     for key in ("qkv_bias", "out_bias", "attention_sinks"):
       if not model.get(key):
         return f"sets model.{key}=False, where gpt_oss always has it"
+    return None
+
+  def stored_as(self, name: str, names: Any) -> tuple[list[str], Any] | None:
+    """The experts' MXFP4 ``*_blocks`` and ``*_scales`` (:func:`dequantize_mxfp4`)."""
+    parts = [f"{name}_blocks", f"{name}_scales"]
+    if name.endswith(MXFP4_TENSORS) and all(p in names for p in parts):
+      return parts, lambda arrays: dequantize_mxfp4(*arrays)
     return None
 
   def ignored(self, name: str, model: Any) -> bool:
