@@ -27,8 +27,9 @@ torch = pytest.importorskip("torch", reason="torch (test-only, in setup.cfg's te
 transformers = pytest.importorskip("transformers", reason="transformers (test-only) is not installed: the "
                                    "Hugging Face comparisons need it")
 
-# Window 5 of 24 tokens (hidden sizes multiples of 32: MXFP4's groups), layers local / global / local / global; gate and up reach ~0.5 with these weights, so a
-# limit of 0.3 clamps some; YaRN over 16 original positions puts dims on both sides of its ramp.
+# Window 5 of 24 tokens, layers local / global / local / global; gate and up reach ~0.5 with these weights, so a
+# limit of 0.3 clamps some; YaRN over 16 original positions puts dims on both sides of its ramp; hidden sizes are
+# multiples of 32 (MXFP4's groups).
 HF_CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
                  swiglu_limit=0.3, rms_norm_eps=1e-5, max_position_embeddings=64,
