@@ -1,5 +1,6 @@
 """gpt-oss-20b (20.9B parameters, 3.6B active per token: 32 experts, top-4). Pod-scale defaults: bf16 compute, full
-remat, dropless experts, FSDP over all chips.
+remat, dropless experts, FSDP. d_model 2880 is 2^6 x 45: ``mesh.fsdp`` must divide it (at most 64 of a power of two),
+so a pod adds ``mesh.expert`` or ``mesh.data`` (256 chips: expert 8 x fsdp 32, 18.5 GiB per chip by the estimate).
 
 Architecture from the released checkpoint's config.json (OpenAI 2025, "gpt-oss-120b & gpt-oss-20b Model Card",
 arXiv:2508.10925): 24 layers, d_model 2880, 64 query heads x 64, 8 KV heads, biases on q, k, v and o, a learned
@@ -14,7 +15,7 @@ model card's 3.61B, which counts the head and not the input embedding table).
 The released weights are MXFP4 (the experts): tools/convert_hf.py dequantizes them on import (docs/huggingface.md). No
 training recipe is published: AdamW 3e-4 as at this scale, 4M-token batches (1024 x 4096).
 
-  python tools/estimate.py --config=configs/gpt_oss_20b.py --devices=256
+  python tools/estimate.py --config=configs/gpt_oss_20b.py --devices=256 --set=mesh.expert=8 --set=mesh.fsdp=32
 """
 
 from jaxtrain.config import base_config

@@ -8,6 +8,7 @@ MXFP4 checkpoint are one line, exit 2."""
 
 import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -295,3 +296,24 @@ def test_published_sizes_have_the_published_parameter_counts(config):
     theirs = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf_cfg).parameters())
   assert total == theirs == PUBLISHED[config][0]
   assert round(active / 1e7) == round(PUBLISHED[config][1] / 1e7)
+
+
+ESTIMATED = {"gpt_oss_20b": 18.5, "gpt_oss_120b": 25.3}  # GiB per chip, as the configs' docstrings say
+
+
+@pytest.fixture(scope="module")
+def estimates():
+  """tools/estimate.py on 256 chips, expert 8 x fsdp 32 (fsdp divides d_model 2880), for each published config."""
+  results = forked.run_many([["tools/estimate.py", f"--config=configs/{name}.py", "--devices=256",
+                              "--set=mesh.expert=8", "--set=mesh.fsdp=32"] for name in ESTIMATED])
+  return dict(zip(ESTIMATED, results))
+
+
+@pytest.mark.parametrize("config", list(ESTIMATED))
+def test_the_estimator_sizes_the_published_configs_as_their_docstrings_say(estimates, config):
+  result = estimates[config]
+  assert result.returncode == 0, result.stderr[-2000:]
+  total = re.search(r"^ +total +([0-9.]+) GiB per device", result.stdout + result.stderr, re.M)
+  assert total and round(float(total.group(1)), 1) == ESTIMATED[config]
+  assert f"{ESTIMATED[config]} GiB per chip" in (pathlib.Path(__file__).parents[1] / "configs" /
+                                                  f"{config}.py").read_text()

@@ -22,10 +22,10 @@ auxiliary losses and load metrics are the ``moe`` family's (jaxtrain/models/moe/
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 from flax import nnx
 
 from jaxtrain.errors import ConfigError, check_positive
@@ -118,8 +118,8 @@ def flops_per_token(cfg, seq_len: int, abstract_params) -> float:
 
 def activation_estimate(cfg, rows: int, seq_len: int, tensor: int, context: int = 1) -> dict[str, int]:
   """The ``moe`` family's estimate (no shared experts, no dense first layers)."""
-  return moe.activation_estimate(types.SimpleNamespace(**{**cfg.to_dict(), "num_shared_experts": 0}), rows, seq_len,
-                                 tensor, context)
+  return moe.activation_estimate(ml_collections.ConfigDict({**cfg.to_dict(), "num_shared_experts": 0}), rows,
+                                 seq_len, tensor, context)
 
 
 AXIS_KEYS = {**llama.AXIS_KEYS, "experts": "num_experts", "expert_mlp": "expert_mlp_dim"}
