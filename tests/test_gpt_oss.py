@@ -240,17 +240,21 @@ def _config(tmp_path, **mesh):
 
 @pytest.mark.slow
 def test_trains_sharded_equal_to_one_device(tmp_path):
-  """fsdp 2 x tensor 2 x expert 2 against one device (packed rows, a window shorter than the documents, the
-  auxiliary losses on): the loss and every gradient (sinks and biases included) within 1e-5."""
+  """fsdp 2 x tensor 2 x expert 2, and context 2 x fsdp 2 x expert 2 (blockwise: the sinks over gathered keys),
+  against one device (packed rows, a window shorter than the documents, the auxiliary losses on): the loss and every
+  gradient (sinks and biases included) within 1e-5."""
   from tests.test_pipeline import _loss_and_grads, _packed_batch
   batch = _packed_batch()
   ref_loss, ref_tokens, ref_grads, _ = _loss_and_grads(_config(tmp_path / "one"), batch, jax.devices()[:1])
-  loss, tokens, grads, _ = _loss_and_grads(_config(tmp_path / "x", fsdp=2, tensor=2, expert=2), batch, jax.devices())
-  assert tokens == ref_tokens
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-  for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):
-    err = np.max(np.abs(g - r)) / np.max(np.abs(r))
-    assert err < 1e-5, f"{jax.tree_util.keystr(path)}: relative gradient error {err:.2e}"
+  for mesh in (dict(fsdp=2, tensor=2, expert=2), dict(context=2, fsdp=2, expert=2)):
+    config = _config(tmp_path / "x".join(map(str, mesh.values())), **mesh)
+    config.model.attention = "blockwise" if "context" in mesh else "auto"
+    loss, tokens, grads, _ = _loss_and_grads(config, batch, jax.devices())
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=str(mesh))
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):
+      err = np.max(np.abs(g - r)) / np.max(np.abs(r))
+      assert err < 1e-5, f"{mesh} {jax.tree_util.keystr(path)}: relative gradient error {err:.2e}"
 
 
 PUBLISHED = {"gpt_oss_20b": (20_914_757_184, 3.61e9), "gpt_oss_120b": (116_829_156_672, 5.13e9)}
