@@ -152,6 +152,7 @@ def test_auto_chooses_by_platform_length_and_layout(monkeypatch):
   assert attention.choose("tpu", 8192) == "splash"
   assert attention.choose("tpu", 8192, context=2) == attention.choose("gpu", 8192) == "blockwise"
   assert attention.choose("tpu", 8192, in_shard_map=True) == "blockwise"  # inside the pipeline's stages
+  assert attention.choose("tpu", 8192, sinks=True) == attention.resolve("auto", "tpu", 8192, sinks=True) == "blockwise"
   assert attention.choose("tpu", 1000) == attention.choose("cpu", limit) == "xla"  # 1000: not a multiple of 128
   assert attention.choose("cpu", limit + 1) == "blockwise"
   q, k, v, seg, pos = _packed()

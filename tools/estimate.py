@@ -118,7 +118,7 @@ def estimate(config, devices: int, slices: int = 1, platform: str = "tpu") -> di
   if m.attention == "auto":  # what auto runs on the target platform
     m = m.copy_and_resolve_references()
     m.attention = attention.resolve("auto", platform, config.data.seq_len, mesh["context"], m.dtype,
-                                    bool(m.get("attn_softcap")))
+                                    bool(m.get("attn_softcap")), bool(m.get("attention_sinks")))
   per_family = family(m, b, config.data.seq_len, mesh["tensor"], mesh["context"]) if family else None
   activations = per_family["activation_bytes"] if per_family else None
   transient = per_family["transient_bytes"] if per_family else None

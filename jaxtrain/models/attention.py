@@ -494,13 +494,13 @@ AUTO_XLA_MAX_LEN = 2048  # auto off TPU: XLA's attention up to this many tokens 
 
 
 def choose(platform: str, seq_len: int, context: int = 1, in_shard_map: bool = False, dtype=None,
-           softcap: bool = False) -> str:
+           softcap: bool = False, sinks: bool = False) -> str:
   """What ``auto`` runs: the platform's kernel where its rules allow (no context parallelism, not already inside a
-  ``shard_map`` such as the pipeline's): ``splash`` on TPU (``seq_len`` a multiple of its tiles), ``cudnn`` on a
-  Hopper or newer GPU (16-bit ``dtype``, no soft-capping); else ``xla`` up to :data:`AUTO_XLA_MAX_LEN` tokens and
-  ``blockwise`` above (its memory is linear in the length; xla's quadratic: 3 GiB of temporaries per device for
+  ``shard_map`` such as the pipeline's, no attention sinks, which no kernel has): ``splash`` on TPU (``seq_len`` a
+  multiple of its tiles), ``cudnn`` on a Hopper or newer GPU (16-bit ``dtype``, no soft-capping); else ``xla`` up to
+  :data:`AUTO_XLA_MAX_LEN` tokens and ``blockwise`` above (its memory is linear in the length; xla's quadratic: 3 GiB of temporaries per device for
   configs/tiny.py at 4k, docs/models.md)."""
-  kernel = context == 1 and not in_shard_map
+  kernel = context == 1 and not in_shard_map and not sinks
   if kernel and platform == "tpu" and seq_len % SPLASH_MIN_BLOCK == 0:
     return "splash"
   if kernel and platform == "gpu" and jnp.dtype(dtype or jnp.float32).name in CUDNN_DTYPES and not softcap \
@@ -515,9 +515,10 @@ def _hopper_or_newer() -> bool:
   return float(capability) >= 9.0
 
 
-def resolve(backend: str, platform: str, seq_len: int, context: int = 1, dtype=None, softcap: bool = False) -> str:
-  """``backend``, or what ``auto`` chooses for this platform, length, context axis, dtype and soft-capping."""
-  return choose(platform, seq_len, context, dtype=dtype, softcap=softcap) if backend == "auto" else backend
+def resolve(backend: str, platform: str, seq_len: int, context: int = 1, dtype=None, softcap: bool = False,
+            sinks: bool = False) -> str:
+  """``backend``, or what ``auto`` chooses for this platform, length, context axis, dtype, soft-capping and sinks."""
+  return choose(platform, seq_len, context, dtype=dtype, softcap=softcap, sinks=sinks) if backend == "auto" else backend
 
 
 @BACKENDS.register("auto")
@@ -527,10 +528,10 @@ def auto(q, k, v, segment_ids, positions, block_size=512, variant: Variant = PLA
   mesh = jax.sharding.get_abstract_mesh()
   context = 1 if mesh.empty else dict(mesh.shape).get("context", 1)
   in_shard_map = not mesh.empty and any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
+  name = choose(target_platform(), k.shape[1], context, in_shard_map, q.dtype, bool(variant.softcap),
+                sinks is not None)
   if sinks is not None:
-    name = "xla" if k.shape[1] <= AUTO_XLA_MAX_LEN else "blockwise"
     return BACKENDS.get(name)(q, k, v, segment_ids, positions, block_size=block_size, variant=variant, sinks=sinks)
-  name = choose(target_platform(), k.shape[1], context, in_shard_map, q.dtype, bool(variant.softcap))
   return BACKENDS.get(name)(q, k, v, segment_ids, positions, block_size=block_size, variant=variant)
 
 
