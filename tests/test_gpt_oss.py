@@ -6,6 +6,7 @@ padded batch and a packed row; each of its features mapped wrong on purpose fail
 dequantize as transformers' do. Sharded training equals one device; the published sizes have the published parameter
 counts and the estimator's sizes; sinks on a kernel without them and another quantization are one line, exit 2."""
 
+import copy
 import json
 import pathlib
 import re
@@ -160,6 +161,12 @@ def test_import_export_is_bitwise_and_loads_in_transformers(imported, tmp_path):
   assert loaded.config.rope_parameters == ref.config.rope_parameters
   tokens = np.random.default_rng(1).integers(0, 256, (2, 20))
   np.testing.assert_array_equal(_hf_logits(loaded.eval(), tokens), _hf_logits(ref, tokens))
+  # The released form's dtype: a bf16 folder imports and exports back bf16, bit for bit.
+  copy.deepcopy(ref).to(torch.bfloat16).save_pretrained(tmp_path / "bf16", safe_serialization=True)
+  hf.import_model(str(tmp_path / "bf16"), str(tmp_path / "bf16_out"))
+  hf.export_model(str(tmp_path / "bf16_out" / "checkpoints"), str(tmp_path / "bf16_exported"))
+  _exported_equals_source(tmp_path / "bf16", tmp_path / "bf16_exported")
+  assert json.loads((tmp_path / "bf16_exported" / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +203,6 @@ def test_mxfp4_experts_dequantize_on_import_as_transformers_does(imported, tmp_p
   """The released checkpoints' form: gate_up_proj and down_proj as MXFP4 blocks and scales (random codes, scales
   2^-6 to 2^-3), the rest as it is. The import's expert weights are bitwise transformers' own dequantization
   (``convert_moe_packed_tensors``), and its logits equal those of transformers' model holding them."""
-  import copy
   from safetensors.numpy import load_file, save_file
   from transformers.integrations.mxfp4 import convert_moe_packed_tensors
   tmp, ref, *_ = imported
