@@ -300,3 +300,21 @@ def test_the_estimator_sizes_the_published_configs_as_their_docstrings_say(estim
   assert total and round(float(total.group(1)), 1) == ESTIMATED[config]
   assert f"{ESTIMATED[config]} GiB per chip" in (pathlib.Path(__file__).parents[1] / "configs" /
                                                   f"{config}.py").read_text()
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_frequencies_and_attention_factor_equal_transformers(truncate):
+  """gpt-oss-20b's head_dim and YaRN (factor 32 over 4096 positions, betas 32 / 1), truncated or not: the
+  frequencies and the cos/sin factor as transformers' ``_compute_yarn_parameters`` computes them."""
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+  from jaxtrain.models.llama.model import Yarn, rope_frequencies
+  rope = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": truncate,
+          "original_max_position_embeddings": 4096, "rope_theta": 150_000.0}
+  config = transformers.GptOssConfig(head_dim=64, max_position_embeddings=131072, rope_parameters=rope)
+  theirs, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+  yarn = Yarn(32.0, 32.0, 1.0, 4096, truncate)
+  ours = np.asarray(rope_frequencies(64, 150_000.0, yarn))
+  np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6)
+  assert yarn.attention_factor == pytest.approx(factor, rel=1e-12)
+  unscaled = np.asarray(rope_frequencies(64, 150_000.0))
+  assert np.allclose(ours[:4], unscaled[:4]) and np.allclose(ours[-4:], unscaled[-4:] / 32)  # kept | interpolated
