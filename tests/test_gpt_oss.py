@@ -20,6 +20,7 @@ from jaxtrain import models
 from jaxtrain import sampling as sampling_lib
 from tests import forked
 from tests.conftest import small_config
+from tests.test_families import sft_data  # noqa: F401 (a fixture)
 from tests.test_hf import TOL, _exported_equals_source, _hf_logits, _rel_err, _restore, logit_errors
 
 torch = pytest.importorskip("torch", reason="torch (test-only, in setup.cfg's test extra) is not installed: the "
@@ -318,3 +319,35 @@ def test_yarn_frequencies_and_attention_factor_equal_transformers(truncate):
   assert yarn.attention_factor == pytest.approx(factor, rel=1e-12)
   unscaled = np.asarray(rope_frequencies(64, 150_000.0))
   assert np.allclose(ours[:4], unscaled[:4]) and np.allclose(ours[-4:], unscaled[-4:] / 32)  # kept | interpolated
+
+
+@pytest.mark.slow
+def test_lora_sft_fine_tune_of_an_import_exports_what_jaxtrain_computes(tmp_path, sft_data):
+  """tests/test_families.py's LoRA check on GPT-OSS: import, LoRA (rank 4 on q, v, o: o with its bias, the sinks
+  beside) on SFT data for 2 steps, export merged: the base stays as imported, transformers loads the export with no
+  missing or unexpected keys, and its logits are jaxtrain's adapted model's."""
+  from jaxtrain.train import trainer
+  from tests.test_hf import _load_config
+  _hf_gpt_oss(tmp_path / "src")
+  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
+  cfg = _load_config(tmp_path / "out" / "config.py")
+  cfg.workdir = str(tmp_path / "run")
+  cfg.model.lora.update(rank=4, alpha=8.0, targets="q,v,o")
+  cfg.data.update(path=sft_data, seq_len=32)
+  cfg.train.update(steps=2, global_batch_size=8, log_every=1)
+  cfg.optim.update(lr=1e-2, warmup_steps=1)
+  state, _ = trainer.train(cfg)
+  params = jax.device_get(state.params)
+  _, _, imported_params = _restore(tmp_path / "out")
+  base = {k: v for k, v in params.items() if k != "lora"}
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(base),
+                                                  jax.tree.leaves(jax.device_get(imported_params))))
+  assert any(np.any(b != 0) for b in jax.tree.leaves(params["lora"]))
+  hf.export_model(str(tmp_path / "run"), str(tmp_path / "exported"))
+  loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"),
+                                                                   output_loading_info=True)
+  assert not any(info.values()), info
+  tokens = np.random.default_rng(2).integers(0, 256, (2, 16)).astype(np.int32)
+  ours = np.asarray(models.Model.from_config(cfg.model).apply(
+      params, tokens, np.broadcast_to(np.arange(16, dtype=np.int32), (2, 16)), np.ones((2, 16), np.int32)))
+  assert _rel_err(ours, _hf_logits(loaded.eval(), tokens)) < TOL
