@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out (``tools/convert_hf.py``): any ``model_type`` with a registered adapter
 (jaxtrain/models/hf_adapter.py; the built-in ones, in the families' folders, read Llama, Mistral, Mixtral, Qwen 2.5,
-Qwen 3 (dense and MoE), Gemma 2, Gemma 3 (text) and OLMoE: docs/models.md). This module does what every family
+Qwen 3 (dense and MoE), Gemma 2, Gemma 3 (text), OLMoE and GPT-OSS: docs/models.md). This module does what every family
 shares; the adapter of the ``model_type`` (import) or of the family (export) says the rest: the model group a
 config.json gives and the config.json a model group gives, every tensor's name, param and layout, and what it
 refuses.
