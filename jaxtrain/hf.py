@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out (``tools/convert_hf.py``): any ``model_type`` with a registered adapter
 (jaxtrain/models/hf_adapter.py; the built-in ones, in the families' folders, read Llama, Mistral, Mixtral, Qwen 2.5,
-Qwen 3 (dense and MoE), Gemma 2, Gemma 3 (text) and OLMoE: docs/models.md). This module does what every family
+Qwen 3 (dense and MoE), Gemma 2, Gemma 3 (text), OLMoE and GPT-OSS: docs/models.md). This module does what every family
 shares; the adapter of the ``model_type`` (import) or of the family (export) says the rest: the model group a
 config.json gives and the config.json a model group gives, every tensor's name, param and layout, and what it
 refuses.
@@ -14,7 +14,8 @@ a folder. Tensors are read and written one at a time (peak host memory: import a
 export one param);
 params are float32 (a bfloat16 or float16 source converts exactly, and exports back bitwise with that ``dtype``).
 A torch Linear weight (``[out, in]``) is the transpose of jaxtrain's kernel read as ``[in, out]``; every other
-tensor is a reshape (``adapter.Tensor.linear``).
+tensor is a reshape (``adapter.Tensor.linear``). A tensor a checkpoint stores quantized is made from its parts
+(``adapter.stored_as``: GPT-OSS's MXFP4 experts).
 
 Every mistake in the input (another architecture, biases it has not, an unknown RoPE type, missing or truncated files,
 an index naming files outside the folder, shapes that disagree with the config, an existing output) is a
@@ -249,7 +250,9 @@ def read_params(hf_dir: str, model: Any) -> tuple[dict, str]:
   entries = _find_weights(hf_dir)
   found = _exporter(model)
   expected = found.tensors(model)
-  known = {name for name, *_ in expected}
+  stored = {name: how for name, *_ in expected if name not in entries
+            for how in [found.stored_as(name, entries)] if how is not None}  # quantized: read from its parts
+  known = {name for name, *_ in expected if name not in stored} | {p for parts, _ in stored.values() for p in parts}
   extra = sorted(n for n in entries if n not in known and not found.ignored(n, model))
   missing = sorted(known - set(entries))
   if missing or extra:
@@ -258,14 +261,21 @@ def read_params(hf_dir: str, model: Any) -> tuple[dict, str]:
     raise HFError(hf_dir, what + (f" (and {more} more)" if more else ""),
                   "the weights do not belong to this config.json")
   for name, _, _, shape, _ in expected:
-    if entries[name].shape != shape:
+    if name not in stored and entries[name].shape != shape:
       raise HFError(entries[name].file, f"{name} is {list(entries[name].shape)}, config.json says {list(shape)}",
                     "the weights do not match config.json")
   abstract = models.Model.from_config(model).abstract_params
   params = jax.tree.map(lambda a: np.empty(a.shape, np.float32), abstract)
   dtypes = set()
-  for name, path, layer, _, is_linear in expected:
-    w = entries[name].read()
+  for name, path, layer, shape, is_linear in expected:
+    if name in stored:
+      parts, make = stored[name]
+      w = make([entries[p].read() for p in parts])
+      if w.shape != shape:
+        raise HFError(entries[parts[0]].file, f"{name} ({' + '.join(parts)}) is {list(w.shape)}, config.json says "
+                      f"{list(shape)}", "the weights do not match config.json")
+    else:
+      w = entries[name].read()
     dtypes.add(str(w.dtype))
     target = _get(params, path)
     if layer is None:

@@ -152,6 +152,7 @@ def test_auto_chooses_by_platform_length_and_layout(monkeypatch):
   assert attention.choose("tpu", 8192) == "splash"
   assert attention.choose("tpu", 8192, context=2) == attention.choose("gpu", 8192) == "blockwise"
   assert attention.choose("tpu", 8192, in_shard_map=True) == "blockwise"  # inside the pipeline's stages
+  assert attention.choose("tpu", 8192, sinks=True) == attention.resolve("auto", "tpu", 8192, sinks=True) == "blockwise"
   assert attention.choose("tpu", 1000) == attention.choose("cpu", limit) == "xla"  # 1000: not a multiple of 128
   assert attention.choose("cpu", limit + 1) == "blockwise"
   q, k, v, seg, pos = _packed()
@@ -334,3 +335,30 @@ def test_cudnn_is_refused_off_gpu_and_where_it_cannot_run(monkeypatch):
     bad.update_from_flattened_dict({key: value})
     with pytest.raises(ConfigError, match=message):
       models.validate(bad)
+
+
+@pytest.mark.parametrize("backend", ["xla", "blockwise", "auto"])
+@pytest.mark.parametrize("window", [0, 6])
+def test_attention_sinks_in_every_backend_that_takes_them_equal_the_reference(backend, window):
+  """GPT-OSS's sinks (a logit per head in the softmax's denominator). Packed and padded rows, grouped-query heads;
+  blockwise with 8-key blocks (window 6: its windowed path): the output and the gradients of q, k, v and the sinks
+  equal the float32 reference's, and the sinks change them. splash and cudnn have none: refused at validation
+  (tests/test_gpt_oss.py)."""
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 40, heads, 8)), jnp.float32) for heads in (4, 2, 2))
+  segment_ids = jnp.asarray([[1] * 15 + [2] * 25, [1] * 30 + [0] * 10], jnp.int32)
+  positions = jnp.asarray([list(range(15)) + list(range(25)), list(range(40))], jnp.int32)
+  sinks = jnp.asarray(rng.normal(size=4) * 2, jnp.float32)
+  variant = attention.Variant(window=window)
+
+  def run(name, *args):
+    return attention.attend(name, *args[:3], segment_ids, positions, 8, variant, args[3])
+
+  def grads(name):
+    return jax.grad(lambda *a: jnp.sum(jnp.sin(run(name, *a))), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+
+  ref = run("reference", q, k, v, sinks)
+  assert float(jnp.max(jnp.abs(ref - run("reference", q, k, v, None)))) > 0.1
+  np.testing.assert_allclose(run(backend, q, k, v, sinks), ref, atol=2e-6)
+  for ours, theirs in zip(grads(backend), grads("reference")):
+    np.testing.assert_allclose(ours, theirs, atol=2e-5)

@@ -24,7 +24,7 @@ def _losses(history):
 
 @pytest.mark.parametrize("family,overrides", [
     ("llama", []), ("gemma2", []), ("qwen3_moe", []), ("llama", ["model.lora.rank=4", "optim.name=muon"]),
-    ("qwen3", ["optim.name=adafactor"]), ("mistral", ["optim.name=lion"])])
+    ("qwen3", ["optim.name=adafactor"]), ("mistral", ["optim.name=lion"]), ("gpt_oss", [])])
 def test_abstract_state_equals_the_shapes_of_the_real_init(family, overrides):
   """state.abstract builds the state's shapes from the model's abstract params and the optimizer's init without
   tracing the model's init: the same tree, shapes and dtypes as the init itself, for every kind of model, LoRA

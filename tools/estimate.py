@@ -118,7 +118,7 @@ def estimate(config, devices: int, slices: int = 1, platform: str = "tpu") -> di
   if m.attention == "auto":  # what auto runs on the target platform
     m = m.copy_and_resolve_references()
     m.attention = attention.resolve("auto", platform, config.data.seq_len, mesh["context"], m.dtype,
-                                    bool(m.get("attn_softcap")))
+                                    bool(m.get("attn_softcap")), bool(m.get("attention_sinks")))
   per_family = family(m, b, config.data.seq_len, mesh["tensor"], mesh["context"]) if family else None
   activations = per_family["activation_bytes"] if per_family else None
   transient = per_family["transient_bytes"] if per_family else None
@@ -170,7 +170,7 @@ def _moe(config, mesh: dict[str, int], rules, shards, specs, rows: int) -> dict 
   m, t = config.model, config.train
   ep = math.prod(mesh[a] for a in _mesh_axes(jax.sharding.PartitionSpec("experts"), rules))
   stages = mesh["pipeline"]
-  moe_layers = (m.num_layers - m.first_dense_layers) // stages
+  moe_layers = (m.num_layers - m.get("first_dense_layers", 0)) // stages  # (GPT-OSS has no dense layers)
   itemsize = jax.numpy.dtype(m.dtype).itemsize
   tp = math.prod(mesh[a] for a in _mesh_axes(jax.sharding.PartitionSpec("expert_mlp"), rules))
   a2a = experts.all_to_all_bytes(m, rows * config.data.seq_len, ep, itemsize, microbatches=t.microbatches or 1,

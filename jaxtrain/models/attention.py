@@ -19,6 +19,12 @@ and every family can use it.
   blockwise for long ones (:func:`choose`).
 - ``reference``: softmax written out in float32, the oracle the others are tested against.
 
+Attention sinks (GPT-OSS): a learned logit per query head added to every softmax's denominator (a key no query can
+attend to, with a zero value), so that a query may give little weight to every real key. A backend that takes them
+has a ``sinks=`` parameter (``[heads]`` float32, None: none): ``xla`` and ``reference`` write the softmax out
+(:func:`dense`), ``blockwise`` rescales its output by ``sigmoid(lse - sink)`` from its log-sum-exp, which its
+backward differentiates. ``splash`` and ``cudnn`` have no such input: validation refuses them (:func:`check_available`).
+
 Decoding (jaxtrain/generate.py) attends new queries over a :class:`KVCache` with :func:`attend_cached` (XLA's
 ``jax.nn.dot_product_attention`` under :func:`cached_mask`, whatever ``model.attention`` is); the training path
 above is untouched by it.
@@ -102,9 +108,10 @@ def _cap(scores, softcap: float):
   return scores if not softcap else softcap * jnp.tanh(scores / softcap)
 
 
-def dense(q, k, v, mask, variant: Variant = PLAIN, dtype=None):
-  """Attention written out: float32 scores (scaled, soft-capped), ``mask`` ``[batch, 1, q_len, k_len]``, softmax,
-  the values in ``dtype`` (default q's; float32 for the reference). Grouped-query heads."""
+def dense(q, k, v, mask, variant: Variant = PLAIN, dtype=None, sinks=None):
+  """Attention written out: float32 scores (scaled, soft-capped), ``mask`` ``[batch, 1, q_len, k_len]``, softmax
+  (with ``sinks`` ``[heads]``: one more logit per head in its denominator), the values in ``dtype`` (default q's;
+  float32 for the reference). Grouped-query heads."""
   b, t, n, h = q.shape
   kvh = k.shape[2]
   dtype = dtype or q.dtype
@@ -113,27 +120,32 @@ def dense(q, k, v, mask, variant: Variant = PLAIN, dtype=None):
   scores = _cap(scores * variant.scale_for(h), variant.softcap)
   # A finite mask value, as jax.nn.dot_product_attention's: a query that sees no key (a cache's padding slot)
   # gets a finite, meaningless output instead of NaN.
-  probs = jax.nn.softmax(jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min), axis=-1)
+  scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
+  if sinks is None:
+    probs = jax.nn.softmax(scores, axis=-1)
+  else:  # the sink's column joins the softmax and is dropped after it (its value is zero)
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kvh, n // kvh, 1, 1), (*scores.shape[:-1], 1))
+    probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
   out = jnp.einsum("bkgqs,bskh->bqkgh", probs.astype(dtype), v.astype(dtype), preferred_element_type=jnp.float32)
   return out.reshape(b, t, n, h).astype(q.dtype)
 
 
 @BACKENDS.register("xla")
-def xla(q, k, v, segment_ids, positions, block_size=None, variant: Variant = PLAIN):
+def xla(q, k, v, segment_ids, positions, block_size=None, variant: Variant = PLAIN, sinks=None):
   """``jax.nn.dot_product_attention`` with an explicit mask: XLA's fused attention, any backend (soft-capped
-  scores, which it has no option for: :func:`dense` in the compute dtype)."""
+  scores or sinks, which it has no option for: :func:`dense` in the compute dtype)."""
   del block_size
   mask = document_mask(segment_ids, positions, variant.window)
-  if variant.softcap:
-    return dense(q, k, v, mask, variant)
+  if variant.softcap or sinks is not None:
+    return dense(q, k, v, mask, variant, sinks=sinks)
   return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=variant.scale)
 
 
 @BACKENDS.register("reference")
-def reference(q, k, v, segment_ids, positions, block_size=None, variant: Variant = PLAIN):
+def reference(q, k, v, segment_ids, positions, block_size=None, variant: Variant = PLAIN, sinks=None):
   """Softmax attention written out in float32: the oracle the other backends are tested against."""
   del block_size
-  return dense(q, k, v, document_mask(segment_ids, positions, variant.window), variant, jnp.float32)
+  return dense(q, k, v, document_mask(segment_ids, positions, variant.window), variant, jnp.float32, sinks)
 
 
 # Blockwise (flash-style) attention in pure JAX ------------------------------------------------------------------
@@ -202,7 +214,7 @@ def _blockwise_fwd(q, k, v, segment_ids, positions, k_segment_ids, k_positions, 
   return out, (q, k, v, segment_ids, positions, k_segment_ids, k_positions, out, lse)
 
 
-def _blockwise_bwd(block, variant, residuals, d_out):
+def _blockwise_bwd(block, variant, residuals, d_out, d_lse=None):
   q, k, v, segment_ids, positions, k_segment_ids, k_positions, out, lse = residuals
   b, t, n, h = q.shape
   s, kvh = k.shape[1], k.shape[2]
@@ -212,6 +224,8 @@ def _blockwise_bwd(block, variant, residuals, d_out):
   # D_i = sum_h dO_i . O_i: the softmax backward's per-query term, [b, k, g, q].
   delta = jnp.moveaxis(jnp.einsum("bqkgh,bqkgh->bqkg", do.astype(jnp.float32),
                                   out.reshape(b, t, kvh, g, h).astype(jnp.float32)), 1, 3)
+  if d_lse is not None:  # d lse_i / d s_ij = p_ij: the log-sum-exp's cotangent joins the softmax backward's term
+    delta = delta - d_lse
 
   def step(dq, blk):
     kb, vb, kseg, kpos = _barrier(blk)
@@ -239,27 +253,60 @@ def _blockwise_bwd(block, variant, residuals, d_out):
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _blockwise_lse(q, k, v, segment_ids, positions, k_segment_ids, k_positions, block, variant):
+  """:func:`_blockwise` and its log-sum-exp ``[batch, kv_heads, groups, length]`` (float32), both differentiable (the
+  sinks' rescaling reads it)."""
+  out, residuals = _blockwise_fwd(q, k, v, segment_ids, positions, k_segment_ids, k_positions, block, variant)
+  return out, residuals[-1]
+
+
+def _blockwise_lse_fwd(q, k, v, segment_ids, positions, k_segment_ids, k_positions, block, variant):
+  out, residuals = _blockwise_fwd(q, k, v, segment_ids, positions, k_segment_ids, k_positions, block, variant)
+  return (out, residuals[-1]), residuals
+
+
+def _blockwise_lse_bwd(block, variant, residuals, cotangents):
+  d_out, d_lse = cotangents
+  return _blockwise_bwd(block, variant, residuals, d_out, d_lse)
+
+
+_blockwise_lse.defvjp(_blockwise_lse_fwd, _blockwise_lse_bwd)
+
+
+def _sunk(out, lse, sinks):
+  """Blockwise output ``[b, t, heads, h]`` with the sinks in its softmax: ``out * sum / (sum + e^sink)`` =
+  ``out * sigmoid(lse - sink)`` per query and head (``lse`` ``[b, kv_heads, groups, t]``)."""
+  b, t, n, _ = out.shape
+  lse = jnp.moveaxis(lse, 3, 1).reshape(b, t, n)
+  return (out * jax.nn.sigmoid(lse - sinks.astype(jnp.float32))[..., None]).astype(out.dtype)
+
+
 def _context_parallel() -> bool:
   mesh = jax.sharding.get_abstract_mesh()
   return not mesh.empty and dict(mesh.shape).get("context", 1) > 1
 
 
 @BACKENDS.register("blockwise")
-def blockwise(q, k, v, segment_ids, positions, block_size=512, variant: Variant = PLAIN):
+def blockwise(q, k, v, segment_ids, positions, block_size=512, variant: Variant = PLAIN, sinks=None):
   """Memory-efficient attention in pure JAX: online softmax over blocks of ``block_size`` keys (FlashAttention's
   recurrence, all queries at once), and a backward that recomputes each block's probabilities from the saved
   log-sum-exp instead of storing them. Peak memory O(length x block_size) per layer; any length (the last block
   is padded), any backend. With a sliding window shorter than the sequence: :func:`_windowed` (a window's work
-  per query, not the causal triangle's)."""
+  per query, not the causal triangle's). ``sinks``: see the module docstring."""
   segment_ids, positions = segment_ids.astype(jnp.int32), positions.astype(jnp.int32)
   block = min(block_size, k.shape[1])
   if variant.window and variant.window - 1 + block < k.shape[1] and q.shape[1] == k.shape[1] \
       and not _context_parallel():
-    return _windowed(q, k, v, segment_ids, positions, block, variant)
-  return _blockwise(q, k, v, segment_ids, positions, segment_ids, positions, block, variant)
+    if sinks is None:
+      return _windowed(q, k, v, segment_ids, positions, block, variant)
+    return _sunk(*_windowed(q, k, v, segment_ids, positions, block, variant, with_lse=True), sinks)
+  if sinks is None:
+    return _blockwise(q, k, v, segment_ids, positions, segment_ids, positions, block, variant)
+  return _sunk(*_blockwise_lse(q, k, v, segment_ids, positions, segment_ids, positions, block, variant), sinks)
 
 
-def _windowed(q, k, v, segment_ids, positions, block, variant):
+def _windowed(q, k, v, segment_ids, positions, block, variant, with_lse: bool = False):
   """Sliding-window attention that skips the keys a window excludes: the queries in blocks of ``block``, each
   block attending (:func:`_blockwise`) to the ``window - 1`` keys before it (rounded up to whole blocks) and its
   own block. Per query ``window + block`` keys' work and memory instead of ``length``'s.
@@ -268,7 +315,8 @@ def _windowed(q, k, v, segment_ids, positions, block, variant):
   with positions counting up by one (then a key within the window by position is within it by index). Context
   parallelism reorders the tokens: :func:`blockwise` then takes the masked path over all keys. Each query block is
   rematerialized in the backward pass (``jax.checkpoint``): what is kept between the passes is the queries and the
-  block index, not the key windows (window / block copies of the keys)."""
+  block index, not the key windows (window / block copies of the keys). ``with_lse``: also the log-sum-exp
+  ``[b, kv_heads, groups, t]``."""
   b, t, n, h = q.shape
   back = -(-(variant.window - 1) // block) * block  # keys before a query block, whole blocks
   blocks = -(-t // block)
@@ -285,7 +333,8 @@ def _windowed(q, k, v, segment_ids, positions, block, variant):
     start = i * block  # query block i is [start, start + block); its keys [start - back, start + block)
     keys = [jax.lax.dynamic_slice_in_dim(x, start, back + block, axis=1) for x in (kp, vp, kseg, kpos)]
     mine = [jax.lax.dynamic_slice_in_dim(x, start, block, axis=1) for x in (qseg, qpos)]
-    return _blockwise(q_block, keys[0], keys[1], *mine, keys[2], keys[3], block, variant)
+    run = _blockwise_lse if with_lse else _blockwise
+    return run(q_block, keys[0], keys[1], *mine, keys[2], keys[3], block, variant)
 
   def step(_, xs):
     q_block, i = xs
@@ -293,6 +342,10 @@ def _windowed(q, k, v, segment_ids, positions, block, variant):
 
   q_blocks = jnp.moveaxis(qp.reshape(b, blocks, block, n, h), 1, 0)
   _, out = jax.lax.scan(step, None, (q_blocks, jnp.arange(blocks)), unroll=scans.unroll())
+  if with_lse:  # out: ([blocks, b, block, n, h], [blocks, b, kvh, g, block])
+    out, lse = out
+    lse = jnp.moveaxis(lse, 0, 3).reshape(*lse.shape[1:4], blocks * block)[..., :t]
+    return jnp.moveaxis(out, 0, 1).reshape(b, blocks * block, n, h)[:, :t], lse
   return jnp.moveaxis(out, 0, 1).reshape(b, blocks * block, n, h)[:, :t]
 
 
@@ -441,13 +494,13 @@ AUTO_XLA_MAX_LEN = 2048  # auto off TPU: XLA's attention up to this many tokens 
 
 
 def choose(platform: str, seq_len: int, context: int = 1, in_shard_map: bool = False, dtype=None,
-           softcap: bool = False) -> str:
+           softcap: bool = False, sinks: bool = False) -> str:
   """What ``auto`` runs: the platform's kernel where its rules allow (no context parallelism, not already inside a
-  ``shard_map`` such as the pipeline's): ``splash`` on TPU (``seq_len`` a multiple of its tiles), ``cudnn`` on a
-  Hopper or newer GPU (16-bit ``dtype``, no soft-capping); else ``xla`` up to :data:`AUTO_XLA_MAX_LEN` tokens and
-  ``blockwise`` above (its memory is linear in the length; xla's quadratic: 3 GiB of temporaries per device for
+  ``shard_map`` such as the pipeline's, no attention sinks, which no kernel has): ``splash`` on TPU (``seq_len`` a
+  multiple of its tiles), ``cudnn`` on a Hopper or newer GPU (16-bit ``dtype``, no soft-capping); else ``xla`` up to
+  :data:`AUTO_XLA_MAX_LEN` tokens and ``blockwise`` above (its memory is linear in the length; xla's quadratic: 3 GiB of temporaries per device for
   configs/tiny.py at 4k, docs/models.md)."""
-  kernel = context == 1 and not in_shard_map
+  kernel = context == 1 and not in_shard_map and not sinks
   if kernel and platform == "tpu" and seq_len % SPLASH_MIN_BLOCK == 0:
     return "splash"
   if kernel and platform == "gpu" and jnp.dtype(dtype or jnp.float32).name in CUDNN_DTYPES and not softcap \
@@ -462,18 +515,23 @@ def _hopper_or_newer() -> bool:
   return float(capability) >= 9.0
 
 
-def resolve(backend: str, platform: str, seq_len: int, context: int = 1, dtype=None, softcap: bool = False) -> str:
-  """``backend``, or what ``auto`` chooses for this platform, length, context axis, dtype and soft-capping."""
-  return choose(platform, seq_len, context, dtype=dtype, softcap=softcap) if backend == "auto" else backend
+def resolve(backend: str, platform: str, seq_len: int, context: int = 1, dtype=None, softcap: bool = False,
+            sinks: bool = False) -> str:
+  """``backend``, or what ``auto`` chooses for this platform, length, context axis, dtype, soft-capping and sinks."""
+  return choose(platform, seq_len, context, dtype=dtype, softcap=softcap, sinks=sinks) if backend == "auto" else backend
 
 
 @BACKENDS.register("auto")
-def auto(q, k, v, segment_ids, positions, block_size=512, variant: Variant = PLAIN):
-  """The best backend available where the program is compiled (:func:`choose`; logged at the start of a run)."""
+def auto(q, k, v, segment_ids, positions, block_size=512, variant: Variant = PLAIN, sinks=None):
+  """The best backend available where the program is compiled (:func:`choose`; logged at the start of a run). With
+  sinks: xla or blockwise (the kernels have none)."""
   mesh = jax.sharding.get_abstract_mesh()
   context = 1 if mesh.empty else dict(mesh.shape).get("context", 1)
   in_shard_map = not mesh.empty and any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
-  name = choose(target_platform(), k.shape[1], context, in_shard_map, q.dtype, bool(variant.softcap))
+  name = choose(target_platform(), k.shape[1], context, in_shard_map, q.dtype, bool(variant.softcap),
+                sinks is not None)
+  if sinks is not None:
+    return BACKENDS.get(name)(q, k, v, segment_ids, positions, block_size=block_size, variant=variant, sinks=sinks)
   return BACKENDS.get(name)(q, k, v, segment_ids, positions, block_size=block_size, variant=variant)
 
 
@@ -485,6 +543,9 @@ def check_available(config) -> None:
   if used and not takes_variants(name):
     raise ConfigError("model.attention", f"the backend '{name}' takes no attention variants and {used[0]} is set",
                       "use xla, blockwise or splash, or give the backend a variant= parameter")
+  if config.model.get("attention_sinks") and not takes_sinks(name):
+    raise ConfigError("model.attention", f"the backend '{name}' has no attention sinks and model.attention_sinks "
+                      "is set", "use xla or blockwise (or auto, which picks one of them)")
   if name == "cudnn":
     return _check_cudnn(config, on)
   if name != "splash":
@@ -585,20 +646,29 @@ def takes_variants(backend: str) -> bool:
   return "variant" in inspect.signature(BACKENDS.get(backend)).parameters
 
 
-def attend(backend: str, q, k, v, segment_ids, positions=None, block_size: int = 512, variant: Variant = PLAIN):
+def takes_sinks(backend: str) -> bool:
+  """Whether the registered backend takes ``sinks=`` (attention sinks: the module docstring)."""
+  return "sinks" in inspect.signature(BACKENDS.get(backend)).parameters
+
+
+def attend(backend: str, q, k, v, segment_ids, positions=None, block_size: int = 512, variant: Variant = PLAIN,
+           sinks=None):
   """Causal, document-masked attention with the registered backend ``backend`` (``positions`` default to the
   token's index: causal by order), with ``variant``'s window, soft-cap and scale. Queries keep their sharding;
   keys and values (and the ids a backend reads for them) are constrained to an unsplit ``length``: with context
   parallelism (``length`` -> ``context``) XLA all-gathers them over ``context``, otherwise the constraint changes
   nothing. A backend registered without a ``variant`` parameter runs plain attention only (validation refuses
-  the variants for it: :func:`check_available`)."""
+  the variants for it: :func:`check_available`). ``sinks``: ``[heads]`` (module docstring), None: none."""
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), segment_ids.shape)
   if _float16_on_cpu(q):
     return attend(backend, *(x.astype(jnp.float32) for x in (q, k, v)), segment_ids, positions, block_size,
-                  variant).astype(jnp.float16)
+                  variant, sinks).astype(jnp.float16)
   k, v = (constrain(x, ("batch", None, "kv_heads", "head_dim")) for x in (k, v))
   q = constrain(q, ("batch", "length", "heads", "head_dim"))
+  if sinks is not None:  # (validation refuses a backend without them)
+    return BACKENDS.get(backend)(q, k, v, segment_ids, positions, block_size=block_size, variant=variant,
+                                 sinks=sinks)
   if variant == PLAIN and not takes_variants(backend):
     return BACKENDS.get(backend)(q, k, v, segment_ids, positions, block_size=block_size)
   return BACKENDS.get(backend)(q, k, v, segment_ids, positions, block_size=block_size, variant=variant)
@@ -657,16 +727,17 @@ def cached_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions, window
   return (seen & (kv_segment_ids[:, None, :] != 0))[:, None]
 
 
-def attend_cached(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions, variant: Variant = PLAIN):
+def attend_cached(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions, variant: Variant = PLAIN,
+                  sinks=None):
   """Attention of new queries ``q`` ``[batch, q_len, heads, head_dim]`` over a cache's keys and values ``[batch,
   kv_len, kv_heads, head_dim]`` (grouped-query heads allowed) under :func:`cached_mask`. A sliding window masks
   the full cache (it keeps every slot: simple, and a prompt's packed rows stay exact; a window-sized ring buffer
   would save memory on long generations). A query that sees no key (a padding slot) gets a finite, meaningless
-  output."""
+  output. ``sinks``: ``[heads]``, in the softmax as in training (:func:`dense`)."""
   if _float16_on_cpu(q):
     return attend_cached(*(x.astype(jnp.float32) for x in (q, k, v)), q_segment_ids, q_positions, kv_segment_ids,
-                         kv_positions, variant).astype(jnp.float16)
+                         kv_positions, variant, sinks).astype(jnp.float16)
   mask = cached_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions, variant.window)
-  if variant.softcap:
-    return dense(q, k, v, mask, variant)
+  if variant.softcap or sinks is not None:
+    return dense(q, k, v, mask, variant, sinks=sinks)
   return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask, scale=variant.scale)

@@ -60,6 +60,13 @@ class Adapter(abc.ABC):
     del model
     return None
 
+  def stored_as(self, name: str, names: Any) -> tuple[list[str], Any] | None:
+    """How a checkpoint whose tensor names are ``names`` holds the tensor ``name`` when not as itself (quantized):
+    the names of its parts and ``make(arrays) -> np.ndarray`` (the tensor, from the parts read in that order); None:
+    as itself."""
+    del name, names
+    return None
+
   def ignored(self, name: str, model: Any) -> bool:
     """Whether a tensor of a source checkpoint that :meth:`tensors` does not name is skipped (a buffer, a tied
     copy); else the import refuses the folder."""

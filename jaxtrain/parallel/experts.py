@@ -22,11 +22,16 @@ all-gathered over fsdp at the boundary, and its gradient reduce-scattered), so e
   one batched matmul ``[E, capacity, ...]`` and the all-to-all ships exactly the slot buffers.
 
 Tokens marked invalid (padding) are not dispatched and do not count as dropped.
+
+Another expert feed-forward than SwiGLU (GPT-OSS's: biases, a clamped gate) is an :class:`ExpertMLP`: its stacked
+weights with their logical axes, and the function of one expert's rows given the grouped or batched matmul.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -43,19 +48,44 @@ def capacity(assignments: int, num_experts: int, factor: float) -> int:
   return max(1, math.ceil(factor * assignments / num_experts))
 
 
-def _swiglu_grouped(x, gate, up, down, group_sizes, ragged_dot=jax.lax.ragged_dot):
-  """Rows of ``x`` sorted by expert, ``group_sizes[e]`` of them for expert e (rows past the groups give 0)."""
-  h = jax.nn.silu(ragged_dot(x, gate, group_sizes)) * ragged_dot(x, up, group_sizes)
-  return ragged_dot(h, down, group_sizes)
+@dataclasses.dataclass(frozen=True)
+class ExpertMLP:
+  """An expert feed-forward other than SwiGLU.
+
+  weights: the stacked weights, each ``[E, ...]``; axes: their logical axes inside the experts' ``shard_map`` (the
+    embed dim None: gathered at the boundary, as SwiGLU's); apply: ``(rows, weights, matmul, bias) -> out``, where
+    ``matmul(h, w)`` multiplies each row by its expert's ``w`` (grouped or batched) and ``bias(b)`` gives each row
+    its expert's slice of ``b`` ``[E, n]`` (0 for rows of no expert). Under tensor parallelism ``apply`` sees its
+    shard of the hidden dim and the outputs are summed over it: an output bias belongs outside (it would be summed
+    once per shard).
+  """
+  weights: tuple
+  axes: tuple
+  apply: Callable[..., Any]
 
 
-def _swiglu_batched(x, gate, up, down, einsum=jnp.einsum):
+def _swiglu(x, weights, matmul, bias):
+  del bias
+  gate, up, down = weights
+  return matmul(jax.nn.silu(matmul(x, gate)) * matmul(x, up), down)
+
+
+def _grouped(x, weights, group_sizes, row_experts, ragged_dot=jax.lax.ragged_dot, apply=_swiglu):
+  """Rows of ``x`` sorted by expert, ``group_sizes[e]`` of them for expert e (rows past the groups give 0; their
+  ``row_experts`` is E)."""
+  num = group_sizes.shape[0]
+
+  def bias(b):
+    return jnp.where((row_experts < num)[:, None], b[jnp.minimum(row_experts, num - 1)], 0).astype(x.dtype)
+  return apply(x, weights, lambda h, w: ragged_dot(h, w, group_sizes), bias)
+
+
+def _batched(x, weights, einsum=jnp.einsum, apply=_swiglu):
   """``x`` ``[experts, rows, embed]``: each expert on its own rows."""
-  h = jax.nn.silu(einsum("ecd,edf->ecf", x, gate)) * einsum("ecd,edf->ecf", x, up)
-  return einsum("ecf,efd->ecd", h, down)
+  return apply(x, weights, lambda h, w: einsum("ecd,edf->ecf", h, w), lambda b: b[:, None, :].astype(x.dtype))
 
 
-def _dropless(xs, e, gate, up, down, num_experts, expert_axes, ep, ragged_dot=jax.lax.ragged_dot):
+def _dropless(xs, e, weights, num_experts, expert_axes, ep, ragged_dot=jax.lax.ragged_dot, apply=_swiglu):
   """Outputs ``[S, D]`` of the S assignments (token ``a // k`` to expert ``e[a]``; ``e = E`` marks one not to
   compute) in assignment order; local experts ``gate/up/down`` are those of this device's expert shard."""
   s, el = e.shape[0], num_experts // ep
@@ -63,7 +93,7 @@ def _dropless(xs, e, gate, up, down, num_experts, expert_axes, ep, ragged_dot=ja
   sorted_e = e[order]
   rows = xs[order]
   if ep == 1:
-    out_sorted = _swiglu_grouped(rows, gate, up, down, jnp.bincount(e, length=num_experts), ragged_dot)
+    out_sorted = _grouped(rows, weights, jnp.bincount(e, length=num_experts), sorted_e, ragged_dot, apply)
     return jnp.zeros_like(out_sorted).at[order].set(out_sorted)
   # To the devices holding the experts: destination d = e // el gets a block of up to S rows (the worst case).
   dest = sorted_e // el  # non-decreasing; ep for invalid assignments (dropped by the scatter)
@@ -74,14 +104,15 @@ def _dropless(xs, e, gate, up, down, num_experts, expert_axes, ep, ragged_dot=ja
   recv = jax.lax.all_to_all(send, expert_axes, 0, 0, tiled=True).reshape(ep * s, -1)
   recv_e = jax.lax.all_to_all(send_e, expert_axes, 0, 0, tiled=True).reshape(ep * s)
   local_order = jnp.argsort(recv_e, stable=True)
-  computed = _swiglu_grouped(recv[local_order], gate, up, down, jnp.bincount(recv_e, length=el), ragged_dot)
+  computed = _grouped(recv[local_order], weights, jnp.bincount(recv_e, length=el), recv_e[local_order], ragged_dot,
+                      apply)
   done = jnp.zeros_like(computed).at[local_order].set(computed).reshape(ep, s, -1)
   back = jax.lax.all_to_all(done, expert_axes, 0, 0, tiled=True)  # back[d]: my rows that device d computed
   out_sorted = back.at[dest, slot].get(mode="fill", fill_value=0)
   return jnp.zeros_like(out_sorted).at[order].set(out_sorted)
 
 
-def _capacity(xs, e, gate, up, down, num_experts, expert_axes, ep, factor, einsum=jnp.einsum):
+def _capacity(xs, e, weights, num_experts, expert_axes, ep, factor, einsum=jnp.einsum, apply=_swiglu):
   """As :func:`_dropless`, with at most ``capacity`` assignments per expert on this device; also returns how many
   valid assignments were dropped."""
   s, d = xs.shape
@@ -93,18 +124,19 @@ def _capacity(xs, e, gate, up, down, num_experts, expert_axes, ep, factor, einsu
   slot = jnp.where(keep, e * c + position, num_experts * c)  # out of range: not dispatched
   buf = jnp.zeros((num_experts * c, d), xs.dtype).at[slot].set(xs, mode="drop").reshape(num_experts, c, d)
   if ep == 1:
-    out = _swiglu_batched(buf, gate, up, down, einsum)
+    out = _batched(buf, weights, einsum, apply)
   else:
     el = num_experts // ep
     recv = jax.lax.all_to_all(buf.reshape(ep, el, c, d), expert_axes, 0, 0, tiled=True)  # [source, el, c, d]
-    done = _swiglu_batched(recv.swapaxes(0, 1).reshape(el, ep * c, d), gate, up, down, einsum)
+    done = _batched(recv.swapaxes(0, 1).reshape(el, ep * c, d), weights, einsum, apply)
     out = jax.lax.all_to_all(done.reshape(el, ep, c, d).swapaxes(0, 1), expert_axes, 0, 0, tiled=True)
   out = out.reshape(num_experts * c, d).at[slot].get(mode="fill", fill_value=0)
   return out, jnp.sum(valid & ~keep)
 
 
 def moe_ffn(x, expert_ids, expert_weights, valid, gate, up, down, *, mode: str = "dropless",
-            capacity_factor: float = 1.25, ragged_dot=jax.lax.ragged_dot, einsum=jnp.einsum):
+            capacity_factor: float = 1.25, ragged_dot=jax.lax.ragged_dot, einsum=jnp.einsum,
+            mlp: ExpertMLP | None = None):
   """``sum_j expert_weights[..., j] * expert_{expert_ids[..., j]}(x)`` per token, and the number of valid
   assignments dropped (0 when dropless).
 
@@ -112,22 +144,27 @@ def moe_ffn(x, expert_ids, expert_weights, valid, gate, up, down, *, mode: str =
   bool (False: not dispatched, output 0); gate / up: ``[E, embed, expert_mlp]``; down: ``[E, expert_mlp, embed]``.
   Under a mesh (``jax.set_mesh``) and logical-axis rules it runs sharded as the module docstring says; otherwise
   on the one device it is given. ``ragged_dot`` / ``einsum``: the experts' matmuls (dropless / capacity), with
-  jax.lax.ragged_dot's and jnp.einsum's signatures (jaxtrain.models.quantization gives quantized ones).
+  jax.lax.ragged_dot's and jnp.einsum's signatures (jaxtrain.models.quantization gives quantized ones). ``mlp``:
+  another expert feed-forward than SwiGLU (:class:`ExpertMLP`; then gate, up and down are None).
   """
-  num_experts, k = gate.shape[0], expert_ids.shape[-1]
   dtype = x.dtype
-  gate, up, down = (w.astype(dtype) for w in (gate, up, down))
+  if mlp is None:
+    mlp = ExpertMLP((gate, up, down), (("experts", None, "expert_mlp"),) * 2 + (("experts", "expert_mlp", None),),
+                    _swiglu)
+  weights = tuple(w.astype(dtype) for w in mlp.weights)
+  num_experts, k = weights[0].shape[0], expert_ids.shape[-1]
   e = jnp.where(valid[..., None], expert_ids, num_experts).astype(jnp.int32)
 
-  def local(x, e, w, gate, up, down, expert_axes=(), ep=1, tensor_axes=(), batch_axes=()):
+  def local(x, e, w, weights, expert_axes=(), ep=1, tensor_axes=(), batch_axes=()):
     b, t, dm = x.shape
     xs = jnp.repeat(x.reshape(b * t, dm), k, axis=0)  # one row per assignment: token a // k
     flat_e = e.reshape(b * t * k)
     if mode == "dropless":
-      out = _dropless(xs, flat_e, gate, up, down, num_experts, expert_axes, ep, ragged_dot)
+      out = _dropless(xs, flat_e, weights, num_experts, expert_axes, ep, ragged_dot, mlp.apply)
       dropped = jnp.zeros((), jnp.int32)
     else:
-      out, dropped = _capacity(xs, flat_e, gate, up, down, num_experts, expert_axes, ep, capacity_factor, einsum)
+      out, dropped = _capacity(xs, flat_e, weights, num_experts, expert_axes, ep, capacity_factor, einsum,
+                               mlp.apply)
     y = jnp.sum(out.reshape(b, t, k, dm) * w[..., None].astype(out.dtype), axis=2)
     if tensor_axes:
       y = jax.lax.psum(y, tensor_axes)
@@ -137,22 +174,22 @@ def moe_ffn(x, expert_ids, expert_weights, valid, gate, up, down, *, mode: str =
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return local(x, e, expert_weights, gate, up, down)
+    return local(x, e, expert_weights, weights)
   x_spec = nn.logical_to_mesh_axes(("batch", "length", None))  # also the routing's [batch, length, k]
-  gate_up_spec = nn.logical_to_mesh_axes(("experts", None, "expert_mlp"))  # embed gathered at the boundary
-  down_spec = nn.logical_to_mesh_axes(("experts", "expert_mlp", None))
+  weight_specs = tuple(nn.logical_to_mesh_axes(a) for a in mlp.axes)  # embed gathered at the boundary
+  gate_up_spec = nn.logical_to_mesh_axes(("experts", None, "expert_mlp"))
   expert_axes, tensor_axes = mesh_axes(gate_up_spec[0]), mesh_axes(gate_up_spec[2])
   batch_axes = tuple(a for entry in x_spec for a in mesh_axes(entry))
   ep = math.prod(mesh.shape[a] for a in expert_axes)
   if num_experts % ep:
     raise ValueError(f"{num_experts} experts do not split over {expert_axes} of size {ep}")
 
-  def sharded(x, e, w, gate, up, down):
-    return local(x, e, w, gate, up, down, expert_axes, ep, tensor_axes, batch_axes)
+  def sharded(x, e, w, weights):
+    return local(x, e, w, weights, expert_axes, ep, tensor_axes, batch_axes)
 
   # Every mesh axis is manual inside; the axes not in a spec hold replicas (the same values).
-  return jax.shard_map(sharded, in_specs=(x_spec, x_spec, x_spec, gate_up_spec, gate_up_spec, down_spec),
-                       out_specs=(x_spec, P()), check_vma=False)(x, e, expert_weights, gate, up, down)
+  return jax.shard_map(sharded, in_specs=(x_spec, x_spec, x_spec, weight_specs),
+                       out_specs=(x_spec, P()), check_vma=False)(x, e, expert_weights, weights)
 
 
 def all_to_all_bytes(cfg, tokens_per_device: int, ep: int, itemsize: int, *, microbatches: int = 1,

@@ -76,7 +76,8 @@ see :func:`jaxtrain.config.resolve`). Raises ConfigError on user mistakes."""
                     "set optim.loss_scale=dynamic")
   if config.model.attention == "auto":
     chosen = attention_lib.choose(platform, config.data.seq_len, mesh.shape["context"], in_shard_map=bool(pipeline),
-                                  dtype=config.model.dtype, softcap=bool(config.model.get("attn_softcap")))
+                                  dtype=config.model.dtype, softcap=bool(config.model.get("attn_softcap")),
+                                  sinks=bool(config.model.get("attention_sinks")))
     logging.info("model.attention=auto: %s (%s, seq_len %d, mesh.context %d%s)", chosen, platform,
                  config.data.seq_len, mesh.shape["context"], ", inside pipeline stages" if pipeline else "")
   batch_axes, batch_shards = sharding.batch_shards(dict(mesh.shape), rules)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from typing import NamedTuple
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -164,12 +166,42 @@ def _param(names):
   return nnx.with_partitioning(_INIT, names)
 
 
+class Yarn(NamedTuple):
+  """YaRN RoPE scaling (Peng et al. 2023, arXiv:2309.00071) as transformers' ``_compute_yarn_parameters`` computes
+  it: frequencies interpolated (divided by ``factor``) below a ramp between the dims that rotate ``beta_slow`` and
+  ``beta_fast`` times over ``original`` positions, extrapolated (kept) above it; cos and sin scaled by
+  :meth:`attention_factor` (so the scores by its square)."""
+  factor: float
+  beta_fast: float
+  beta_slow: float
+  original: int
+  truncate: bool
+
+  @property
+  def attention_factor(self) -> float:
+    return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+  def frequencies(self, head_dim: int, theta: float):
+    def dim_of(rotations):  # the dim that rotates this many times over the original context
+      return head_dim * math.log(self.original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
+    if self.truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high
+    base = theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    extrapolated = 1 - jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    return (1.0 / (self.factor * base)) * (1 - extrapolated) + (1.0 / base) * extrapolated
+
+
 def rope_frequencies(head_dim: int, theta: float, scaling: tuple[float, float, float, int] | None = None):
   """The ``head_dim // 2`` rotary frequencies (float32). ``scaling``: ``(factor, low_freq_factor,
   high_freq_factor, original_max_positions)`` of Llama 3's scheme, computed as transformers'
   ``_compute_llama3_parameters`` does: wavelengths longer than ``original / low_freq_factor`` are divided by
   ``factor``, those shorter than ``original / high_freq_factor`` kept, and those between interpolated."""
   half = head_dim // 2
+  if isinstance(scaling, Yarn):
+    return scaling.frequencies(head_dim, theta)
   freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
   if scaling is None:
     return freq
@@ -191,6 +223,9 @@ def rope_scaling(cfg) -> tuple[float, float, float, int] | float | None:
     return None
   if cfg.rope_scaling == "linear":
     return float(cfg.rope_scaling_factor)
+  if cfg.rope_scaling == "yarn":  # (the keys of jaxtrain/models/gpt_oss)
+    return Yarn(float(cfg.rope_scaling_factor), float(cfg.rope_yarn_beta_fast), float(cfg.rope_yarn_beta_slow),
+                int(cfg.rope_original_max_positions), bool(cfg.rope_yarn_truncate))
   return (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
           cfg.rope_original_max_positions)
 
@@ -339,7 +374,9 @@ def norm(cfg, dtype, dim: int | tuple[int, ...] | None = None, axis: str | tuple
 
 
 class Attention(nnx.Module):
-  """Grouped-query attention with RoPE."""
+  """Grouped-query attention with RoPE. GPT-OSS's keys (jaxtrain/models/gpt_oss): ``out_bias`` (a bias on the output
+  projection), ``attention_sinks`` (a learned logit per head in the softmax: jaxtrain/models/attention.py), YaRN
+  RoPE (:class:`Yarn`)."""
 
   def __init__(self, cfg, dtype, rngs: nnx.Rngs):
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -352,13 +389,18 @@ class Attention(nnx.Module):
     self.q = proj(n, ("embed", "heads", "head_dim"))
     self.k = proj(k, ("embed", "kv_heads", "head_dim"))
     self.v = proj(k, ("embed", "kv_heads", "head_dim"))
-    self.o = nnx.Einsum("btnh,nhd->btd", (n, h, d), kernel_init=_param(("heads", "head_dim", "embed")), **kw)
+    out_bias = dict(bias_shape=(d,), bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("embed",)))
+    self.o = nnx.Einsum("btnh,nhd->btd", (n, h, d), kernel_init=_param(("heads", "head_dim", "embed")),
+                        **(out_bias if cfg.get("out_bias") else {}), **kw)
+    self.sinks = nnx.Param(_param(("heads",))(rngs.params(), (n,))) if cfg.get("attention_sinks") else None
     self.q_norm, self.k_norm = {
         "head": lambda: (norm(cfg, dtype, h, "head_dim"), norm(cfg, dtype, h, "head_dim")),
         "full": lambda: (norm(cfg, dtype, (n, h), ("heads", "head_dim")),
                          norm(cfg, dtype, (k, h), ("kv_heads", "head_dim"))),
     }.get(cfg.get("qk_norm") or "", lambda: (None, None))()
     self.theta, self.scaling, self.backend = cfg.rope_theta, rope_scaling(cfg), cfg.attention
+    # YaRN scales cos and sin (both q and k) by its attention factor; folded into their rotations.
+    self.rope_scale = self.scaling.attention_factor if isinstance(self.scaling, Yarn) else 1.0
     self.local_theta = cfg.get("rope_local_theta", 0.0)  # local layers: this theta, unscaled (0: as global ones)
     self.block_size = cfg.attention_block_size
     windows = sorted(set(attention.layer_windows(cfg)))
@@ -391,7 +433,12 @@ class Attention(nnx.Module):
       q_scale, scale = attention.Variant(scale=self.scale).scale_for(q.shape[-1]), 1.0
     else:
       q_scale = 1.0
-    q, k = rope(q, positions, freq=freq, scale=q_scale), rope(k, positions, freq=freq)
+    if self.rope_scale != 1.0:
+      q, k = rope(q, positions, freq=freq, scale=q_scale * self.rope_scale), rope(k, positions, freq=freq,
+                                                                                  scale=self.rope_scale)
+    else:
+      q, k = rope(q, positions, freq=freq, scale=q_scale), rope(k, positions, freq=freq)
+    sinks = None if self.sinks is None else self.sinks[...]
     q = constrain(q, ("batch", "length", "heads", "head_dim"))
     k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
     v = constrain(checkpoint_name(v, "value_proj"), ("batch", "length", "kv_heads", "head_dim"))
@@ -400,12 +447,12 @@ class Attention(nnx.Module):
       k, v = write_kv(k_cache, k, slots.index), write_kv(v_cache, v, slots.index)
       window = self.window if local is None else jnp.where(local, self.window, 0)
       out = attend_cached(q, k, v, segment_ids, positions, slots.segment_ids, slots.positions,
-                          attention.Variant(window, self.softcap, scale))
+                          attention.Variant(window, self.softcap, scale), sinks)
       return self.o(constrain(out, ("batch", "length", "heads", "head_dim"))), (k, v)
 
     def run(window):  # causal, never across documents
       return attend(self.backend, q, k, v, segment_ids, positions, self.block_size,
-                    attention.Variant(window, self.softcap, scale))
+                    attention.Variant(window, self.softcap, scale), sinks)
     if self.mixed and local is None:
       raise ValueError("a stack of local and global layers passes each layer's kind (local=) to its attention")
     # Interleaved local and global layers: both kinds compiled, one run per layer (each keeps its own shape of
