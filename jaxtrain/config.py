@@ -21,6 +21,7 @@ from jaxtrain import checkpoint, data, distributed, mesh, metrics, models, monit
 from jaxtrain.errors import ConfigError, DataError, UserError, check_positive  # noqa: F401 - callers import them here
 from jaxtrain.parallel import context, pipeline
 from jaxtrain.train import hooks, objectives
+from jaxtrain.train.objectives import preference
 
 # Config group -> the module that owns its defaults (``defaults()``) and its checks (``validate(config)``), next to
 # the code that reads those keys. The core (this module) keeps only what every run shares: workdir, train, eval.
@@ -35,6 +36,7 @@ COMPONENTS = (
     ("metrics", metrics),
     ("monitor", monitor),
     ("checkpoint", checkpoint),
+    ("preference", preference),
 )
 # Checks across groups by modules that own no group: context parallelism (mesh.context against data.seq_len and
 # the model family).

@@ -17,7 +17,7 @@ import uuid
 from etils import epath
 
 from jaxtrain.data.prepare import local
-from jaxtrain.data.prepare.algorithm import (FORMAT, FORMAT_SFT, FORMATS, MANIFEST, TEXT_SPLITS,  # noqa: F401
+from jaxtrain.data.prepare.algorithm import (FORMAT, FORMAT_PREFERENCE, FORMAT_SFT, FORMATS, MANIFEST, TEXT_SPLITS,  # noqa: F401
                                              Options, encoder, finalize, make_plan)
 from jaxtrain.errors import DataError
 

@@ -48,6 +48,11 @@ class Objective:
     :class:`jaxtrain.checkpoint.DataPosition` so that checkpoints hold its position."""
     return data_lib.open_train(config)
 
+  def to_global(self, run, local_batch: dict) -> dict:
+    """This process's numpy batch from :meth:`open_train` -> the step's global arrays (laid out as
+    :meth:`abstract_batch`), its token ids checked first (:func:`jaxtrain.data.to_global`)."""
+    return data_lib.to_global(local_batch, run.batch_sharding, run.config)
+
   def make_train_step(self, run) -> Callable:
     """``(state, batch, skip) -> (state, metrics)``, traced and compiled by the trainer (one program)."""
     raise NotImplementedError
