@@ -31,21 +31,27 @@ as ``eval_*`` with ``eval_loss``.
 
 from __future__ import annotations
 
+import json
 import weakref
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from etils import epath
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import sharding
 from jaxtrain.data import batch as batch_lib
+from jaxtrain.data import loader
 from jaxtrain.data import preference as data_lib
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, DataError
 from jaxtrain.models import lora, scans
 from jaxtrain.parallel import context as context_lib
 from jaxtrain.parallel.pipeline import split_microbatches
+from jaxtrain.train import run as run_lib
+from jaxtrain.train import start
 from jaxtrain.train import step as step_lib
 from jaxtrain.train.objectives import logprobs
 from jaxtrain.train.objectives.base import OBJECTIVES, Objective
@@ -209,6 +215,8 @@ class Preference(Objective):
     return out
 
   def open_train(self, config):
+    if reference_mode(config) == "precomputed":
+      check_precomputed(config)
     return data_lib.stream(config, reference_mode(config) == "precomputed")
 
   def to_global(self, run, local_batch: dict) -> dict:
@@ -316,6 +324,59 @@ class Preference(Objective):
       return fetch
 
     return evaluate
+
+
+# ------------------------------------------------------------------------ precomputed reference log-probs
+
+
+def reference_of(config) -> dict:
+  """What a run's reference model is (precomputed log-probs are valid only for the same): where its params start."""
+  return {"model": config.model.name, "restore_from": config.checkpoint.restore_from,
+          "restore_mode": config.checkpoint.restore_mode, "seed": config.train.seed}
+
+
+def check_precomputed(config) -> None:
+  """The data folder's precomputed log-probs were computed for this run's reference (DataError otherwise)."""
+  path = epath.Path(config.data.path) / data_lib.REFERENCE_INFO
+  info = json.loads(path.read_text()) if path.exists() else {}
+  if info.get("reference") != reference_of(config):
+    raise DataError(config.data.path, f"its precomputed reference log-probs ({data_lib.REFERENCE_INFO}) are "
+                    f"{'missing' if not info else 'of another reference model: ' + json.dumps(info.get('reference'))}",
+                    "run tools/reference_logps.py with this run's config first")
+
+
+def compute_reference(config, devices=None) -> dict[str, np.ndarray]:
+  """Every pair's summed response log-probs under the run's reference model (its starting params, without
+  adapters: :func:`jaxtrain.train.start.starting_state`), per split (float32 [pairs, 2]), computed on the run's
+  mesh with the training forward, and written into the data folder (process 0) for
+  ``preference.reference=precomputed``."""
+  run = run_lib.build(config, devices)
+  config = run.config
+  params = logprobs.without_adapters(start.starting_state(run).params)
+  shapes = {k: v for k, v in Preference().abstract_batch(run).items() if not k.startswith("reference_")}
+  shardings_of = lambda tree: jax.tree.map(lambda a: a.sharding, tree)  # noqa: E731
+  param_shardings = logprobs.without_adapters(run.state_shardings.params)
+  sums_of = jax.jit(lambda p, b: pair_sums(run.model, p, b, context_lib.shards(run.mesh))[0],
+                    in_shardings=(param_shardings, shardings_of(shapes)))
+  manifest = data_lib.check(config)
+  b = config.train.global_batch_size
+  lanes = np.asarray(loader.process_lanes(b, jax.process_index(), jax.process_count()))
+  out = {}
+  for split in sorted({s["split"] for s in manifest["shards"]}):
+    source = data_lib.Pairs(config.data.path, manifest, split)
+    parts = []
+    for first in range(0, len(source), b):
+      indices = np.arange(first, first + b) % len(source)
+      local = data_lib.make_batch(source, indices[lanes], config.data.seq_len)
+      with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
+        sums = sums_of(params, _to_global(run, local, shapes))
+      parts.append(np.asarray(multihost_utils.process_allgather(sums, tiled=True)))
+    out[split] = np.concatenate(parts)[:len(source)].astype(np.float32)
+  if jax.process_index() == 0:
+    for split, values in out.items():
+      data_lib.write_reference(config.data.path, split, values, {"reference": reference_of(config),
+                                                                 "seq_len": config.data.seq_len})
+  return out
 
 
 def _pair_sharding(run) -> NamedSharding:
