@@ -360,7 +360,7 @@ def test_microbatches_precomputed_reference_and_exact_resume(tmp_path, pairs_dat
   c.preference.reference = "precomputed"
   with pytest.raises(DataError, match="precomputed reference log-probs"):
     trainer.train(c)
-  computed = preference.compute_reference(c)
+  computed = preference.compute_reference(trainer.build(c))
   assert computed["train"].shape == (len(pref_data.Pairs(os.fspath(data), pref_data.open_manifest(os.fspath(data)),
                                                          "train")), 2)
   _, pre = trainer.train(c)

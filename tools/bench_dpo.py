@@ -5,8 +5,8 @@
 
 A DPO step of B pairs runs the policy's forward and backward over 2B rows of ``seq_len`` tokens, plus, unless the
 reference log-probs are precomputed, the reference's forward over the same rows (a third of a training step's
-work: about 1.33x). Measured, each compiled once and timed ``--reps`` times (median, after a warm-up step), on the
-local devices (8 simulated CPU devices unless XLA_FLAGS says otherwise):
+work: about 1.33x). Measured, each compiled once, warmed up, then timed ``--reps`` times in turn with the others
+(median), on the local devices (8 simulated CPU devices unless XLA_FLAGS says otherwise):
 
 - ``sft``: an ``lm`` step over 2B rows; ``dpo_frozen``: DPO with a frozen copy as the reference;
   ``dpo_precomputed``: DPO reading the reference log-probs with the batch (no reference forward);
@@ -97,37 +97,47 @@ def _batch(run, rng) -> dict:
   return {k: jax.make_array_from_process_local_data(s.sharding, local[k]) for k, s in shapes.items()}
 
 
-def measure(config) -> float:
-  """Median seconds of one compiled step of ``config`` (after a warm-up)."""
+def compiled(config):
+  """A compiled step of ``config``, ready to run: ``() -> seconds`` of one step (after a warm-up step)."""
   run = trainer.build(config)
-  objective = objectives.of(run.config)
-  step = objective.step_fn(run, trainer.compile_step)
-  state = trainer.init_state(run)
+  step = objectives.of(run.config).step_fn(run, trainer.compile_step)
+  held = {"state": trainer.init_state(run)}
   batch = _batch(run, np.random.default_rng(0))
   skip = np.bool_(False)
-  state, metrics = step(state, batch, skip)
-  jax.block_until_ready(metrics)
-  times = []
-  for _ in range(_REPS.value):
+
+  def timed() -> float:
     t = time.perf_counter()
-    state, metrics = step(state, batch, skip)
-    jax.block_until_ready((state, metrics))
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
+    held["state"], metrics = step(held["state"], batch, skip)
+    jax.block_until_ready((held["state"], metrics))
+    return time.perf_counter() - t
+
+  timed()
+  return timed
+
+
+def measure(steps: dict) -> dict[str, float]:
+  """Median seconds per step of each, the steps taken in turn (round-robin: a slow moment of a shared host falls on
+  every kind alike)."""
+  times = {k: [] for k in steps}
+  for _ in range(_REPS.value):
+    for k, timed in steps.items():
+      times[k].append(timed())
+  return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main(argv):
   del argv
   with tempfile.TemporaryDirectory() as tmp:
     data = _pairs_folder(tmp, _SEQ_LEN.value)
-    rows = {"sft": measure(_config("lm", data, 0)),
-            "dpo_frozen": measure(_config("dpo", data, 0, "frozen")),
-            "dpo_precomputed": measure(_config("dpo", data, 0, "precomputed"))}
+    steps = {"sft": compiled(_config("lm", data, 0)),
+             "dpo_frozen": compiled(_config("dpo", data, 0, "frozen")),
+             "dpo_precomputed": compiled(_config("dpo", data, 0, "precomputed"))}
     base = {"dpo_frozen": "sft", "dpo_precomputed": "sft"}
     if _LORA.value:
-      rows["sft_lora"] = measure(_config("lm", data, _LORA.value))
-      rows["dpo_adapters_off"] = measure(_config("dpo", data, _LORA.value, "adapters_off"))
+      steps["sft_lora"] = compiled(_config("lm", data, _LORA.value))
+      steps["dpo_adapters_off"] = compiled(_config("dpo", data, _LORA.value, "adapters_off"))
       base["dpo_adapters_off"] = "sft_lora"
+    rows = measure(steps)
   ratios = {k: rows[k] / rows[b] for k, b in base.items()}
   tokens = 2 * _PAIRS.value * _SEQ_LEN.value
   print(f"{'step':<18}{'seconds':>10}{'tokens/s':>12}{'ratio':>8}{'target':>8}  (config {_CONFIG.value}, "

@@ -23,6 +23,7 @@ from absl import app, flags  # noqa: E402
 
 from jaxtrain import main as main_lib  # noqa: E402 - its --config flag and parser
 from jaxtrain.errors import UserError  # noqa: E402
+from jaxtrain.train import trainer  # noqa: E402
 from jaxtrain.train.objectives import preference  # noqa: E402
 
 
@@ -33,7 +34,7 @@ def main(argv):
     if config.train.objective != "dpo":
       raise UserError("train.objective", f"is {config.train.objective}; only dpo has a reference model",
                       "pass --config.train.objective=dpo")
-    out = preference.compute_reference(config)
+    out = preference.compute_reference(trainer.build(config))
   except UserError as e:
     print(f"reference_logps: error: {e}", file=sys.stderr)
     sys.exit(2)

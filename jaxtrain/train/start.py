@@ -10,17 +10,16 @@ from absl import logging
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain.models import lora
 from jaxtrain.train import state as state_lib
-from jaxtrain.train.run import Run
 from jaxtrain.train.state import TrainState
 
 
-def init_state(run: Run) -> TrainState:
+def init_state(run) -> TrainState:
   """A fresh state from ``train.seed``, laid out on the run's shardings."""
   with jax.set_mesh(run.mesh):
     return state_lib.make_init(run.model, run.tx, run.state_shardings)(jax.random.key(run.config.train.seed))
 
 
-def starting_state(run: Run) -> TrainState:
+def starting_state(run) -> TrainState:
   """A fresh state, started from ``checkpoint.restore_from`` when set (``checkpoint.restore_mode``: its params
   only, or its whole state)."""
   state = init_state(run)

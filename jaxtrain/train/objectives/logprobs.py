@@ -20,7 +20,6 @@ import jax.numpy as jnp
 from jaxtrain.models import Model, Output, lora
 from jaxtrain.train import losses as losses_lib
 from jaxtrain.train import start
-from jaxtrain.train.run import Run
 
 REFERENCES = ("frozen", "adapters_off")
 
@@ -44,7 +43,7 @@ def without_adapters(params: dict) -> dict:
 class Reference:
   """The reference model's params for a run: ``mode`` ``"adapters_off"`` (LoRA only) or ``"frozen"``."""
 
-  def __init__(self, run: Run, mode: str):
+  def __init__(self, run, mode: str):
     self.mode = mode
     self._frozen = None
     if mode == "frozen":
@@ -60,7 +59,7 @@ class Reference:
     """What a compiled step takes besides ``(state, batch, skip)``: the frozen params, or nothing."""
     return (self._frozen,) if self._frozen is not None else ()
 
-  def abstract_extra(self, run: Run) -> tuple:
+  def abstract_extra(self, run) -> tuple:
     """:attr:`extra` as shapes laid out like the params (for compiling)."""
     if self._frozen is None:
       return ()

@@ -50,9 +50,8 @@ from jaxtrain.errors import ConfigError, DataError
 from jaxtrain.models import lora, scans
 from jaxtrain.parallel import context as context_lib
 from jaxtrain.parallel.pipeline import split_microbatches
-from jaxtrain.train import run as run_lib
-from jaxtrain.train import start
 from jaxtrain.train import step as step_lib
+from jaxtrain.train import start
 from jaxtrain.train.objectives import logprobs
 from jaxtrain.train.objectives.base import OBJECTIVES, Objective
 
@@ -182,10 +181,11 @@ def objective_value(kind: str, p, stats: dict, pairs, chosen_tokens):
 # -------------------------------------------------------------------------------------------- the objective
 
 # One reference per run, shared by its step and its evaluator (a frozen copy is the size of the params).
-_REFERENCES: dict[int, tuple[weakref.ref, logprobs.Reference]] = {}
+_REFERENCES: dict[int, tuple] = {}
 
 
-def _reference(run) -> logprobs.Reference | None:
+def _reference(run):
+  """The run's :class:`.logprobs.Reference` (None: reference-free, or precomputed)."""
   mode = reference_mode(run.config)
   if mode not in logprobs.REFERENCES:
     return None
@@ -345,12 +345,11 @@ def check_precomputed(config) -> None:
                     "run tools/reference_logps.py with this run's config first")
 
 
-def compute_reference(config, devices=None) -> dict[str, np.ndarray]:
-  """Every pair's summed response log-probs under the run's reference model (its starting params, without
-  adapters: :func:`jaxtrain.train.start.starting_state`), per split (float32 [pairs, 2]), computed on the run's
+def compute_reference(run) -> dict[str, np.ndarray]:
+  """Every pair's summed response log-probs under the reference model of ``run`` (:func:`jaxtrain.train.trainer.
+  build`'s): its starting params without adapters (:func:`jaxtrain.train.start.starting_state`), per split (float32 [pairs, 2]), computed on the run's
   mesh with the training forward, and written into the data folder (process 0) for
   ``preference.reference=precomputed``."""
-  run = run_lib.build(config, devices)
   config = run.config
   params = logprobs.without_adapters(start.starting_state(run).params)
   shapes = {k: v for k, v in Preference().abstract_batch(run).items() if not k.startswith("reference_")}
