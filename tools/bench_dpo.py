@@ -12,7 +12,8 @@ work: about 1.33x). Measured, each compiled once, warmed up, then timed ``--reps
   ``dpo_precomputed``: DPO reading the reference log-probs with the batch (no reference forward);
 - with LoRA (``--lora_rank``): ``sft_lora`` and ``dpo_adapters_off`` (the reference: the policy without adapters).
 
-The ratios (DPO over its SFT step) are checked against the targets: <= 1.4 with a frozen or adapters-off reference,
+The ratios of seconds (DPO over its SFT step), and of the compiler's FLOPs count of each step (which no load on a
+shared host disturbs), are checked against the targets: <= 1.4 with a frozen or adapters-off reference,
 <= 1.05 precomputed. Prints a table and writes JSON.
 """
 
@@ -98,9 +99,17 @@ def _batch(run, rng) -> dict:
 
 
 def compiled(config):
-  """A compiled step of ``config``, ready to run: ``() -> seconds`` of one step (after a warm-up step)."""
+  """A compiled step of ``config``, ready to run: (``() -> seconds`` of one step (after a warm-up step), the
+  compiler's FLOPs count of the step)."""
   run = trainer.build(config)
-  step = objectives.of(run.config).step_fn(run, trainer.compile_step)
+  programs = []
+
+  def compile_step(*args, **kwargs):
+    programs.append(trainer.compile_step(*args, **kwargs))
+    return programs[-1]
+
+  step = objectives.of(run.config).step_fn(run, compile_step)
+  flops = float((programs[0].cost_analysis() or {}).get("flops", 0.0))
   held = {"state": trainer.init_state(run)}
   batch = _batch(run, np.random.default_rng(0))
   skip = np.bool_(False)
@@ -112,7 +121,7 @@ def compiled(config):
     return time.perf_counter() - t
 
   timed()
-  return timed
+  return timed, flops
 
 
 def measure(steps: dict) -> dict[str, float]:
@@ -120,7 +129,7 @@ def measure(steps: dict) -> dict[str, float]:
   every kind alike)."""
   times = {k: [] for k in steps}
   for _ in range(_REPS.value):
-    for k, timed in steps.items():
+    for k, (timed, _) in steps.items():
       times[k].append(timed())
   return {k: statistics.median(v) for k, v in times.items()}
 
@@ -138,17 +147,22 @@ def main(argv):
       steps["dpo_adapters_off"] = compiled(_config("dpo", data, _LORA.value, "adapters_off"))
       base["dpo_adapters_off"] = "sft_lora"
     rows = measure(steps)
+  flops = {k: f for k, (_, f) in steps.items()}
   ratios = {k: rows[k] / rows[b] for k, b in base.items()}
+  flop_ratios = {k: flops[k] / flops[b] for k, b in base.items() if flops[b]}
   tokens = 2 * _PAIRS.value * _SEQ_LEN.value
-  print(f"{'step':<18}{'seconds':>10}{'tokens/s':>12}{'ratio':>8}{'target':>8}  (config {_CONFIG.value}, "
+  print(f"{'step':<18}{'seconds':>10}{'tokens/s':>12}{'GFLOP':>10}{'ratio':>8}{'FLOPs':>8}{'target':>8}  "
+        f"(config {_CONFIG.value}, "
         f"{_PAIRS.value} pairs = {2 * _PAIRS.value} rows x {_SEQ_LEN.value}, mesh {','.join(_MESH.value)})")
   for k, s in rows.items():
     ratio = f"{ratios[k]:.3f}" if k in ratios else ""
+    flop_ratio = f"{flop_ratios[k]:.3f}" if k in flop_ratios else ""
     target = f"<={TARGETS[k]}" if k in TARGETS else ""
-    print(f"{k:<18}{s:>10.4f}{tokens / s:>12,.0f}{ratio:>8}{target:>8}")
+    print(f"{k:<18}{s:>10.4f}{tokens / s:>12,.0f}{flops[k] / 1e9:>10.2f}{ratio:>8}{flop_ratio:>8}{target:>8}")
   path = _bench.write_json(_OUT.value, {
       "config": _CONFIG.value, "pairs": _PAIRS.value, "seq_len": _SEQ_LEN.value, "mesh": _MESH.value,
       "lora_rank": _LORA.value, "reps": _REPS.value, "seconds": rows, "ratios": ratios,
+      "flops": flops, "flop_ratios": flop_ratios,
       "targets": {k: v for k, v in TARGETS.items() if k in ratios},
       "within_targets": {k: ratios[k] <= TARGETS[k] for k in ratios}})
   print(f"-> {path}")

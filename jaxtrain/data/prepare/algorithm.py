@@ -501,7 +501,8 @@ def finalize(plan: Plan, entries: list[dict]) -> dict:
     raise DataError(", ".join(opts.inputs), "no record has a trained token", "check the chat template")
   tokenizer = tokenizers.load(opts.tokenizer)
   manifest = {
-      "format": {"sft": FORMAT_SFT, "preference": FORMAT_PREFERENCE}.get(opts.format, FORMAT), "jaxtrain_version": jaxtrain.__version__, **totals,
+      "format": {"sft": FORMAT_SFT, "preference": FORMAT_PREFERENCE}.get(opts.format, FORMAT),
+      "jaxtrain_version": jaxtrain.__version__, **totals,
       "duplicates_removed": sum(e["duplicates"] for e in entries),
       "near_duplicates_removed": sum(e["near_duplicates"] for e in entries),
       "near_dup": {"threshold": opts.near_dup_threshold, "ngram": opts.near_dup_ngram,

@@ -128,7 +128,11 @@ def pair_losses(kind: str, p, logp_c, logp_r, n_c, n_r, ref_c=None, ref_r=None):
   """Per pair: (the loss, the chosen reward, the rejected reward) from the sequences' summed log-probs (``logp``),
   response token counts (``n``) and, for ``dpo``, the reference's sums. ORPO's NLL term is not included (it is
   token-weighted over the whole batch: :func:`nll_term`). ``p``: the ``preference`` config group."""
-  smooth = lambda x: -(1 - p.label_smoothing) * jax.nn.log_sigmoid(x) - p.label_smoothing * jax.nn.log_sigmoid(-x)  # noqa: E731
+  e = p.label_smoothing
+
+  def smooth(x):  # -log s(x), with label smoothing e: the labels flipped with probability e (cDPO)
+    return -(1 - e) * jax.nn.log_sigmoid(x) - e * jax.nn.log_sigmoid(-x)
+
   if kind == "dpo":
     ratio_c, ratio_r = logp_c - ref_c, logp_r - ref_r
     if p.loss == "ipo":
@@ -347,9 +351,9 @@ def check_precomputed(config) -> None:
 
 def compute_reference(run) -> dict[str, np.ndarray]:
   """Every pair's summed response log-probs under the reference model of ``run`` (:func:`jaxtrain.train.trainer.
-  build`'s): its starting params without adapters (:func:`jaxtrain.train.start.starting_state`), per split (float32 [pairs, 2]), computed on the run's
-  mesh with the training forward, and written into the data folder (process 0) for
-  ``preference.reference=precomputed``."""
+  build`'s): its starting params without adapters (:func:`jaxtrain.train.start.starting_state`), per split
+  (float32 [pairs, 2]), computed on the run's mesh with the training forward, and written into the data folder
+  (process 0) for ``preference.reference=precomputed``."""
   config = run.config
   params = logprobs.without_adapters(start.starting_state(run).params)
   shapes = {k: v for k, v in Preference().abstract_batch(run).items() if not k.startswith("reference_")}
