@@ -399,6 +399,20 @@ def test_config_mistakes_are_one_line(tmp_path, pairs_data):
     config_lib.resolve(bad)
 
 
+def test_dry_run_counts_the_frozen_reference_and_not_the_adapters_off_one(tmp_path, pairs_data):
+  """The dry run compiles the DPO step without allocating anything: a frozen reference is one more copy of the
+  params among the step's arguments; with LoRA and adapters off there is none."""
+  def arguments(**overrides):
+    c = dpo_config(tmp_path, pairs_data)
+    c.model.lora.update(rank=4, alpha=8.0, targets="q,v")
+    c.preference.update(**overrides)
+    return trainer.dry_run(c)["memory_per_device"]["argument"]
+  run = trainer.build(dpo_config(tmp_path, pairs_data))
+  params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(run.model.abstract_params))  # (replicated)
+  frozen, off = arguments(reference="frozen"), arguments(reference="adapters_off")
+  assert frozen - off >= params * 0.9, (frozen, off, params)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("objective,overrides", [("dpo", {}), ("simpo", {"beta": 2.0}), ("orpo", {})])
 def test_training_reaches_held_out_accuracy_with_a_growing_margin(tmp_path, pairs_data, objective, overrides):

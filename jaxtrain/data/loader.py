@@ -42,7 +42,7 @@ def load_manifest(path: str, verify_checksums: bool = True, formats: tuple[str, 
                     "tools/prepare_data.py")
   try:
     manifest = json.loads(manifest_path.read_text())
-    assert manifest["format"] in (prepare.FORMAT, prepare.FORMAT_SFT, prepare.FORMAT_PREFERENCE)
+    assert manifest["format"] in prepare.RECORD_FORMATS
     assert isinstance(manifest["shards"], list)
   except Exception:
     raise DataError(os.fspath(manifest_path), "not a jaxtrain manifest (unreadable or wrong format)",

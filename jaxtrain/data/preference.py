@@ -85,7 +85,7 @@ def rows(sides: list[tuple[np.ndarray, np.ndarray]], seq_len: int) -> dict[str, 
 
 def make_batch(source: Pairs, indices, seq_len: int, reference: np.ndarray | None = None) -> dict[str, np.ndarray]:
   """Pairs ``indices`` of ``source`` -> a preference batch (see the module docstring); ``reference``: the split's
-  precomputed reference log-probs. Host-side ``pair_ids`` name the pairs (provenance, errors)."""
+  precomputed reference log-probs. Host-side ``doc_ids`` (``[B]``) name the pairs (a bad batch's provenance)."""
   indices = np.asarray(indices, np.int64)
   got = [source[int(i)] for i in indices]
   out = {}
@@ -93,7 +93,7 @@ def make_batch(source: Pairs, indices, seq_len: int, reference: np.ndarray | Non
     out.update({f"{name}_{k}": v for k, v in rows([g[s] for g in got], seq_len).items()})
   if reference is not None:
     out["reference_chosen"], out["reference_rejected"] = (reference[indices, s].astype(np.float32) for s in (0, 1))
-  out["pair_ids"] = indices
+  out["doc_ids"] = indices
   return out
 
 

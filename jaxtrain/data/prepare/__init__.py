@@ -18,7 +18,8 @@ from etils import epath
 
 from jaxtrain.data.prepare import local
 from jaxtrain.data.prepare.algorithm import (FORMAT, FORMAT_PREFERENCE, FORMAT_SFT, FORMATS,  # noqa: F401
-                                             MANIFEST, TEXT_SPLITS, Options, encoder, finalize, make_plan)
+                                             MANIFEST, RECORD_FORMATS, TEXT_SPLITS, Options, encoder, finalize,
+                                             make_plan)
 from jaxtrain.errors import DataError
 
 BUNDLED = epath.Path(__file__).parent.parent / "corpus" / "tinyshakespeare.txt"

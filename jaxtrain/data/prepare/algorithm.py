@@ -68,6 +68,7 @@ FORMAT_SFT = "jaxtrain.sft.v1"  # records: token ids, then one uint8 trained fla
 FORMAT_PREFERENCE = "jaxtrain.preference.v1"  # records: a pair's token ids, then one uint8 flag per token
 FORMATS = ("auto", "text", "sft", "preference")
 MASKED = ("sft", "preference")  # formats whose records carry per-token flags
+RECORD_FORMATS = (FORMAT, FORMAT_SFT, FORMAT_PREFERENCE)
 TEXT_SPLITS = ("paragraph", "file")
 _SUFFIXES = (".txt", ".text", ".md", ".jsonl", ".json", ".parquet")
 

@@ -57,6 +57,11 @@ class Objective:
     """``(state, batch, skip) -> (state, metrics)``, traced and compiled by the trainer (one program)."""
     raise NotImplementedError
 
+  def abstract_extra(self, run) -> tuple:
+    """The shapes (with shardings) of what its step takes besides ``(state, batch, skip)`` (a frozen reference's
+    params), for compiling without them (the dry run)."""
+    return ()
+
   def step_fn(self, run, compile_step: Callable) -> Callable:
     """What the loop calls each step, ``(state, batch, skip) -> (state, metrics)`` (metrics: device values the loop
     fetches a step later). ``compile_step(run, train_step=None)`` compiles :meth:`make_train_step`'s step; an

@@ -218,6 +218,14 @@ class Preference(Objective):
         out[f"reference_{side}"] = jax.ShapeDtypeStruct((b,), jnp.float32, sharding=_pair_sharding(run))
     return out
 
+  def abstract_extra(self, run) -> tuple:
+    """With a frozen reference: its params' shapes, laid out like the params (no copy is made)."""
+    if reference_mode(run.config) != "frozen":
+      return ()
+    shardings = logprobs.without_adapters(run.state_shardings.params)
+    abstract = logprobs.without_adapters(state_lib.abstract(run.model, run.tx).params)
+    return (jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings),)
+
   def open_train(self, config):
     if reference_mode(config) == "precomputed":
       check_precomputed(config)
@@ -228,17 +236,19 @@ class Preference(Objective):
     return _to_global(run, local_batch, self.abstract_batch(run))
 
   def make_train_step(self, run):
-    kind, p, model = self.kind, run.config.preference, run.model
-    reference, mode = _reference(run), reference_mode(run.config)
+    kind, p, model, mode = self.kind, run.config.preference, run.model, reference_mode(run.config)
     microbatches, context = run.microbatches, context_lib.shards(run.mesh)
     trained_shardings, update_shardings = step_lib.trained_shardings_of(model, run.state_shardings)
 
     def reference_sums(params, batch, extra):
+      """The reference's sums: read with the batch, or a forward with the frozen params (``extra``) or the policy's
+      without its adapters, never differentiated."""
       if mode == "precomputed":
         return jnp.stack([batch["reference_chosen"], batch["reference_rejected"]], 1)
-      if reference is None:
+      if mode is None:
         return None
-      return jax.lax.stop_gradient(pair_sums(model, reference.params(params, *extra), batch, context)[0])
+      ref_params = extra[0] if mode == "frozen" else logprobs.without_adapters(params)
+      return jax.lax.stop_gradient(pair_sums(model, jax.lax.stop_gradient(ref_params), batch, context)[0])
 
     def objective(params, batch, ref, pairs, chosen_tokens):
       sums, counts = pair_sums(model, params, batch, context)
@@ -277,7 +287,7 @@ class Preference(Objective):
   def step_fn(self, run, compile_step):
     reference = _reference(run)
     extra = reference.extra if reference else ()
-    compiled = compile_step(run, self.make_train_step(run), reference.abstract_extra(run) if reference else ())
+    compiled = compile_step(run, self.make_train_step(run), self.abstract_extra(run))
     return lambda state, batch, skip: compiled(state, batch, skip, *extra)
 
   def make_evaluator(self, run):
@@ -299,8 +309,8 @@ class Preference(Objective):
       sums, counts = pair_sums(model, params, batch, context)
       if mode == "precomputed":
         ref = jnp.stack([batch["reference_chosen"], batch["reference_rejected"]], 1)
-      elif reference is not None:
-        ref = pair_sums(model, reference.params(params, *extra), batch, context)[0]
+      elif mode is not None:
+        ref = pair_sums(model, extra[0] if mode == "frozen" else logprobs.without_adapters(params), batch, context)[0]
       else:
         ref = None
       stats = pair_statistics(kind, p, sums, counts, ref, batch["pair_weight"])
@@ -309,8 +319,7 @@ class Preference(Objective):
 
     shardings_of = lambda tree: jax.tree.map(lambda a: a.sharding, tree)  # noqa: E731
     evaluate_batch = jax.jit(sums_of, in_shardings=(run.state_shardings.params, shardings_of(shapes),
-                                                    *(shardings_of(a) for a in (reference.abstract_extra(run)
-                                                                                if reference else ()))))
+                                                    *map(shardings_of, self.abstract_extra(run))))
 
     def evaluate(params):
       with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
