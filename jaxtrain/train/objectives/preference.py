@@ -50,8 +50,9 @@ from jaxtrain.errors import ConfigError, DataError
 from jaxtrain.models import lora, scans
 from jaxtrain.parallel import context as context_lib
 from jaxtrain.parallel.pipeline import split_microbatches
-from jaxtrain.train import step as step_lib
 from jaxtrain.train import start
+from jaxtrain.train import state as state_lib
+from jaxtrain.train import step as step_lib
 from jaxtrain.train.objectives import logprobs
 from jaxtrain.train.objectives.base import OBJECTIVES, Objective
 
