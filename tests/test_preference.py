@@ -284,7 +284,8 @@ def test_dpo_loss_and_gradient_equal_trl(loss_type):
   trl_loss.backward()
   trl_grad = policy.grad.numpy().reshape(b, 2, t, v)
   loss, grad = _jax_loss("dpo", p, logits, targets, mask)
-  assert abs(float(loss) - float(trl_loss)) < 1e-6, (float(loss), float(trl_loss))
+  trl_loss = float(trl_loss.detach())
+  assert abs(float(loss) - trl_loss) < 1e-6, (float(loss), trl_loss)
   np.testing.assert_allclose(np.asarray(grad, np.float64), trl_grad, rtol=0, atol=1e-6)
 
 
