@@ -347,6 +347,46 @@ def test_sharded_fsdp_by_tensor_equals_one_device(tmp_path, pairs_data, one_devi
 
 
 @pytest.mark.slow
+def test_reference_logps_command_writes_what_the_step_would_compute(tmp_path, pairs_data):
+  """tools/reference_logps.py with the run's flags: the reference log-probs of every pair of both splits, equal to
+  the reference forward's on the same mesh; a run that is not dpo is one line, exit 2, nothing written."""
+  import shutil
+  data = tmp_path / "data"
+  shutil.copytree(pairs_data, data)
+  flags = ["--config=configs/tiny.py", "--config.train.objective=dpo", f"--config.data.path={data}",
+           f"--config.data.seq_len={SEQ_LEN}", "--config.mesh.fsdp=8", f"--config.workdir={tmp_path / 'run'}"]
+  bad = subprocess.run([sys.executable, "tools/reference_logps.py", *flags, "--config.train.objective=simpo"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert bad.returncode == 2 and "train.objective: is simpo; only dpo has a reference model" in bad.stderr
+  assert not (data / "reference-train.npy").exists()
+  r = subprocess.run([sys.executable, "tools/reference_logps.py", *flags], cwd=ROOT, capture_output=True, text=True,
+                     timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  manifest = pref_data.open_manifest(os.fspath(data))
+  train = np.load(data / "reference-train.npy")
+  assert train.shape == (len(pref_data.Pairs(os.fspath(data), manifest, "train")), 2) and (train < 0).all()
+  assert np.load(data / "reference-eval.npy").shape[1] == 2
+  # The same numbers as the step's own reference forward over one batch of those pairs.
+  from configs import tiny
+  c = tiny.get_config()
+  c.train.objective, c.data.path, c.data.seq_len, c.mesh.fsdp = "dpo", os.fspath(data), SEQ_LEN, 8
+  run = trainer.build(c)
+  source = pref_data.Pairs(os.fspath(data), manifest, "train")
+  batch = preference.Preference().to_global(run, pref_data.make_batch(source, np.arange(16), SEQ_LEN))
+  with jax.set_mesh(run.mesh):
+    params = logprobs.Reference(run, "frozen").extra[0]
+    sums = np.asarray(jax.jit(lambda p, b: preference.pair_sums(run.model, p, b)[0])(params, batch))
+  np.testing.assert_allclose(sums, train[:16], rtol=1e-6, atol=0)  # (float32 sums of ~90: a few ulps)
+
+
+@pytest.mark.slow
+def test_context_parallel_equals_one_device(tmp_path, pairs_data, one_device_dpo):
+  """mesh.context=2: each pair's rows split along the sequence (load-balanced order); the sums are the same."""
+  _, got = trainer.train(dpo_config(tmp_path, pairs_data, data=1, fsdp=4, context=2))
+  np.testing.assert_allclose(_losses(got), _losses(one_device_dpo), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_microbatches_precomputed_reference_and_exact_resume(tmp_path, pairs_data, one_device_dpo):
   # Two microbatches: the same update as the whole batch at once.
   c = dpo_config(tmp_path / "micro", pairs_data)
