@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -297,6 +298,8 @@ class Preference(Objective):
     kind, p, model, config = self.kind, run.config.preference, run.model, run.config
     local = data_lib.eval_batches(config, reference_mode(config) == "precomputed")[:config.eval.max_batches or None]
     if not local:
+      logging.warning("eval.every_steps=%d but %s holds no held-out pairs (its eval split is empty): no eval",
+                      config.eval.every_steps, config.data.path)
       return None
     shapes = {**self.abstract_batch(run),
               "pair_weight": jax.ShapeDtypeStruct((config.train.global_batch_size,), jnp.float32,
