@@ -22,6 +22,7 @@ from jaxtrain.errors import ConfigError, DataError, UserError, check_positive  #
 from jaxtrain.parallel import context, pipeline
 from jaxtrain.train import hooks, objectives
 from jaxtrain.train.objectives import grpo
+from jaxtrain.train.objectives import preference
 
 # Config group -> the module that owns its defaults (``defaults()``) and its checks (``validate(config)``), next to
 # the code that reads those keys. The core (this module) keeps only what every run shares: workdir, train, eval.
@@ -37,6 +38,7 @@ COMPONENTS = (
     ("monitor", monitor),
     ("checkpoint", checkpoint),
     ("rl", grpo),
+    ("preference", preference),
 )
 # Checks across groups by modules that own no group: context parallelism (mesh.context against data.seq_len and
 # the model family).

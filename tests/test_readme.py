@@ -72,6 +72,9 @@ HF_EXPORT = "export --checkpoint=runs/my-llama"
 GRPO_DATA = "tools/arithmetic_prompts.py"
 GRPO_SFT = "--config.workdir=runs/arithmetic_sft"
 GRPO_TRAIN = "configs/grpo_math.py"
+DPO_IMPORT = "import --hf=hf/instruct-llama"
+DPO_PREPARE = "--output=data/prefs"
+DPO_TRAIN = "--config.train.objective=dpo --config.data.path=data/prefs"
 LOCAL = "tools/launch/local.sh configs/tiny.py runs/long"
 GOODPUT = "tools/goodput.py runs/long"
 # Appended to the launcher's command (with --config.train.steps): what is tested there is the stop, the restart
@@ -108,7 +111,7 @@ def test_every_readme_command_is_run_by_a_test():
            PREPARE_BEAM, TRAIN_RAW, MIX_PREPARE_WEB, MIX_PREPARE_CODE, MIX_TRAIN, PREPARE_SFT, TRAIN_SFT, GENERATE,
            HF_IMPORT, HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT, LOCAL, GOODPUT, HF_REHEARSAL, ATTENTION_AUTO,
            ATTENTION_BLOCKWISE, ESTIMATE_70B, RESTART_BUDGET, FLOAT16, GRPO_DATA, GRPO_SFT,
-           GRPO_TRAIN)
+           GRPO_TRAIN, DPO_IMPORT, DPO_PREPARE, DPO_TRAIN)
   run = [QUICK_START] + [readme.command(part) for part in parts]
   not_run = [readme.command(part) for part in NOT_RUN]
   assert sorted(run + not_run) == sorted(readme.commands())
@@ -389,6 +392,35 @@ def test_hugging_face_import_lora_fine_tune_generate_export(user):
   assert sorted(source) == sorted(exported)
   changed = sorted(k for k in source if source[k].tobytes() != exported[k].tobytes())
   assert changed and all(".q_proj." in k or ".v_proj." in k for k in changed), changed
+
+
+def test_post_training_dpo_with_lora_from_an_imported_llama(user):
+  """docs/post_training.md's DPO commands on a small random Llama with a Llama 3 chat template: the pairs are
+  rendered with it, and the LoRA run trains with the adapters-off reference from ln 2."""
+  torch = pytest.importorskip("torch", reason="torch (test-only) builds the random Hugging Face Llama")
+  transformers = pytest.importorskip("transformers", reason="transformers (test-only) builds and loads the Llama")
+  from tests import test_sft
+  folder = user.repo / "hf" / "instruct-llama"
+  test_sft._tokenizer_folder(folder, "llama3", test_sft.LLAMA3)
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                    bos_token_id=0, eos_token_id=3)
+  transformers.LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+  pairs = [{"prompt": f"Q{i}: what rhymes with {w}?", "chosen": f"{w}-ish, perhaps.", "rejected": "I do not know."}
+           for i, w in enumerate(["moon", "June", "spoon", "tune", "dune", "rune"] * 10)]
+  (user.repo / "prefs.jsonl").write_text("\n".join(json.dumps(x) for x in pairs) + "\n")
+  _ok(user.run(readme.command(DPO_IMPORT)))
+  out = _ok_out(user.run(readme.command(DPO_PREPARE)))
+  manifest = json.loads((user.repo / "data/prefs/manifest.json").read_text())
+  assert manifest["format"] == "jaxtrain.preference.v1" and manifest["preference"]["template"] == "chat_template"
+  assert "preference pairs" in out
+  err = _ok(user.run(readme.command(DPO_TRAIN), "--config.train.steps=3", "--config.train.global_batch_size=8",
+                     "--config.train.log_every=1"))
+  assert "done: step 3/3" in err, err[-3000:]
+  assert user.committed("runs/my-llama-dpo") == [3]
+  first = json.loads((user.repo / "runs/my-llama-dpo/metrics.jsonl").read_text().splitlines()[0])
+  assert abs(first["loss"] - np.log(2)) < 1e-5 and "rewards/accuracy" in first
 
 
 def test_local_launcher_starts_a_run_stopped_by_sigterm_again_and_it_resumes(user):

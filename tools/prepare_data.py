@@ -1,7 +1,8 @@
 """Tokenize raw text into ArrayRecord shards + manifest for jaxtrain.
 
   python tools/prepare_data.py --input=PATH [--input=PATH ...] --output=DIR [--tokenizer=FILE|FOLDER]
-      [--format=auto|text|sft] [--field=text] [--seed=N] [--eval_fraction=F] [--text_split=paragraph|file]
+      [--format=auto|text|sft|preference] [--seq_len=N] [--field=text] [--seed=N] [--eval_fraction=F]
+      [--text_split=paragraph|file]
       [--workers=N] [--prompt_field=prompt] [--response_field=response] [--messages_field=messages]
       [--chat_template=FILE] [--near_dup_threshold=0.8] [--runner=DirectRunner|DataflowRunner|... [-- BEAM_OPTIONS]]
 
@@ -16,6 +17,13 @@ With a chat template (a Hugging Face tokenizer folder given as --tokenizer, whos
 apply_chat_template renders it and only the assistant messages' tokens (and the end-of-turn token after each)
 are trained; without one: BOS (if the tokenizer config names one), prompt tokens, response tokens + EOS (if
 named), only the response and EOS trained. See jaxtrain/data/chat.py.
+
+Preference pairs (--format=preference; --format=auto picks it when the first JSONL line has 'chosen' and
+'rejected' fields), for train.objective=dpo|simpo|orpo: JSONL lines {"prompt": ..., "chosen": ..., "rejected": ...}
+(strings) or {"chosen": [messages], "rejected": [messages]} (chats differing only in their last, assistant,
+message), rendered as SFT records are, only the last assistant message of each side trained. --seq_len (required:
+the data.seq_len you train with): a pair with a side longer than seq_len + 1 tokens loses tokens from the left of
+its prompt, or is dropped when its response alone does not fit; both counted. See jaxtrain/data/pairs.py.
 
 Exact duplicate documents / records are removed and counted; with --near_dup_threshold=J also near duplicates
 (MinHash LSH over word 5-grams, Jaccard similarity J). Each document's split (eval with probability
@@ -55,7 +63,9 @@ _TOKENIZER = flags.DEFINE_string("tokenizer", "byte", "'byte', a tokenizers JSON
 _FORMAT = flags.DEFINE_enum("format", "auto", prepare.FORMATS, "text: pretraining documents; sft: prompt/response "
                             "or chat JSONL, only responses trained; auto: sft when the first JSONL line has a "
                             "messages field or prompt and response fields, else text.")
-_PROMPT = flags.DEFINE_string("prompt_field", "prompt", "SFT: JSONL field holding the prompt.")
+_PROMPT = flags.DEFINE_string("prompt_field", "prompt", "SFT, preference: JSONL field holding the prompt.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 0, "Preference: the training data.seq_len; longer pairs are cut from the "
+                                "prompt's left or dropped (counted).")
 _RESPONSE = flags.DEFINE_string("response_field", "response", "SFT: JSONL field holding the response.")
 _MESSAGES = flags.DEFINE_string("messages_field", "messages", "SFT: JSONL field holding the chat messages.")
 _TEMPLATE = flags.DEFINE_string("chat_template", "", "SFT: a jinja chat template file (overrides the tokenizer's).")
@@ -88,7 +98,8 @@ def main(argv):
         field=_FIELD.value,
         seed=_SEED.value, eval_fraction=_EVAL.value, text_split=_SPLIT.value, shard_mib=_SHARD_MIB.value,
         workers=_WORKERS.value, overwrite=_OVERWRITE.value, progress=sys.stderr.isatty(), format=_FORMAT.value,
-        prompt_field=_PROMPT.value, response_field=_RESPONSE.value, messages_field=_MESSAGES.value,
+        seq_len=_SEQ_LEN.value, prompt_field=_PROMPT.value, response_field=_RESPONSE.value,
+        messages_field=_MESSAGES.value,
         chat_template=paths.resolve(_TEMPLATE.value) if _TEMPLATE.value else "",
         near_dup_threshold=_NEAR.value, near_dup_ngram=_NGRAM.value, near_dup_perm=_PERM.value,
         runner=_RUNNER.value, pipeline_options=tuple(argv[1:])))
@@ -99,7 +110,11 @@ def main(argv):
   print(f"{manifest['documents']:,} documents ({splits['train']['documents']:,} train, "
         f"{splits['eval']['documents']:,} eval), {manifest['tokens']:,} tokens, "
         + (f"{manifest['trained_tokens']:,} trained (SFT, {manifest['sft']['template'].replace('_', ' ')}), "
-           if manifest.get("loss_mask") else "")
+           if manifest.get("sft") else "")
+        + (f"{manifest['trained_tokens']:,} trained (preference pairs, "
+           f"{manifest['preference']['template'].replace('_', ' ')}; {manifest['preference']['truncated']:,} "
+           f"truncated, {manifest['preference']['dropped']:,} dropped at seq_len {manifest['preference']['seq_len']}), "
+           if manifest.get("preference") else "")
         + f"{manifest['duplicates_removed']:,} duplicates removed, "
         + (f"{manifest['near_duplicates_removed']:,} near duplicates removed, " if manifest["near_dup"] else "")
         + f"tokenizer {manifest['tokenizer']} "

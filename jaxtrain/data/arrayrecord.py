@@ -54,7 +54,7 @@ def provenance(c, step: int, doc_ids) -> dict:
     return {"source": "unknown"}
   ids = sorted({int(d) for d in np.unique(doc_ids) if d >= 0})
   root = data_root(c)
-  manifest = loader.load_manifest(root, verify_checksums=False)
+  manifest = loader.load_manifest(root, verify_checksums=False, formats=prepare.RECORD_FORMATS)  # (pairs: theirs)
   return {"data": root, "documents": ids, "shards": [loader.locate(manifest, "train", d) for d in ids]}
 
 

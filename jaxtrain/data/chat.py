@@ -209,14 +209,18 @@ class Encoder:
     if template is not None and not hasattr(tokenizer, "encode_with_offsets"):
       raise RecordError("chat templates need the byte tokenizer or a Hugging Face tokenizer (character offsets)")
 
-  def encode(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+  def encode(self, messages: list[dict], last_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``last_only``: only the last assistant message (and its end-of-turn token) is trained (a preference
+    pair's response: the turns before it are its prompt)."""
     if self.template is None:
-      return self._plain(messages)
+      return self._plain(messages, last_only)
     text, generation = self.template.render(messages)
     ids, offsets = self.tokenizer.encode_with_offsets(text)
     if self.template.tracks_generation:
-      return ids, _overlapping(offsets, generation).astype(np.uint8)
+      return ids, _overlapping(offsets, generation[-1:] if last_only else generation).astype(np.uint8)
     spans = _content_spans(text, messages)
+    if last_only:
+      spans = spans[-1:]
     trained = _overlapping(offsets, spans)
     special = self.tokenizer.special_ids
     for _, end in spans:  # the end-of-turn token after each assistant content
@@ -227,17 +231,18 @@ class Encoder:
         trained[first:j + 1] = True
     return ids, trained.astype(np.uint8)
 
-  def _plain(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+  def _plain(self, messages: list[dict], last_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
     tok, special = self.tokenizer, self.tokenizer.special_tokens
     bos = self._special_id(special.get("bos_token"))
     eos = self._special_id(special.get("eos_token"))
     ids, trained = [np.asarray(bos, np.int32)], [np.zeros(len(bos), np.uint8)]
-    for m in messages:
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    for i, m in enumerate(messages):
       piece = tok.encode(m["content"])
       if m["role"] == "assistant":
         piece = np.concatenate([piece, np.asarray(eos, np.int32)])
       ids.append(piece.astype(np.int32))
-      trained.append(np.full(piece.size, m["role"] == "assistant", np.uint8))
+      trained.append(np.full(piece.size, m["role"] == "assistant" and (i == last or not last_only), np.uint8))
     return np.concatenate(ids), np.concatenate(trained)
 
   def _special_id(self, text: str | None) -> list[int]:

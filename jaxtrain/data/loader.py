@@ -30,8 +30,9 @@ from jaxtrain.data import tokenizers
 from jaxtrain.errors import DataError
 
 
-def load_manifest(path: str, verify_checksums: bool = True) -> dict:
-  """Reads ``path/manifest.json`` and checks that every shard is there, whole and (optionally) intact."""
+def load_manifest(path: str, verify_checksums: bool = True, formats: tuple[str, ...] | None = None) -> dict:
+  """Reads ``path/manifest.json`` and checks that every shard is there, whole and (optionally) intact.
+  ``formats``: the record formats the reader takes (default: token documents and SFT examples)."""
   root = epath.Path(path)
   if not root.exists():
     raise DataError(path, "no such data folder", "run tools/prepare_data.py --output=" + path + " first")
@@ -41,10 +42,18 @@ def load_manifest(path: str, verify_checksums: bool = True) -> dict:
                     "tools/prepare_data.py")
   try:
     manifest = json.loads(manifest_path.read_text())
-    assert manifest["format"] in (prepare.FORMAT, prepare.FORMAT_SFT) and isinstance(manifest["shards"], list)
+    assert manifest["format"] in prepare.RECORD_FORMATS
+    assert isinstance(manifest["shards"], list)
   except Exception:
     raise DataError(os.fspath(manifest_path), "not a jaxtrain manifest (unreadable or wrong format)",
                     "re-run tools/prepare_data.py") from None
+  formats = formats or (prepare.FORMAT, prepare.FORMAT_SFT)
+  if manifest["format"] not in formats:
+    if manifest["format"] == prepare.FORMAT_PREFERENCE:
+      raise DataError(path, "holds preference pairs (tools/prepare_data.py --format=preference), which train.objective"
+                      "=lm does not read", "train it with train.objective=dpo, simpo or orpo")
+    raise DataError(path, f"holds no preference pairs (its records are {manifest['format']})",
+                    "prepare chosen/rejected pairs with tools/prepare_data.py --format=preference")
   for shard in manifest["shards"]:
     f = root / shard["file"]
     if not f.exists():

@@ -34,6 +34,7 @@ from jaxtrain import metrics as metrics_lib
 from jaxtrain import monitor
 from jaxtrain import workdir as workdir_lib
 from jaxtrain.train import hooks as hooks_lib
+from jaxtrain.train import objectives
 from jaxtrain.train import state as state_lib
 from jaxtrain.train import step as step_lib
 from jaxtrain.train.preemption import PreemptionGuard
@@ -209,6 +210,7 @@ class Loop:
     c = self.config = run.config
     self.plan, self.data, self.checkpointer = run, data, checkpointer  # plan: the trainer's Run
     self.step_fn, self.summarize, self.hooks = step_fn, summarize, list(hooks)
+    self.objective = objectives.of(c)  # (its batch layout: to_global)
     self.state, self.counts = state, LoopState.from_meta(meta, int(state.step))
     self.last_step = c.train.steps
     self.nonfinite = NonFiniteSteps(c.monitor.nan_policy, c.monitor.max_consecutive_nonfinite, c.train.steps)
@@ -291,7 +293,7 @@ class Loop:
     """Next batch -> the step, its hooks and (before a save) its fingerprints, all dispatched, none waited for."""
     t = time.perf_counter()
     local = next(self.data)
-    batch = data_lib.to_global(local, self.plan.batch_sharding, self.config)  # token ids checked first
+    batch = self.objective.to_global(self.plan, local)  # token ids checked first
     waited = time.perf_counter() - t
     self.interval.data_wait += waited
     self.spent["data_wait"] += waited

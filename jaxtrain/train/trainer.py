@@ -47,6 +47,7 @@ def compile_step(run: Run, train_step=None, extra: tuple = ()):
   takes besides (a frozen reference model's params), never donated."""
   objective = objectives.of(run.config)
   train_step = train_step or objective.make_train_step(run)
+  extra = extra or objective.abstract_extra(run)
   batch = objective.abstract_batch(run)
   replicated = NamedSharding(run.mesh, P())
   shardings_of = lambda tree: jax.tree.map(lambda a: a.sharding, tree)  # noqa: E731

@@ -17,8 +17,9 @@ import uuid
 from etils import epath
 
 from jaxtrain.data.prepare import local
-from jaxtrain.data.prepare.algorithm import (FORMAT, FORMAT_SFT, FORMATS, MANIFEST, TEXT_SPLITS,  # noqa: F401
-                                             Options, encoder, finalize, make_plan)
+from jaxtrain.data.prepare.algorithm import (FORMAT, FORMAT_PREFERENCE, FORMAT_SFT, FORMATS,  # noqa: F401
+                                             MANIFEST, RECORD_FORMATS, TEXT_SPLITS, Options, encoder, finalize,
+                                             make_plan)
 from jaxtrain.errors import DataError
 
 BUNDLED = epath.Path(__file__).parent.parent / "corpus" / "tinyshakespeare.txt"

@@ -28,6 +28,13 @@ prediction is trained; 0: prompt, system, template), n x (itemsize + 1) bytes. T
 ``trained_tokens`` (in total, per split and per shard) and ``sft`` (``template``: ``"chat_template"`` or
 ``"plain"``, the template's SHA-256, the field names). Exact duplicates are found on the record's messages.
 
+Preference data (``--format=preference``, or auto-detected: JSONL records with ``chosen`` and ``rejected``, see
+:mod:`jaxtrain.data.pairs`; manifest ``format: "jaxtrain.preference.v1"`` and ``loss_mask: true``): each record is
+one pair, both sides' token ids then one uint8 flag per token (trained, which side, truncated), laid out as SFT
+records; pairs longer than ``seq_len + 1`` tokens are cut from the prompt's left or dropped, counted in the
+manifest's ``preference`` (``seq_len``, ``truncated``, ``dropped``, the template). Exact duplicates are found on
+the pair's messages.
+
 ``manifest.json`` lists per split the shards with their document and token counts, bytes and SHA-256, and the
 exact and near duplicates removed.
 """
@@ -53,12 +60,15 @@ from etils import epath
 
 import jaxtrain
 from jaxtrain.errors import DataError
-from jaxtrain.data import chat, dedup, tokenizers
+from jaxtrain.data import chat, dedup, pairs, tokenizers
 
 MANIFEST = "manifest.json"
 FORMAT = "jaxtrain.tokens.v1"  # records: token ids
 FORMAT_SFT = "jaxtrain.sft.v1"  # records: token ids, then one uint8 trained flag per token
-FORMATS = ("auto", "text", "sft")
+FORMAT_PREFERENCE = "jaxtrain.preference.v1"  # records: a pair's token ids, then one uint8 flag per token
+FORMATS = ("auto", "text", "sft", "preference")
+MASKED = ("sft", "preference")  # formats whose records carry per-token flags
+RECORD_FORMATS = (FORMAT, FORMAT_SFT, FORMAT_PREFERENCE)
 TEXT_SPLITS = ("paragraph", "file")
 _SUFFIXES = (".txt", ".text", ".md", ".jsonl", ".json", ".parquet")
 
@@ -76,7 +86,8 @@ class Options:
   workers: int = 0
   overwrite: bool = False
   progress: bool = True
-  format: str = "auto"  # auto | text | sft (auto: sft when the first JSONL record is a chat or a pair)
+  format: str = "auto"  # auto | text | sft | preference (auto: from the first JSONL record's fields)
+  seq_len: int = 0  # preference: the training data.seq_len (longer pairs are truncated or dropped)
   prompt_field: str = "prompt"
   response_field: str = "response"
   messages_field: str = "messages"
@@ -210,11 +221,27 @@ def read_sft_records(path: str, fields: chat.Fields) -> Iterator[tuple[int, list
                       f"'{fields.response}', or '{fields.messages}'; see --help)") from None
 
 
+def read_pair_records(path: str, fields: chat.Fields) -> Iterator[tuple[int, tuple[list[dict], list[dict]]]]:
+  """(line number, (chosen messages, rejected messages)) of every record of one preference JSONL file, streaming."""
+  if not path.endswith((".jsonl", ".json")):
+    raise DataError(path, "preference input must be JSONL (one chosen/rejected pair per line)",
+                    "convert it to .jsonl")
+  for i, obj in _json_lines(path):
+    try:
+      yield i, pairs.parse(obj, fields)
+    except chat.RecordError as e:
+      raise DataError(f"{path}:{i}", str(e), "fix or remove the line (fields: 'prompt' + 'chosen' + 'rejected' "
+                      "strings, or 'chosen' and 'rejected' chats; see jaxtrain/data/pairs.py)") from None
+
+
 def detect_format(files: list[str], fields: chat.Fields) -> str:
-  """'sft' when the first record of the first JSONL input is a chat or a prompt/response pair, else 'text'."""
+  """'preference' when the first record of the first JSONL input has 'chosen' and 'rejected', 'sft' when it is a
+  chat or a prompt/response pair, else 'text'."""
   for path in files:
     if path.endswith((".jsonl", ".json")):
       for _, obj in _json_lines(path):
+        if pairs.is_pair_object(obj):
+          return "preference"
         return "sft" if chat.is_sft_object(obj, fields) else "text"
   return "text"
 
@@ -235,9 +262,17 @@ def encoder(tokenizer_spec: str, template_file: str) -> chat.Encoder:
 
 
 def _documents(path: str, opts: Options) -> Iterator[tuple[bytes, np.ndarray, "np.ndarray | None", str]]:
-  """(digest, token ids, trained flags (SFT) or None, text for near-duplicate search) of each document of one
-  input file, streaming."""
-  if opts.format == "sft":
+  """(digest, token ids, trained flags (SFT, preference) or None, text for near-duplicate search) of each document
+  of one input file, streaming."""
+  if opts.format == "preference":
+    enc = encoder(opts.tokenizer, opts.chat_template)
+    for line, (chosen, rejected) in read_pair_records(path, opts.fields):
+      try:
+        tokens, flags = pairs.encode(enc, chosen, rejected, opts.seq_len)
+      except chat.RecordError as e:
+        raise DataError(f"{path}:{line}", str(e), "fix or remove the line") from None
+      yield pairs.digest(chosen, rejected), tokens, flags, pairs.text(chosen, rejected)
+  elif opts.format == "sft":
     enc = encoder(opts.tokenizer, opts.chat_template)
     for line, messages in read_sft_records(path, opts.fields):
       try:
@@ -297,8 +332,11 @@ def make_plan(opts: Options) -> Plan:
   tokenizer = tokenizers.load(opts.tokenizer)
   if opts.format == "auto":
     opts = dataclasses.replace(opts, format=detect_format(files, opts.fields))
-  if opts.format == "sft":
+  if opts.format in MASKED:
     encoder(opts.tokenizer, opts.chat_template)  # a bad template fails here, once
+  if opts.format == "preference" and opts.seq_len <= 0:
+    raise DataError("--seq_len", "is required with --format=preference (pairs longer than a training row are "
+                    "truncated or dropped here)", "pass the data.seq_len you will train with, e.g. --seq_len=1024")
   size = 0
   for f in files:
     try:
@@ -347,7 +385,7 @@ def scatter(plan: Plan, index: int) -> Iterator[tuple]:
       record = tokens.astype(plan.dtype).tobytes()
       if trained is not None:
         record += trained.astype(np.uint8).tobytes()
-      header = _HEADER.pack(key, digest, tokens.size, 0 if trained is None else int(trained.sum()))
+      header = _HEADER.pack(key, digest, tokens.size, 0 if trained is None else int((trained & 1).sum()))
       buffers[(split, bucket)].append(_LENGTH.pack(len(header) + len(record)) + header + record)
       size += len(record)
       if opts.near_dup_threshold:
@@ -391,7 +429,13 @@ def gather(plan: Plan, split: str, bucket: int, parts, dropped) -> dict:
     previous = r[1]
   entry = {"split": split, "bucket": bucket, "file": None, "documents": len(kept),
            "tokens": sum(r[2] for r in kept), "duplicates": duplicates, "near_duplicates": near}
-  if plan.opts.format == "sft":
+  if plan.opts.format == "preference":  # dropped pairs leave here, counted with the truncated ones
+    flag = lambda r: r[4][r[2] * np.dtype(plan.dtype).itemsize]  # noqa: E731 - a record's first flag
+    entry["truncated"] = sum(1 for r in kept if flag(r) & pairs.TRUNCATED)
+    entry["dropped"] = sum(1 for r in kept if flag(r) & pairs.DROPPED)
+    kept = [r for r in kept if not flag(r) & pairs.DROPPED]
+    entry["documents"], entry["tokens"] = len(kept), sum(r[2] for r in kept)
+  if plan.opts.format in MASKED:
     entry["trained_tokens"] = sum(r[3] for r in kept)
   if kept:
     entry = _write_shard(epath.Path(plan.work) / f"{split}-b{bucket:05d}.array_record", [r[4] for r in kept], entry)
@@ -417,7 +461,7 @@ def _hold_out_one(plan: Plan, entries: list[dict]) -> list[dict]:
   if sum(e["documents"] for e in train) < 2:
     return entries
   from array_record.python.array_record_module import ArrayRecordReader
-  first, work, sft = train[0], epath.Path(plan.work), plan.opts.format == "sft"
+  first, work, sft = train[0], epath.Path(plan.work), plan.opts.format in MASKED
   reader = ArrayRecordReader(os.fspath(work / first["file"]))
   records = reader.read_all()
   reader.close()
@@ -427,7 +471,7 @@ def _hold_out_one(plan: Plan, entries: list[dict]) -> list[dict]:
   def counts(rs):
     out = {"documents": len(rs), "tokens": sum(len(r) // width for r in rs)}
     if sft:
-      out["trained_tokens"] = sum(sum(r[-(len(r) // width):]) for r in rs)
+      out["trained_tokens"] = sum(sum(b & 1 for b in r[-(len(r) // width):]) for r in rs)
     return out
 
   rest = {**first, **counts(records[1:])}  # keeps the bucket's duplicate counts, even when it is left empty
@@ -441,7 +485,7 @@ def finalize(plan: Plan, entries: list[dict]) -> dict:
   """Numbers the shards (``train-00000-of-00003.array_record``, in key order), writes the manifest last and
   returns it. Raises DataError when nothing is left to train on."""
   entries = _hold_out_one(plan, entries)
-  opts, sft = plan.opts, plan.opts.format == "sft"
+  opts, sft = plan.opts, plan.opts.format in MASKED
   work, count = epath.Path(plan.work), ("documents", "tokens") + (("trained_tokens",) if sft else ())
   splits, shards = {}, []
   for split in ("eval", "train"):
@@ -458,7 +502,8 @@ def finalize(plan: Plan, entries: list[dict]) -> dict:
     raise DataError(", ".join(opts.inputs), "no record has a trained token", "check the chat template")
   tokenizer = tokenizers.load(opts.tokenizer)
   manifest = {
-      "format": FORMAT_SFT if sft else FORMAT, "jaxtrain_version": jaxtrain.__version__, **totals,
+      "format": {"sft": FORMAT_SFT, "preference": FORMAT_PREFERENCE}.get(opts.format, FORMAT),
+      "jaxtrain_version": jaxtrain.__version__, **totals,
       "duplicates_removed": sum(e["duplicates"] for e in entries),
       "near_duplicates_removed": sum(e["near_duplicates"] for e in entries),
       "near_dup": {"threshold": opts.near_dup_threshold, "ngram": opts.near_dup_ngram,
@@ -467,7 +512,14 @@ def finalize(plan: Plan, entries: list[dict]) -> dict:
       "eval_fraction": opts.eval_fraction, "inputs": [os.path.basename(f) for f in plan.files],
       "splits": splits, "shards": shards,
   }
-  if sft:
+  if opts.format == "preference":
+    template = encoder(opts.tokenizer, opts.chat_template).template
+    manifest.update(loss_mask=True, preference={
+        "seq_len": opts.seq_len, "truncated": sum(e.get("truncated", 0) for e in entries),
+        "dropped": sum(e.get("dropped", 0) for e in entries),
+        "template": "plain" if template is None else "chat_template",
+        "chat_template_sha256": None if template is None else template.sha256, "prompt_field": opts.prompt_field})
+  elif sft:
     template = encoder(opts.tokenizer, opts.chat_template).template
     manifest.update(loss_mask=True, sft={
         "template": "plain" if template is None else "chat_template",

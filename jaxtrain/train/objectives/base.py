@@ -52,9 +52,19 @@ class Objective:
     :class:`jaxtrain.checkpoint.DataPosition` so that checkpoints hold its position."""
     return data_lib.open_train(config)
 
+  def to_global(self, run, local_batch: dict) -> dict:
+    """This process's numpy batch from :meth:`open_train` -> the step's global arrays (laid out as
+    :meth:`abstract_batch`), its token ids checked first (:func:`jaxtrain.data.to_global`)."""
+    return data_lib.to_global(local_batch, run.batch_sharding, run.config)
+
   def make_train_step(self, run) -> Callable:
     """``(state, batch, skip) -> (state, metrics)``, traced and compiled by the trainer (one program)."""
     raise NotImplementedError
+
+  def abstract_extra(self, run) -> tuple:
+    """The shapes (with shardings) of what its step takes besides ``(state, batch, skip)`` (a frozen reference's
+    params), for compiling without them (the dry run)."""
+    return ()
 
   def step_fn(self, run, compile_step: Callable) -> Callable:
     """What the loop calls each step, ``(state, batch, skip) -> (state, metrics)`` (metrics: device values the loop
