@@ -160,6 +160,7 @@ def unknown_key_error(key: str, cfg: ml_collections.ConfigDict) -> ConfigError:
 def validate_values(cfg: ml_collections.ConfigDict) -> None:
   """Checks that need no devices: each component's ``validate`` (its keys' ranges, choices and relations), then
   the core's."""
+  objectives.check_loss_scaling(cfg)
   for module in [module for _, module in COMPONENTS] + list(CROSS_CHECKS):
     module.validate(cfg)
   check_positive(cfg, ["train.steps", "train.global_batch_size", "train.log_every"])

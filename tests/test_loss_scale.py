@@ -133,10 +133,13 @@ def test_float16_gradients_underflow_without_a_scale():
   assert error[1.0] > 3 * error[2.0 ** 15], error
 
 
-def test_float16_on_a_tpu_and_a_bad_loss_scale_are_one_line_exit_2(tmp_path):
+def test_float16_on_a_tpu_a_bad_loss_scale_and_scaling_another_objective_are_one_line_exit_2(tmp_path):
   config = config_lib.load_file("configs/tiny.py", ["model.dtype=float16", "dry_run_topology=v5e:2x2"])
   with pytest.raises(ConfigError, match="model.dtype: float16 is not a TPU compute type .* set model.dtype=bfloat16"):
     config_lib.validate_values(config)  # (before the topology's own checks: on this host, libtpu may be missing)
+  config = config_lib.load_file("configs/tiny.py", ["train.objective=dpo", "optim.loss_scale=dynamic"])
+  with pytest.raises(ConfigError, match="optim.loss_scale: train.objective=dpo does not scale its loss"):
+    config_lib.validate_values(config)
   r = forked.run(["-m", "jaxtrain.main", "--config=configs/tiny.py", "--config.model.dtype=float16",
                   "--config.optim.loss_scale=often", f"--config.workdir={tmp_path / 'run'}"])
   errors = [line for line in r.stderr.splitlines() if line.startswith("jaxtrain: error:")]

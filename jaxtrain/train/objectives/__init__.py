@@ -6,4 +6,4 @@ verifiable rewards, :mod:`.grpo`; its rewards: :mod:`.rewards`).
 """
 
 from jaxtrain.train.objectives import grpo, lm, preference  # noqa: F401 - built-in objectives register on import
-from jaxtrain.train.objectives.base import OBJECTIVES, Objective, of, validate  # noqa: F401 - the API
+from jaxtrain.train.objectives.base import OBJECTIVES, Objective, check_loss_scaling, of, validate  # noqa: F401 - API

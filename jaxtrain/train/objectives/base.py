@@ -84,8 +84,12 @@ def of(config: ml_collections.ConfigDict) -> Objective:
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """``train.objective`` is registered, and the objective's own checks pass."""
-  objective = of(config)
-  if str(config.optim.loss_scale).lower() != "none" and not objective.loss_scaling:
+  of(config).validate(config)
+
+
+def check_loss_scaling(config: ml_collections.ConfigDict) -> None:
+  """``optim.loss_scale`` only for an objective whose step scales its loss (checked before the objectives' own
+  groups, whose checks would otherwise name a lesser problem first)."""
+  if str(config.optim.loss_scale).lower() != "none" and not of(config).loss_scaling:
     raise ConfigError("optim.loss_scale", f"train.objective={config.train.objective} does not scale its loss",
                       "set optim.loss_scale=none and model.dtype=bfloat16 (or float32)")
-  objective.validate(config)
