@@ -59,7 +59,7 @@ TRAIN_SFT = "--config.data.path=data/chats"
 GENERATE = "--checkpoint=runs/tiny"
 HF_IMPORT = "import --hf=hf/my-llama"
 HF_PREPARE = "--tokenizer=imported/my-llama/hf"
-HF_TRAIN = "--config.model.lora.rank=8"
+HF_TRAIN = "--config.data.path=data/llama_chats --config.model.lora.rank=8"
 # docs/recipes/lora_tpu_pod.md's rehearsal of a pod run
 HF_REHEARSAL = "--config=imported/my-llama/config.py --config.data.path=data/llama_chats --config.model.lora.rank=16"
 ATTENTION_AUTO = "--config.data.seq_len=4096 --config.dry_run=true 2>&1 | grep model.attention=auto"
