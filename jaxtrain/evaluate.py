@@ -124,7 +124,11 @@ def main(argv: list[str]) -> None:
   FLAGS = flags.FLAGS
   from lm_eval.utils import handle_non_serializable, make_table
   try:
-    manager = harness.task_manager([paths.resolve(p) for p in FLAGS.include_path])
+    # The cheap checks first (the checkpoint is there and carries a tokenizer), then the tasks, then the params.
+    step_dir, saved = generate.find(FLAGS.checkpoint, FLAGS.step)
+    harness.text_of(generate.run_config(saved, FLAGS.set), saved, step_dir,
+                    paths.resolve(FLAGS.tokenizer) if FLAGS.tokenizer else "")
+    manager = harness.task_manager([paths.resolve(p) for p in FLAGS.include_path], [FLAGS.tasks])
     harness.check_tasks([FLAGS.tasks], manager)
     t = time.perf_counter()
     lm = CheckpointLM(FLAGS.checkpoint, FLAGS.step, FLAGS.set, FLAGS.tokenizer, FLAGS.batch_size,

@@ -275,19 +275,31 @@ class JaxtrainLM(TemplateLM):
 # ---------------------------------------------------------------------------------------------------------------
 # The harness's evaluator.
 
-def task_manager(include_path: str | Sequence[str] | None = None):
-  """The harness's TaskManager: its own tasks and those of ``include_path`` (folders of task YAMLs)."""
+def task_manager(include_path: str | Sequence[str] | None = None, tasks: Sequence[str] = ()):
+  """The harness's TaskManager with the tasks of ``include_path`` (folders of task YAMLs): those alone when they
+  hold every one of ``tasks`` (indexing the harness's own thousands of tasks takes seconds), else the harness's
+  too."""
   from lm_eval.tasks import TaskManager
   paths = [include_path] if isinstance(include_path, str) else list(include_path or ())
   for p in paths:
     if not os.path.isdir(p):
       raise HarnessError(p, "is not a folder of task YAMLs", "pass --include_path=a folder that holds them")
+  names = task_names(tasks)
+  if paths and names:
+    local = TaskManager(include_path=paths, include_defaults=False)
+    if set(names) <= set(local.all_tasks):
+      return local
   return TaskManager(include_path=paths or None)
+
+
+def task_names(tasks: Sequence[str]) -> list[str]:
+  """Task names from names or comma-separated lists of them."""
+  return [t.strip() for item in tasks for t in item.split(",") if t.strip()]
 
 
 def check_tasks(tasks: Sequence[str], manager) -> list[str]:
   """``tasks`` (names, or comma-separated names) that the harness knows; HarnessError naming the first it does not."""
-  names = [t.strip() for item in tasks for t in item.split(",") if t.strip()]
+  names = task_names(tasks)
   if not names:
     raise HarnessError("--tasks", "no task given", "pass e.g. --tasks=hellaswag,arc_easy")
   known = set(manager.all_tasks)
@@ -304,7 +316,7 @@ def evaluate(lm: JaxtrainLM, tasks: Sequence[str], *, include_path=None, num_few
   """The harness's ``simple_evaluate`` of ``tasks`` on ``lm``: its results dict (the JSON it writes). A task whose
   data cannot be had (the hub offline, a missing file) is a HarnessError."""
   from lm_eval import evaluator
-  manager = manager or task_manager(include_path)
+  manager = manager or task_manager(include_path, tasks)
   names = check_tasks(tasks, manager)
   std_logging.getLogger("lm_eval").setLevel(std_logging.WARNING if jax.process_index() else std_logging.INFO)
   try:
