@@ -200,3 +200,104 @@ def test_bad_input_gives_one_line_and_exit_2(case, llama, no_tokenizer, tasks, t
   assert {"unknown_task": "jt_mcq: is not a task", "no_tokenizer": "carries no tokenizer",
           "hub_task_offline": "arc_easy: its data cannot be loaded", "not_a_checkpoint": "does not exist"}[case] in lines[0]
   assert not out.exists()
+
+
+# (e) Inside a run: eval.harness_tasks ------------------------------------------------------------------------------
+
+
+def _run_args(tasks, workdir, steps=6):
+  return ["--config=configs/tiny.py", f"--config.workdir={workdir}", "--config.data.seq_len=64",
+          "--config.model.num_layers=2", "--config.model.d_model=64", "--config.model.num_heads=4",
+          "--config.model.num_kv_heads=2", "--config.model.head_dim=16", "--config.model.mlp_dim=128",
+          f"--config.train.steps={steps}", "--config.train.global_batch_size=8", "--config.train.log_every=1",
+          "--config.optim.warmup_steps=1", "--config.checkpoint.every_steps=2",
+          "--config.eval.harness_tasks=('jt_mc','jt_ppl')", "--config.eval.harness_every=2",
+          "--config.eval.harness_limit=4", f"--config.eval.harness_include_path={tasks}"]
+
+
+def _scores(workdir: pathlib.Path) -> dict[int, dict[str, float]]:
+  """step -> its harness/... metrics (the last written, after a resume)."""
+  out = {}
+  for line in (workdir / "metrics.jsonl").read_text().splitlines():
+    r = json.loads(line)
+    scores = {k: v for k, v in r.items() if k.startswith("harness/")}
+    if scores:
+      out[r["step"]] = scores
+  return out
+
+
+@pytest.fixture(scope="module")
+def harness_run(tasks, tmp_path_factory):
+  """The tiny config (2 layers, byte-level, 6 steps) with the multiple-choice and perplexity tasks every 2 steps
+  (4 documents each), uninterrupted, one process of 8 devices."""
+  workdir = tmp_path_factory.mktemp("harness_run") / "run"
+  result = forked.run(["-m", "jaxtrain.main", *_run_args(tasks, workdir)], timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return workdir
+
+
+@pytest.mark.slow
+def test_a_run_logs_harness_scores_at_its_steps(harness_run):
+  """harness/<task>/<metric> at steps 2, 4 and 6, counted as eval in goodput; the scores at step 6 are those of
+  jaxtrain.evaluate on the step-6 checkpoint (the live params are the saved ones)."""
+  import jaxtrain.evaluate as evaluate_lib
+  scores = _scores(harness_run)
+  assert sorted(scores) == [2, 4, 6]
+  assert {"harness/jt_mc/acc", "harness/jt_mc/acc_norm", "harness/jt_ppl/word_perplexity",
+          "harness/jt_ppl/bits_per_byte"} <= set(scores[6])
+  assert scores[2] != scores[6]  # the model trained in between
+  goodput = json.loads((harness_run / "goodput.json").read_text())
+  assert goodput["seconds"]["eval"] > 1.0
+  lm = evaluate_lib.CheckpointLM(str(harness_run), step=6, batch_size=8, max_length=64)
+  tasks_dir = pathlib.Path(json.loads((harness_run / "config.json").read_text())["eval"]["harness_include_path"])
+  offline = harness.metrics(harness.evaluate(lm, ["jt_mc", "jt_ppl"], include_path=str(tasks_dir), limit=4,
+                                             bootstrap_iters=0))
+  for key, value in scores[6].items():
+    assert offline[key] == pytest.approx(value, rel=1e-4), key
+
+
+@pytest.mark.slow
+def test_harness_scores_resume_exactly_after_a_sigkill(harness_run, tasks, tmp_path):
+  """SIGKILLed as it saves step 4 and resumed from step 2: the harness's scores at steps 2, 4 and 6 are those of
+  the uninterrupted run, bitwise."""
+  from tests import multiprocess
+  import signal
+  args = _run_args(tasks, tmp_path / "run")
+  code = multiprocess.main_killed_at_save(4, args, tmp_path / "killed.log", timeout=600)
+  assert code == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
+  result = forked.run(["-m", "jaxtrain.main", *args], timeout=600)
+  assert result.returncode == 0 and "resumed from checkpoint step 2" in result.stderr, result.stderr[-3000:]
+  assert _scores(tmp_path / "run") == _scores(harness_run)
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_scores_of_one(harness_run, tasks, tmp_path):
+  """The same run as 2 processes of 4 devices (every process runs the harness, process 0 writes): the same
+  accuracies, the perplexities within 1e-4."""
+  from tests import multiprocess
+  procs = multiprocess.start_main(_run_args(tasks, tmp_path / "run"), num_processes=2, local_devices=4)
+  codes = multiprocess.wait_all(procs, timeout=600)
+  assert codes == [0, 0], [p.err_path.read_text()[-2000:] for p in procs]
+  two, one = _scores(tmp_path / "run"), _scores(harness_run)
+  assert sorted(two) == sorted(one) == [2, 4, 6]
+  for step in one:
+    for key, value in one[step].items():
+      assert two[step][key] == pytest.approx(value, rel=1e-4), (step, key)
+    assert {k: v for k, v in two[step].items() if "/acc" in k} == {k: v for k, v in one[step].items() if "/acc" in k}
+
+
+@pytest.mark.parametrize("override, problem", [
+    (dict(harness_tasks=("jt_mc", "")), "eval.harness_tasks: ('jt_mc', '') is not a tuple of task names"),
+    (dict(harness_tasks=("jt_mc",)), "eval.harness_every: is 0 while eval.harness_tasks is set"),
+    (dict(harness_tasks=("jt_mc",), harness_every=2, harness_limit=-1), "are not all >= 0"),
+    (dict(harness_tasks=("jt_mc",), harness_every=2, harness_include_path="/nonexistent"), "is not a folder"),
+])
+def test_bad_harness_keys_are_one_line(override, problem):
+  """The eval.harness_* keys are checked with the config, before anything starts (the task names when the run
+  starts: the harness knows them)."""
+  from jaxtrain import config as config_lib
+  c = config_lib.base_config()
+  c.eval.update(**override)
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate_values(c)
+  assert problem in str(e.value)
