@@ -7,7 +7,8 @@ and :func:`jaxtrain.train.losses.cross_entropy` (float32 from logits in the comp
 number the training loss would give the same tokens.
 
 Shapes: ``rows`` rows (a multiple of the batch shards) of one of a few lengths (:func:`buckets`: powers of two up
-to ``max_length``, which is always one). A request goes into the shortest bucket that holds it, right-padded
+to ``max_length`` and the midpoints between them;
+``max_length`` is always one). A request goes into the shortest bucket that holds it, right-padded
 (segment 0: attended by nothing, scored by nothing); each bucket's program is compiled on its first use (AOT: a
 call of another shape would be an error, never a silent recompile), so a whole evaluation compiles at most
 ``len(buckets)`` programs, however many requests it has. The results come back replicated (every process has
@@ -30,10 +31,11 @@ from jaxtrain.train import losses as losses_lib
 
 
 def buckets(max_length: int, smallest: int = 64) -> tuple[int, ...]:
-  """The row lengths: powers of two from ``smallest`` below ``max_length``, then ``max_length``."""
+  """The row lengths: powers of two from ``smallest`` and the midpoints between them (64, 96, 128, 192, ...: a row
+  is at most a third padding), below ``max_length``, then ``max_length``."""
   out, n = [], smallest
   while n < max_length:
-    out.append(n)
+    out += [n] + ([n * 3 // 2] if n * 3 // 2 < max_length and n >= 32 else [])
     n *= 2
   return tuple(out) + (max_length,)
 
