@@ -99,6 +99,14 @@ def test_scores_equal_the_harness_hf_model(family, tasks, tmp_path):
                                                                   rel=1e-4)
 
 
+def test_the_harness_finds_the_jaxtrain_model():
+  """``import jaxtrain.evaluate`` registers the harness model ``jaxtrain`` (what ``simple_evaluate(model="jaxtrain",
+  model_args="checkpoint=...")`` builds)."""
+  import jaxtrain.evaluate as evaluate_lib
+  from lm_eval.api.registry import get_model
+  assert get_model("jaxtrain") is evaluate_lib.CheckpointLM
+
+
 # (b) Rolling log-likelihoods are the eval loss ---------------------------------------------------------------------
 
 
