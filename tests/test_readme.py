@@ -381,7 +381,7 @@ def test_local_launcher_starts_a_run_stopped_by_sigterm_again_and_it_resumes(use
       "goodput/); pass the workdir of a run\n", r.stderr
 
 
-OFFLINE = "HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 "  # the docs' tasks are local: nothing may come from the hub
+OFFLINE = "export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1; "  # the docs' tasks are local: nothing may come from the hub
 
 
 def test_evaluation_commands(user):

@@ -165,9 +165,10 @@ class Harness(Hook):
     self.manager = harness.task_manager(e.harness_include_path or None, e.harness_tasks)
     self.tasks = harness.check_tasks(e.harness_tasks, self.manager)
     self.limit, self.fewshot = e.harness_limit or None, None if e.harness_num_fewshot < 0 else e.harness_num_fewshot
-    self.lm = harness.JaxtrainLM(run.model, run.mesh, run.rules, run.state_shardings.params,
-                                 harness.text_of(run.config), batch_size=run.config.train.global_batch_size,
-                                 max_length=run.config.data.seq_len)
+    c = run.config  # rows of one training microbatch: the logits of a program are at most a training step's
+    self.lm = harness.JaxtrainLM(run.model, run.mesh, run.rules, run.state_shardings.params, harness.text_of(c),
+                                 batch_size=c.train.global_batch_size // max(1, c.train.microbatches),
+                                 max_length=c.data.seq_len)
     self.pending: dict[int, dict[str, float]] = {}
 
   def dispatched(self, loop, step: int) -> None:
