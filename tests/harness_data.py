@@ -25,8 +25,7 @@ MC = [
     {"question": "What runs past the mill?", "choices": [" the river", " the children", " the cat"], "answer": 0},
 ]
 
-GEN = [{"prompt": f"{s.split(' ', 4)[:4] and ' '.join(s.split()[:4])}", "target": " " + " ".join(s.split()[4:7])}
-       for s in SENTENCES[:6]]
+GEN = [{"prompt": " ".join(s.split()[:4]), "target": " " + " ".join(s.split()[4:7])} for s in SENTENCES[:6]]
 
 PPL = [{"text": s + "."} for s in SENTENCES[:5]]
 

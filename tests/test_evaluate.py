@@ -205,8 +205,9 @@ def test_bad_input_gives_one_line_and_exit_2(case, llama, no_tokenizer, tasks, t
   assert result.returncode == 2, result.stderr[-3000:]
   assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
   print(case, "->", lines[0])
-  assert {"unknown_task": "jt_mcq: is not a task", "no_tokenizer": "carries no tokenizer",
-          "hub_task_offline": "arc_easy: its data cannot be loaded", "not_a_checkpoint": "does not exist"}[case] in lines[0]
+  expected = {"unknown_task": "jt_mcq: is not a task", "no_tokenizer": "carries no tokenizer",
+              "hub_task_offline": "arc_easy: its data cannot be loaded", "not_a_checkpoint": "does not exist"}
+  assert expected[case] in lines[0]
   assert not out.exists()
 
 

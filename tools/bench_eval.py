@@ -9,8 +9,9 @@ A random Llama (transformers) with a small byte-level BPE tokenizer is saved as 
 tokenizer's corpus, 3 continuations per context, as a multiple-choice task asks) go to both models'
 ``loglikelihood`` (the harness's tokenization, batching and scoring; float32 both). Each is warmed up once on
 all the requests (jaxtrain compiles its row lengths there: reported as ``compile_s``), then timed ``--reps`` times
-(median), the two models' passes in turn. Also checked: the two models' log-likelihoods agree (``max_abs_diff``). The devices are 8 simulated CPU
-devices unless XLA_FLAGS says otherwise (``--xla_force_host_platform_device_count=1``: the CPU as one device).
+(median), the two models' passes in turn. Also checked: the two models' log-likelihoods agree (``max_abs_diff``).
+The devices are 8 simulated CPU devices unless XLA_FLAGS says otherwise (``--xla_force_host_platform_device_count=1``:
+the CPU as one device).
 """
 
 from __future__ import annotations
