@@ -300,10 +300,13 @@ def test_two_processes_give_the_scores_of_one(harness_run, tasks, tmp_path):
     (dict(harness_tasks=("jt_mc",)), "eval.harness_every: is 0 while eval.harness_tasks is set"),
     (dict(harness_tasks=("jt_mc",), harness_every=2, harness_limit=-1), "are not all >= 0"),
     (dict(harness_tasks=("jt_mc",), harness_every=2, harness_include_path="/nonexistent"), "is not a folder"),
+    pytest.param(dict(harness_tasks=("shakespeare_mcq",), harness_every=2, harness_include_path=str(
+        pathlib.Path(__file__).parents[1] / "docs/examples/tasks")), "eval.harness_tasks: shakespeare_mcq: is not a "
+        "task the harness knows; see `lm_eval ls tasks` (did you mean shakespeare_mc", marks=SLOW),
 ])
 def test_bad_harness_keys_are_one_line(override, problem):
-  """The eval.harness_* keys are checked with the config, before anything starts (the task names when the run
-  starts: the harness knows them)."""
+  """The eval.harness_* keys are checked with the config, before anything is written, the task names too (a name
+  the include path does not hold makes the harness index all of its own tasks: slow-marked)."""
   from jaxtrain import config as config_lib
   c = config_lib.base_config()
   c.eval.update(**override)

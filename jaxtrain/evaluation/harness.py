@@ -25,6 +25,8 @@ The harness's ``--model jaxtrain`` (a checkpoint by path) is jaxtrain.evaluate's
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import json
 import logging as std_logging
 import os
@@ -278,18 +280,22 @@ class JaxtrainLM(TemplateLM):
 def task_manager(include_path: str | Sequence[str] | None = None, tasks: Sequence[str] = ()):
   """The harness's TaskManager with the tasks of ``include_path`` (folders of task YAMLs): those alone when they
   hold every one of ``tasks`` (indexing the harness's own thousands of tasks takes seconds), else the harness's
-  too."""
-  from lm_eval.tasks import TaskManager
+  too. One per process for the same arguments (a run's config check and its hook share it)."""
   paths = [include_path] if isinstance(include_path, str) else list(include_path or ())
   for p in paths:
     if not os.path.isdir(p):
       raise HarnessError(p, "is not a folder of task YAMLs", "pass --include_path=a folder that holds them")
-  names = task_names(tasks)
+  return _task_manager(tuple(paths), tuple(task_names(tasks)))
+
+
+@functools.cache
+def _task_manager(paths: tuple[str, ...], names: tuple[str, ...]):
+  from lm_eval.tasks import TaskManager
   if paths and names:
-    local = TaskManager(include_path=paths, include_defaults=False)
+    local = TaskManager(include_path=list(paths), include_defaults=False)
     if set(names) <= set(local.all_tasks):
       return local
-  return TaskManager(include_path=paths or None)
+  return TaskManager(include_path=list(paths) or None)
 
 
 def task_names(tasks: Sequence[str]) -> list[str]:
@@ -305,9 +311,10 @@ def check_tasks(tasks: Sequence[str], manager) -> list[str]:
   known = set(manager.all_tasks)
   for name in names:
     if name not in known:
-      close = [k for k in sorted(known) if name in k][:3]
+      close = difflib.get_close_matches(name, sorted(known), n=3)
       raise HarnessError(name, "is not a task the harness knows", "see `lm_eval ls tasks`" + (
-          f" (did you mean {', '.join(close)}?)" if close else "") + ", or pass --include_path=DIR with its YAML")
+          f" (did you mean {', '.join(close)}?)" if close else "") + ", or put its YAML in the include path "
+                         "(--include_path, eval.harness_include_path)")
   return names
 
 

@@ -156,7 +156,7 @@ class Harness(Hook):
   model, mesh, layout and tokenizer), logged after the step's record as ``harness/<task>/<metric>``. Every process
   runs the same requests (the programs span the mesh); the writer writes on process 0. Its time is eval time
   (goodput); the watchdog leaves it out of the step's (as a compile, bounded by ``monitor.watchdog_compile_s``).
-  Built at the start of the run, so an unknown task ends it there, with one line."""
+  An unknown task is a ConfigError of the config check (:func:`validate_harness`), before anything is written."""
 
   def __init__(self, run):
     from jaxtrain.evaluation import harness  # the eval extra (lm-evaluation-harness), only when it is asked for
@@ -346,7 +346,8 @@ def validate(config) -> None:
 
 
 def validate_harness(config) -> None:
-  """The ``eval.harness_*`` keys (the tasks themselves are checked when the run starts: the harness knows them)."""
+  """The ``eval.harness_*`` keys, the task names included (the harness's TaskManager knows them: with tasks that
+  are all in ``eval.harness_include_path`` it indexes only that folder, else all of the harness's, some seconds)."""
   e = config.eval
   tasks = e.harness_tasks
   if isinstance(tasks, str) or not all(isinstance(t, str) and t for t in tasks):
@@ -364,6 +365,12 @@ def validate_harness(config) -> None:
   if e.harness_include_path and not os.path.isdir(e.harness_include_path):
     raise ConfigError("eval.harness_include_path", f"{e.harness_include_path} is not a folder",
                       "pass a folder of task YAMLs")
+  if tasks:
+    from jaxtrain.evaluation import harness  # the eval extra (lm-evaluation-harness), only when it is asked for
+    try:
+      harness.check_tasks(tasks, harness.task_manager(e.harness_include_path or None, tasks))
+    except harness.HarnessError as err:
+      raise ConfigError("eval.harness_tasks", f"{err.subject}: {err.problem}", err.fix) from None
 
 
 def from_config(run) -> list[Hook]:
