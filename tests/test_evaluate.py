@@ -247,14 +247,19 @@ def harness_run(tasks, tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_run_logs_harness_scores_at_its_steps(harness_run):
-  """harness/<task>/<metric> at steps 2, 4 and 6, counted as eval in goodput; the scores at step 6 are those of
-  jaxtrain.evaluate on the step-6 checkpoint (the live params are the saved ones)."""
+  """harness/<task>/<metric> at steps 2, 4 and 6 (metrics.jsonl, TensorBoard), counted as eval in goodput; the
+  scores at step 6 are those of jaxtrain.evaluate on the step-6 checkpoint (the live params are the saved ones)."""
   import jaxtrain.evaluate as evaluate_lib
   scores = _scores(harness_run)
   assert sorted(scores) == [2, 4, 6]
   assert {"harness/jt_mc/acc", "harness/jt_mc/acc_norm", "harness/jt_ppl/word_perplexity",
           "harness/jt_ppl/bits_per_byte"} <= set(scores[6])
   assert scores[2] != scores[6]  # the model trained in between
+  from tensorboard.backend.event_processing import event_accumulator  # the same scores in TensorBoard
+  events = event_accumulator.EventAccumulator(os.fspath(harness_run / "tensorboard"))
+  events.Reload()
+  assert [(e.step, e.value) for e in events.Scalars("harness/jt_mc/acc")] == pytest.approx(
+      [(s, scores[s]["harness/jt_mc/acc"]) for s in (2, 4, 6)])
   goodput = json.loads((harness_run / "goodput.json").read_text())
   assert goodput["seconds"]["eval"] > 1.0
   lm = evaluate_lib.CheckpointLM(str(harness_run), step=6, batch_size=8, max_length=64)
