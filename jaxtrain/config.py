@@ -89,6 +89,15 @@ def base_config(model: str = "llama") -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict(dict(
       every_steps=0,  # eval loss and perplexity on the held-out split every N steps (0: off)
       max_batches=0,  # 0 = the whole eval split (per eval set)
+      # Benchmark scores during the run (lm-evaluation-harness, the eval extra; jaxtrain.train.hooks.Harness): these
+      # harness tasks on the live params every harness_every steps and at the last, logged as
+      # harness/<task>/<metric>; harness_limit documents per task (0: all), harness_include_path a folder of task
+      # YAMLs (local tasks), harness_num_fewshot few-shot examples (-1: the task's own).
+      harness_tasks=(),
+      harness_every=0,
+      harness_limit=0,
+      harness_include_path="",
+      harness_num_fewshot=-1,
       **data.eval_set_defaults(),  # eval.sets: named eval data (jaxtrain/data)
   ))
   for group, module in COMPONENTS:
@@ -167,6 +176,7 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
   check_positive(cfg, ["train.microbatches", "train.max_rows_per_device", "eval.every_steps", "eval.max_batches"],
                  allow_zero=True)
   check_positive(cfg, ["train.sample_every", "train.z_loss_weight"], allow_zero=True)
+  hooks.validate_harness(cfg)
   check_positive(cfg, ["train.sample_tokens"])
   hooks.validate(cfg)
   objectives.validate(cfg)

@@ -126,15 +126,21 @@ def run_config(saved: dict, overrides: Sequence[str] = ()) -> ml_collections.Con
   return config
 
 
-def load(checkpoint: str, step: int | None = None, overrides: Sequence[str] = (), devices=None) -> Loaded:
-  """Restores the params of ``checkpoint`` (a workdir, its checkpoints folder or a step folder) onto the mesh of
-  its run's config (with ``overrides``), through the sharding rules."""
+def find(checkpoint: str, step: int | None = None) -> tuple[str, dict]:
+  """The step folder of ``checkpoint`` (the newest step unless ``step``) and its run's saved config: nothing is
+  restored."""
   checkpoint = paths.resolve(checkpoint)
   if not os.path.exists(checkpoint):
     raise GenerateError(checkpoint, "does not exist", "pass --checkpoint=a run's workdir, its checkpoints folder "
                         "or a step folder")
   step_dir = checkpoint_lib.step_dir(checkpoint, step)
-  saved = checkpoint_lib.saved_config(step_dir)
+  return step_dir, checkpoint_lib.saved_config(step_dir)
+
+
+def load(checkpoint: str, step: int | None = None, overrides: Sequence[str] = (), devices=None) -> Loaded:
+  """Restores the params of ``checkpoint`` (a workdir, its checkpoints folder or a step folder) onto the mesh of
+  its run's config (with ``overrides``), through the sharding rules."""
+  step_dir, saved = find(checkpoint, step)
   config = run_config(saved, overrides)
   models.validate(config)
   rules = sharding.rules_from_config(config.sharding)

@@ -48,7 +48,7 @@ from jaxtrain.models.hf_adapter import HFError
 from jaxtrain.train.state import TrainState
 
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "tokenizer.model", "added_tokens.json")
+              "special_tokens_map.json", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 _DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "F64": np.dtype(np.float64)}
 _EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 

@@ -13,7 +13,7 @@ import os
 # Config keys that hold paths ('' means "the default" for each). data.tokenizer is a path unless it is
 # 'byte', the built-in tokenizer.
 CONFIG_KEYS = ("workdir", "checkpoint.dir", "checkpoint.restore_from", "data.path", "data.cache_dir",
-               "data.tokenizer", "compilation_cache_dir")
+               "data.tokenizer", "compilation_cache_dir", "eval.harness_include_path")
 
 
 def is_url(path: str) -> bool:

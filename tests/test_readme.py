@@ -77,6 +77,10 @@ DPO_PREPARE = "--output=data/prefs"
 DPO_TRAIN = "--config.train.objective=dpo --config.data.path=data/prefs"
 LOCAL = "tools/launch/local.sh configs/tiny.py runs/long"
 GOODPUT = "tools/goodput.py runs/long"
+EVAL_RUN = "--tasks=shakespeare_mc,shakespeare_ppl"
+EVAL_IMPORT = "--checkpoint imported/my-llama"
+EVAL_EVERY_SAVE = "--step=$step"
+EVAL_IN_RUN = "--config.workdir=runs/tiny_harness"
 # Appended to the launcher's command (with --config.train.steps): what is tested there is the stop, the restart
 # and the account of both, not the batch.
 SMALLER_BATCH = "--config.train.global_batch_size=8 --config.data.seq_len=64"
@@ -102,6 +106,7 @@ NOT_RUN = {
     "sacct -j": "needs a Slurm cluster",
     "tail -n 3 /shared/runs": "reads a Slurm job's workdir",
     "tools/goodput.py /shared/runs": "reads a Slurm job's workdir (tools/goodput.py runs on runs/long here)",
+    "--tasks=hellaswag,arc_easy": "needs the Hugging Face hub (the harness's datasets)",
 }
 
 
@@ -111,7 +116,8 @@ def test_every_readme_command_is_run_by_a_test():
            PREPARE_BEAM, TRAIN_RAW, MIX_PREPARE_WEB, MIX_PREPARE_CODE, MIX_TRAIN, PREPARE_SFT, TRAIN_SFT, GENERATE,
            HF_IMPORT, HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT, LOCAL, GOODPUT, HF_REHEARSAL, ATTENTION_AUTO,
            ATTENTION_BLOCKWISE, ESTIMATE_70B, RESTART_BUDGET, FLOAT16, GRPO_DATA, GRPO_SFT,
-           GRPO_TRAIN, DPO_IMPORT, DPO_PREPARE, DPO_TRAIN)
+           GRPO_TRAIN, DPO_IMPORT, DPO_PREPARE, DPO_TRAIN, EVAL_RUN, EVAL_IMPORT,
+           EVAL_EVERY_SAVE, EVAL_IN_RUN)
   run = [QUICK_START] + [readme.command(part) for part in parts]
   not_run = [readme.command(part) for part in NOT_RUN]
   assert sorted(run + not_run) == sorted(readme.commands())
@@ -481,3 +487,29 @@ def test_float16_command(user):
   _ok(user.run(readme.command(FLOAT16), "--config.train.steps=4", "--config.train.log_every=2"))
   records = [r for r in user.records("runs/tiny_fp16") if "loss" in r]
   assert [r["step"] for r in records] == [2, 4] and all(r["loss_scale"] >= 2 ** 14 for r in records), records
+
+
+OFFLINE = "export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1; "  # the docs' tasks are local: nothing may come from the hub
+
+
+def test_evaluation_commands(user):
+  """docs/evaluation.md: the quick start's run scored on the local tasks (the harness's table and results JSON), at
+  every saved step, the README's Hugging Face import scored (after the test that imports it), and a run that scores
+  itself while it trains."""
+  pytest.importorskip("lm_eval", reason="lm-eval (the eval extra, in the test extra) is not installed")
+  out = _ok_out(user.run(OFFLINE + readme.command(EVAL_RUN)))
+  results = json.loads((user.repo / "runs/tiny/harness.json").read_text())
+  assert set(results["results"]) == {"shakespeare_mc", "shakespeare_ppl"} and "shakespeare_mc" in out
+  assert results["n-samples"]["shakespeare_mc"]["effective"] == 40
+  _ok(user.run(OFFLINE + readme.command(EVAL_EVERY_SAVE)))
+  for step in user.committed("runs/tiny"):
+    saved = json.loads((user.repo / f"runs/tiny/harness_{step}.json").read_text())
+    assert saved["results"]["shakespeare_mc"]["acc,none"] >= 0
+  if (user.repo / "imported/my-llama/hf").exists():  # the README's Hugging Face flow ran (it needs transformers)
+    out = _ok_out(user.run(OFFLINE + readme.command(EVAL_IMPORT)))
+    assert "shakespeare_mc" in out
+  err = _ok(user.run(OFFLINE + readme.command(EVAL_IN_RUN), "--config.train.steps=4", "--config.eval.harness_every=2",
+                     "--config.eval.harness_limit=8", SMALLER_BATCH))
+  scored = [json.loads(line) for line in (user.repo / "runs/tiny_harness/metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in scored if "harness/shakespeare_mc/acc" in r] == [2, 4], err[-3000:]
+  assert all("harness/shakespeare_ppl/word_perplexity" in r for r in scored if "harness/shakespeare_mc/acc" in r)

@@ -56,8 +56,12 @@ class HFTokenizer:
     self.chat_template = chat_template
     self._offsets_tok = None
 
-  def encode(self, text: str) -> np.ndarray:
-    return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
+  def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+    """The ids of ``text``; ``add_special_tokens``: with those the tokenizer's post-processor adds (a BOS)."""
+    return np.asarray(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, np.int32)
+
+  def token_to_id(self, token: str) -> int | None:
+    return self._tok.token_to_id(token)
 
   def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
     """(token ids, [n, 2] character offsets into ``text``). The offsets come from a copy without the
@@ -70,8 +74,8 @@ class HFTokenizer:
     enc = self._offsets_tok.encode(text, add_special_tokens=False)
     return np.asarray(enc.ids, np.int32), np.asarray(enc.offsets, np.int64).reshape(-1, 2)
 
-  def decode(self, ids) -> str:
-    return self._tok.decode(list(map(int, ids)))
+  def decode(self, ids, skip_special_tokens: bool = True) -> str:
+    return self._tok.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
 
 
 class SentencePieceTokenizer:

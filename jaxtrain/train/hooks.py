@@ -20,6 +20,7 @@ next step donates), ``last`` (the newest fetched step's metrics), ``counts`` (:c
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import socket
@@ -149,6 +150,50 @@ def write_samples(workdir: str, step: int, samples: list[dict[str, str]], writer
     tb.flush()
 
 
+class Harness(Hook):
+  """Benchmark scores on the live params (no save, no reload): the lm-evaluation-harness tasks of
+  ``eval.harness_tasks`` every ``eval.harness_every`` steps and at the last (jaxtrain.evaluation.harness, the run's
+  model, mesh, layout and tokenizer), logged after the step's record as ``harness/<task>/<metric>``. Every process
+  runs the same requests (the programs span the mesh); the writer writes on process 0. Its time is eval time
+  (goodput); the watchdog leaves it out of the step's (as a compile, bounded by ``monitor.watchdog_compile_s``).
+  An unknown task is a ConfigError of the config check (:func:`validate_harness`), before anything is written."""
+
+  def __init__(self, run):
+    from jaxtrain.evaluation import harness  # the eval extra (lm-evaluation-harness), only when it is asked for
+    e = run.config.eval
+    self.harness, self.every = harness, e.harness_every
+    self.manager = harness.task_manager(e.harness_include_path or None, e.harness_tasks)
+    self.tasks = harness.check_tasks(e.harness_tasks, self.manager)
+    self.limit, self.fewshot = e.harness_limit or None, None if e.harness_num_fewshot < 0 else e.harness_num_fewshot
+    c = run.config  # rows of one training microbatch: the logits of a program are at most a training step's
+    self.lm = harness.JaxtrainLM(run.model, run.mesh, run.rules, run.state_shardings.params, harness.text_of(c),
+                                 batch_size=c.train.global_batch_size // max(1, c.train.microbatches),
+                                 max_length=c.data.seq_len)
+    self.pending: dict[int, dict[str, float]] = {}
+
+  def dispatched(self, loop, step: int) -> None:
+    t = time.perf_counter()
+    with loop.watchdog.compiling(f"the harness's tasks at step {step}"):
+      self.lm.params = loop.state.params
+      try:
+        results = self.harness.evaluate(self.lm, self.tasks, manager=self.manager, limit=self.limit,
+                                        num_fewshot=self.fewshot, bootstrap_iters=0, log_samples=False)
+      finally:
+        self.lm.params = None  # the next step donates them
+    self.pending[step] = self.harness.metrics(results)
+    loop.spent["eval"] += time.perf_counter() - t
+
+  def logged(self, loop, step: int, record: dict | None) -> None:
+    if step in self.pending:
+      scores = self.pending.pop(step)
+      if jax.process_index() == 0:
+        logging.info("step %d harness: %s", step, ", ".join(f"{k[8:]} {v:.4g}" for k, v in scores.items()))
+      loop.writer.write(step, scores)
+
+  def rolled_back(self, loop, reached: int) -> None:
+    self.pending = {s: v for s, v in self.pending.items() if s <= loop.counts.step}
+
+
 class Profiler(Hook):
   """One jax.profiler trace of steps [profile_start, profile_start + profile_steps) into <workdir>/profile
   (process 0; a run resumed inside that window traces the rest of it). Told before each step (after the one before
@@ -264,6 +309,8 @@ def standard(run, evaluate: Callable | None, sample: Callable | None, recorder: 
     hooks.append(Eval(evaluate, c.eval.every_steps))
   if sample is not None:
     hooks.append(Samples(sample, c.train.sample_every))
+  if c.eval.harness_tasks:
+    hooks.append(Harness(run))
   return hooks + from_config(run) + [Goodput(recorder, restore_s)]
 
 
@@ -296,6 +343,34 @@ def validate(config) -> None:
                       "e.g. --config.train.hooks=\"('my_hooks:loss_printer',)\"")
   for path in hooks:
     load(path)
+
+
+def validate_harness(config) -> None:
+  """The ``eval.harness_*`` keys, the task names included (the harness's TaskManager knows them: with tasks that
+  are all in ``eval.harness_include_path`` it indexes only that folder, else all of the harness's, some seconds)."""
+  e = config.eval
+  tasks = e.harness_tasks
+  if isinstance(tasks, str) or not all(isinstance(t, str) and t for t in tasks):
+    raise ConfigError("eval.harness_tasks", f"{tasks!r} is not a tuple of task names",
+                      "e.g. --config.eval.harness_tasks=\"('hellaswag', 'arc_easy')\"")
+  if e.harness_every < 0 or e.harness_limit < 0 or e.harness_num_fewshot < -1:
+    raise ConfigError("eval.harness_every/harness_limit/harness_num_fewshot", f"{e.harness_every}/{e.harness_limit}/"
+                      f"{e.harness_num_fewshot} are not all >= 0 (num_fewshot: -1 is the task's own)", "fix the value")
+  if tasks and not e.harness_every:
+    raise ConfigError("eval.harness_every", "is 0 while eval.harness_tasks is set",
+                      "set --config.eval.harness_every=N (the steps between evaluations)")
+  if tasks and importlib.util.find_spec("lm_eval") is None:
+    raise ConfigError("eval.harness_tasks", "needs lm-evaluation-harness, which is not installed",
+                      "pip install 'jaxtrain[eval]'")
+  if e.harness_include_path and not os.path.isdir(e.harness_include_path):
+    raise ConfigError("eval.harness_include_path", f"{e.harness_include_path} is not a folder",
+                      "pass a folder of task YAMLs")
+  if tasks:
+    from jaxtrain.evaluation import harness  # the eval extra (lm-evaluation-harness), only when it is asked for
+    try:
+      harness.check_tasks(tasks, harness.task_manager(e.harness_include_path or None, tasks))
+    except harness.HarnessError as err:
+      raise ConfigError("eval.harness_tasks", f"{err.subject}: {err.problem}", err.fix) from None
 
 
 def from_config(run) -> list[Hook]:
