@@ -143,9 +143,9 @@ def command_lines(text: str) -> list[str]:
       if COMMAND.match(line) or line.startswith("for "):
         found.append(line)
   for span in re.findall(r"`([^`]+)`", re.sub(r"^    \S.*$", "", prose, flags=re.M)):
-    span = " ".join(span.split())
-    if COMMAND.match(span):
-      found.append(span)
+    for part in re.split(r"\s*(?:&&|\|\||;)\s*", " ".join(span.split())):  # each command of `a && b`
+      if COMMAND.match(part):
+        found.append(part)
   return found
 
 
@@ -265,8 +265,9 @@ def test_the_command_check_finds_an_unknown_flag_a_missing_config_and_an_unknown
   page = tmp_path / "page.md"
   page.write_text(
       "Size it: `python tools/estimate.py --config=configs/llama3_8b.py --devices=64 --set=mesh.context=4`, then\n"
-      "`python tools/bench_topology.py --set=mesh.context=4` and `python -m jaxtrain.main --config=configs/tiny.py\n"
-      "--config.train.stepz=3`, on a pod `TPU_NAME=a ZONE=b PROJECT=c WORKDIR=gs://d tools/launch/tpu_vm.sh`.\n\n"
+      "`python tools/bench_topology.py --set=mesh.context=4` and `pip install -e . && python -m jaxtrain.main\n"
+      "--config=configs/tiny.py --config.train.stepz=3`, on a pod\n"
+      "`TPU_NAME=a ZONE=b PROJECT=c WORKDIR=gs://d tools/launch/tpu_vm.sh`.\n\n"
       "    python tools/nothing.py --x=1\n\n"
       "```bash\nsbatch --nodes=2 tools/launch/slurm.sbatch configs/tiny.py runs/x --config.optim.lrr=1\n```\n")
   errors = [f"{line}: {error}" for line in command_lines(page.read_text()) for error in check_command(line)]
