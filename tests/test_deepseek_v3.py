@@ -1,0 +1,269 @@
+"""DeepSeek-V3 (jaxtrain/models/deepseek_v3): random small DeepseekV3ForCausalLMs built by transformers itself (MLA
+with a query rank and without one, the value head dim below and above the query/key one, YaRN with DeepSeek's
+mscale, 8 experts in 4 groups of which 2 compete, top-3, a shared expert, a dense first layer, a random choice bias):
+imported, their logits equal transformers' on a padded batch and a packed row; each feature mapped wrong on purpose
+fails that comparison; greedy generation (the KV cache) equals transformers' token for token; import -> export is
+bitwise; fp8 block-quantized weights dequantize as transformers' do; the bad inputs are one line, exit 2."""
+
+import copy
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain import generate, hf
+from jaxtrain import models
+from jaxtrain import sampling as sampling_lib
+from tests import forked
+from tests.test_hf import TOL, _exported_equals_source, _hf_logits, _rel_err, _restore, logit_errors
+
+torch = pytest.importorskip("torch", reason="torch (test-only, in setup.cfg's test extra) is not installed: the "
+                            "Hugging Face comparisons need it")
+transformers = pytest.importorskip("transformers", reason="transformers (test-only) is not installed: the "
+                                   "Hugging Face comparisons need it")
+
+# YaRN over 16 original positions of a 24-token text, mscale != mscale_all_dim (so both cos/sin and the softmax are
+# scaled); 8 experts in 4 groups, 2 groups chosen, top 3.
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_group=4, topk_group=2,
+            num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=12, routed_scaling_factor=2.5, rms_norm_eps=1e-6, max_position_embeddings=64,
+            num_nextn_predict_layers=0)
+HF_CONFIGS = {
+    "q_lora": dict(BASE, q_lora_rank=24, v_head_dim=10, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7,
+        "original_max_position_embeddings": 16, "rope_theta": 1e4}),
+    "plain_q": dict(BASE, q_lora_rank=None, v_head_dim=24),  # v wider than q/k (20): q and k padded
+}
+
+
+def _hf_deepseek(folder, name="q_lora", seed=0):
+  torch.manual_seed(seed)
+  model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF_CONFIGS[name])).eval()
+  with torch.no_grad():
+    for n, p in model.named_parameters():  # norms random too, the latents' of a size that matters
+      p.add_(torch.randn_like(p) * (0.5 if n.endswith("_a_layernorm.weight") else 0.05))
+    for n, b in model.named_buffers():  # a choice bias of the size of the scores' spread
+      if n.endswith("e_score_correction_bias"):
+        b.copy_(torch.randn_like(b) * 0.02)
+  model.save_pretrained(folder, safe_serialization=True)
+  (pathlib.Path(folder) / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')
+  return model
+
+
+@pytest.fixture(scope="module", params=list(HF_CONFIGS))
+def imported(request, tmp_path_factory):
+  """(name, folder, the transformers model, the imported config, model and params)."""
+  tmp = tmp_path_factory.mktemp(request.param)
+  ref = _hf_deepseek(tmp / "src", request.param)
+  hf.import_model(str(tmp / "src"), str(tmp / "out"))
+  cfg, model, params = _restore(tmp / "out")
+  return request.param, tmp, ref, cfg, model, params
+
+
+# Each feature mapped wrong: (what it does to a copy of the imported config and params).
+def _no_choice_bias(params, cfg):
+  params["layers"]["moe"]["score_bias"] = np.zeros_like(params["layers"]["moe"]["score_bias"])
+
+
+def _bias_in_the_weights(params, cfg):  # transformers weighs by the scores without the bias
+  cfg.routed_scaling_factor = 2.0
+
+
+def _no_groups(params, cfg):
+  cfg.num_groups = 1
+
+
+def _unnormalized_topk(params, cfg):
+  cfg.normalize_topk = False
+
+
+def _no_shared_expert(params, cfg):
+  shared = params["layers"]["moe"]["shared"]["down"]["kernel"]
+  params["layers"]["moe"]["shared"]["down"]["kernel"] = np.zeros_like(shared)
+
+
+def _dense_layer_as_moe_layer_norms(params, cfg):  # the dense layer's MLP norm read from the MoE layer's
+  params["dense_layers"]["mlp_norm"]["scale"] = params["layers"]["mlp_norm"]["scale"][:1].copy()
+
+
+def _rope_not_interleaved(params, cfg):
+  cfg.rope_interleave = False
+
+
+def _kv_latent_unnormalized(params, cfg):
+  for stack in ("dense_layers", "layers"):
+    params[stack]["attn"]["kv_norm"]["scale"] = np.ones_like(params[stack]["attn"]["kv_norm"]["scale"])
+
+
+def _rope_key_from_the_latent_end(params, cfg):  # kv_a's [latent | rope key] split the other way round
+  for stack in ("dense_layers", "layers"):
+    kv_a = params[stack]["attn"]["kv_a"]["kernel"]
+    params[stack]["attn"]["kv_a"]["kernel"] = np.concatenate([kv_a[..., -cfg.kv_lora_rank:],
+                                                              kv_a[..., :-cfg.kv_lora_rank]], axis=-1)
+
+
+def _keys_values_swapped_heads(params, cfg):  # kv_b's heads in the wrong order
+  for stack in ("dense_layers", "layers"):
+    params[stack]["attn"]["kv_b"]["kernel"] = params[stack]["attn"]["kv_b"]["kernel"][..., ::-1, :].copy()
+
+
+def _q_latent_unnormalized(params, cfg):
+  for stack in ("dense_layers", "layers"):
+    params[stack]["attn"]["q_norm"]["scale"] = np.ones_like(params[stack]["attn"]["q_norm"]["scale"])
+
+
+def _no_mscale(params, cfg):
+  cfg.rope_yarn_mscale_all_dim = 0.0
+
+
+def _no_yarn(params, cfg):
+  cfg.rope_scaling = ""
+
+
+MIS_MAPS = [_no_choice_bias, _bias_in_the_weights, _no_groups, _unnormalized_topk, _no_shared_expert,
+            _dense_layer_as_moe_layer_norms, _rope_not_interleaved, _kv_latent_unnormalized,
+            _rope_key_from_the_latent_end, _keys_values_swapped_heads]
+MIS_MAPS_Q_LORA = [_q_latent_unnormalized, _no_mscale, _no_yarn]  # (the other config has none of these)
+
+
+def test_imported_logits_equal_transformers_and_each_mis_mapping_fails(imported):
+  name, _, ref, cfg, model, params = imported
+  m = cfg.model
+  assert m.name == "deepseek_v3"
+  assert (m.q_lora_rank, m.v_head_dim, m.num_groups, m.topk_groups, m.first_dense_layers, m.num_shared_experts) == (
+      24 if name == "q_lora" else 0, 10 if name == "q_lora" else 24, 4, 2, 1, 1)
+  assert (m.rope_scaling, m.rope_yarn_mscale_all_dim) == (("yarn", 0.7) if name == "q_lora" else ("", 1.0))
+  padded, packed = logit_errors(model, params, ref)
+  print(f"deepseek_v3 {name}: max relative logit error padded {padded:.2e}, packed {packed:.2e}")
+  assert padded < TOL and packed < TOL
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 256, (2, 24)).astype(np.int32)
+  theirs = _hf_logits(ref, tokens)
+  positions, segments = np.broadcast_to(np.arange(24, dtype=np.int32), (2, 24)), np.ones((2, 24), np.int32)
+  for mis_map in MIS_MAPS + (MIS_MAPS_Q_LORA if name == "q_lora" else []):
+    wrong_cfg, wrong_params = m.copy_and_resolve_references(), jax.tree.map(np.array, params)
+    mis_map(wrong_params, wrong_cfg)
+    ours = np.asarray(models.Model.from_config(wrong_cfg).apply(wrong_params, tokens, positions, segments))
+    wrong = _rel_err(ours, theirs)
+    print(f"deepseek_v3 {name}: mis-mapped ({mis_map.__name__}): {wrong:.2e}")
+    assert wrong > 100 * TOL, mis_map.__name__
+
+
+def test_greedy_generation_equals_transformers(imported):
+  """Left-padded prompts, the KV cache (every head's keys and values): token for token."""
+  _, tmp, ref, *_ = imported
+  prompts = [[5, 17, 33, 2, 90, 11, 64], [7, 8, 9], [100, 3, 55, 21]]
+  new = 10
+  loaded = generate.load(str(tmp / "out"))
+  gen = sampling_lib.Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings,
+                               rows=sampling_lib.padded_rows(len(prompts), loaded.mesh, loaded.rules), prompt_len=7,
+                               max_new_tokens=new, eos_ids=())
+  ours = gen.generate(loaded.params, prompts)
+  batch = gen.batch(prompts)
+  with torch.no_grad():
+    theirs = ref.generate(input_ids=torch.tensor(batch.tokens[:3]), attention_mask=torch.tensor(batch.segment_ids[:3]),
+                          do_sample=False, max_new_tokens=new, pad_token_id=0, eos_token_id=None).numpy()[:, 7:]
+  assert ours == theirs.tolist()
+
+
+def test_import_export_is_bitwise_and_loads_in_transformers(imported, tmp_path):
+  _, tmp, ref, *_ = imported
+  hf.export_model(str(tmp / "out" / "checkpoints"), str(tmp_path / "exported"))
+  _exported_equals_source(tmp / "src", tmp_path / "exported")
+  config = json.loads((tmp_path / "exported" / "config.json").read_text())
+  assert config["model_type"] == "deepseek_v3" and config["architectures"] == ["DeepseekV3ForCausalLM"]
+  loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"),
+                                                                   output_loading_info=True)
+  assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+  assert loaded.config.rope_parameters == ref.config.rope_parameters
+  tokens = np.random.default_rng(1).integers(0, 256, (2, 20))
+  np.testing.assert_array_equal(_hf_logits(loaded.eval(), tokens), _hf_logits(ref, tokens))
+
+
+def test_fp8_blocks_dequantize_on_import_as_transformers_does(imported, tmp_path):
+  """The released checkpoints' form: every linear weight of the layers as float8_e4m3fn with a float32
+  ``weight_scale_inv`` per 128 x 128 block (random codes, scales 2^-8 to 2^-5), the rest bf16, an MTP layer
+  beside (skipped). The import's weights are bitwise transformers' own dequantization (``_dequantize_fp8_weight``,
+  in bf16), and its logits equal those of transformers' model holding them."""
+  from safetensors.torch import load_file, save_file
+  from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+  name, tmp, ref, *_ = imported
+  if name != "q_lora":
+    pytest.skip("one config is enough")
+  (tmp_path / "src").mkdir()
+  tensors, dequantized = load_file(str(tmp / "src" / "model.safetensors")), {}
+  gen = torch.Generator().manual_seed(3)
+  for n in [n for n in tensors if n.startswith("model.layers.") and n.endswith("proj.weight")]:
+    out_dim, in_dim = tensors[n].shape
+    codes = (torch.randn(out_dim, in_dim, generator=gen) * 8).to(torch.float8_e4m3fn)
+    scale = 2.0 ** -torch.randint(5, 9, (-(-out_dim // 128), -(-in_dim // 128)), generator=gen).float()
+    tensors[n], tensors[n + "_scale_inv"] = codes, scale
+    dequantized[n] = _dequantize_fp8_weight(codes, scale, [128, 128], torch.float32).to(torch.bfloat16)
+  for n in [n for n in tensors if tensors[n].dtype == torch.float32 and not n.endswith("_scale_inv")]:
+    tensors[n] = tensors[n].to(torch.bfloat16)
+  tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128, dtype=torch.bfloat16)  # an MTP module's
+  save_file(tensors, str(tmp_path / "src" / "model.safetensors"))
+  config = json.loads((tmp / "src" / "config.json").read_text())
+  config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                   "weight_block_size": [128, 128]}
+  (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+  (tmp_path / "src" / "tokenizer.json").write_text((tmp / "src" / "tokenizer.json").read_text())
+  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
+  _, model, params = _restore(tmp_path / "out")
+  theirs = copy.deepcopy(ref)
+  with torch.no_grad():
+    for n, value in tensors.items():
+      if n in dequantized:
+        value = dequantized[n]
+      # (transformers holds the experts fused: gate_up_proj [E, 2f, d], down_proj [E, d, f]: below)
+      if not n.endswith("_scale_inv") and not n.startswith("model.layers.3.") and ".experts." not in n:
+        target = theirs.get_parameter(n) if not n.endswith("e_score_correction_bias") else theirs.get_buffer(n)
+        target.copy_(value.float())
+    for layer in range(1, 3):
+      experts = theirs.model.layers[layer].mlp.experts
+      for e in range(8):
+        p = f"model.layers.{layer}.mlp.experts.{e}."
+        experts.gate_up_proj[e].copy_(torch.cat([dequantized[p + "gate_proj.weight"],
+                                                 dequantized[p + "up_proj.weight"]]).float())
+        experts.down_proj[e].copy_(dequantized[p + "down_proj.weight"].float())
+  q_b = np.asarray(params["layers"]["attn"]["q_b"]["kernel"][0])
+  np.testing.assert_array_equal(q_b.reshape(q_b.shape[0], -1).T,
+                                dequantized["model.layers.1.self_attn.q_b_proj.weight"].float().numpy())
+  padded, packed = logit_errors(model, params, theirs.eval())
+  print(f"deepseek_v3 fp8: max relative logit error padded {padded:.2e}, packed {packed:.2e}")
+  assert padded < TOL and packed < TOL
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+  """Forked commands: a backend without an explicit scale (cudnn off GPU is refused first: xla's plain layout is
+  used instead via a registered test backend is not possible in a fork), a model of an odd rope dim, and an import
+  of another quantization."""
+  tmp = tmp_path_factory.mktemp("refused")
+  src = tmp / "int4"
+  _hf_deepseek(src)
+  config = json.loads((src / "config.json").read_text())
+  config["quantization_config"] = {"quant_method": "awq"}
+  (src / "config.json").write_text(json.dumps(config))
+  base = ["-m", "jaxtrain.main", "--config=configs/tiny.py", "--config.model.name=deepseek_v3"]
+  argvs = [base + ["--config.model.qk_rope_head_dim=7", f"--config.workdir={tmp / 'odd'}"],
+           base + ["--config.model.num_groups=3", f"--config.workdir={tmp / 'groups'}"],
+           ["tools/convert_hf.py", "import", f"--hf={src}", f"--output={tmp / 'out'}"]]
+  return tmp, forked.run_many(argvs)
+
+
+@pytest.mark.parametrize("case,message", [
+    (0, "jaxtrain: error: model.qk_rope_head_dim: 7 is odd; RoPE turns pairs of dims"),
+    (1, "jaxtrain: error: model.num_groups: 3 does not divide model.num_experts=8"),
+    (2, "is quantized (awq); only DeepSeek's fp8 e4m3 128 x 128 blocks are dequantized on import")])
+def test_bad_inputs_are_one_line_exit_2(refusals, case, message):
+  tmp, results = refusals
+  result = results[case]
+  errors = [line for line in result.stderr.splitlines() if ": error:" in line]
+  assert result.returncode == 2, result.stderr
+  assert len(errors) == 1 and message in errors[0], result.stderr
+  assert "Traceback" not in result.stderr
+  assert sorted(p.name for p in tmp.iterdir()) == ["int4"]  # nothing written: no workdir, no output
