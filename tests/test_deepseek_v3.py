@@ -267,3 +267,44 @@ def test_bad_inputs_are_one_line_exit_2(refusals, case, message):
   assert len(errors) == 1 and message in errors[0], result.stderr
   assert "Traceback" not in result.stderr
   assert sorted(p.name for p in tmp.iterdir()) == ["int4"]  # nothing written: no workdir, no output
+
+
+def test_the_choice_bias_moves_the_load_toward_uniform(tmp_path):
+  """A skewed router (every expert's router row a multiple, -4 to 4, of one direction: a token picks experts
+  from one end of the row, by the sign of its hidden state along that direction) imported and trained 50 steps at
+  lr 1e-9 (only the choice biases move, by bias_update_speed a step), against the same run with the biases fixed
+  (speed 0): the MoE layers' load (``moe/load_max``, the largest expert's load x E: 1 is uniform) is the same at
+  step 1 and falls toward 1 with the update only; every bias moved by whole steps of the speed (no weight decay, no
+  Adam), and the aux loss that carries the load to the biases is logged as 0."""
+  from jaxtrain.train import trainer
+  from tests.test_hf import _load_config
+  model = _hf_deepseek(tmp_path / "src", "plain_q")
+  with torch.no_grad():
+    direction = torch.randn(64)
+    for layer in model.model.layers[1:]:
+      layer.mlp.gate.weight.copy_(torch.linspace(-4.0, 4.0, 8)[:, None] * direction[None] / 8)
+      layer.mlp.gate.e_score_correction_bias.zero_()
+  model.save_pretrained(tmp_path / "src", safe_serialization=True)
+  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
+  runs = {}
+  for speed in (0.0, 0.01):
+    cfg = _load_config(tmp_path / "out" / "config.py")
+    cfg.workdir = str(tmp_path / f"run{speed}")
+    cfg.model.bias_update_speed = speed
+    cfg.data.update(source="synthetic", seq_len=32)
+    cfg.train.update(steps=50, global_batch_size=8, log_every=1)
+    cfg.optim.update(lr=1e-9, warmup_steps=0, weight_decay=0.1)
+    runs[speed] = trainer.train(cfg)
+  (fixed, fixed_logged), (state, logged) = runs[0.0], runs[0.01]
+  fixed_load = [m["moe/load_max"] for m in fixed_logged]
+  load = [m["moe/load_max"] for m in logged]
+  assert len(load) == len(fixed_load) == 50
+  print(f"deepseek_v3 balancing: moe/load_max at step 1 {load[0]:.3f}; mean of steps 41-50: biases fixed "
+        f"{np.mean(fixed_load[-10:]):.3f}, updated {np.mean(load[-10:]):.3f}")
+  assert load[0] == pytest.approx(fixed_load[0], rel=1e-5) and load[0] > 1.5
+  assert np.mean(fixed_load[-10:]) > 1.5 and np.mean(load[-10:]) < np.mean(fixed_load[-10:]) - 0.2
+  assert all(m["aux_loss/bias_feedback"] == 0 for m in logged) and "aux_loss/bias_feedback" in logged[-1]
+  bias = np.asarray(jax.device_get(state.params["layers"]["moe"]["score_bias"]))
+  np.testing.assert_allclose(bias / 0.01, np.round(bias / 0.01), atol=1e-3)  # whole steps of the speed
+  assert np.abs(bias).max() > 0.05
+  assert not np.any(np.asarray(jax.device_get(fixed.params["layers"]["moe"]["score_bias"])))

@@ -90,6 +90,10 @@ def defaults() -> dict:
       capacity_factor=1.25,
       load_balance_weight=0.0,
       router_z_weight=0.0,
+      # Auxiliary-loss-free balancing: each choice bias moves by this much a step towards the mean load
+      # (jaxtrain.optim.balance_update; DeepSeek-V3: 0.001, then 0 for the last 500B tokens); 0: the bias stays
+      bias_update_speed=0.001,
+      bias_feedback_weight=1.0,  # the weight of the zero-valued aux loss that carries the load to the bias: keep 1
   )
 
 
@@ -103,7 +107,12 @@ def validate(cfg) -> None:
       "v_head_dim", "num_experts", "experts_per_token", "expert_mlp_dim", "capacity_factor", "num_groups",
       "topk_groups", "routed_scaling_factor")])
   check_positive({"model": cfg}, [f"model.{k}" for k in ("q_lora_rank", "num_shared_experts", "first_dense_layers",
-                                                          "load_balance_weight", "router_z_weight")], allow_zero=True)
+                                                          "load_balance_weight", "router_z_weight",
+                                                          "bias_update_speed")], allow_zero=True)
+  if cfg.bias_update_speed and cfg.bias_feedback_weight <= 0:
+    raise ConfigError("model.bias_feedback_weight", f"is {cfg.bias_feedback_weight}: the load no longer reaches the "
+                      "choice biases, which model.bias_update_speed moves", "leave it at 1 (or set "
+                      "bias_update_speed=0 to keep the biases fixed)")
   if cfg.qk_rope_head_dim % 2:
     raise ConfigError("model.qk_rope_head_dim", f"{cfg.qk_rope_head_dim} is odd", "RoPE turns pairs of dims: make it "
                       "even")
@@ -240,6 +249,19 @@ class MoE(moe.MoE):
     super().__init__(types.SimpleNamespace(**dict(cfg.items()), router_scores="sigmoid"), dtype, rngs)
     self.score_bias = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32), out_sharding=(None,))
     self.groups, self.topk_groups, self.factor = cfg.num_groups, cfg.topk_groups, float(cfg.routed_scaling_factor)
+    self.feedback = bool(cfg.bias_update_speed)
+
+  def __call__(self, x, segment_ids, decoding: bool = False):
+    """moe.MoE's, and with a bias update speed the aux loss ``bias_feedback``: 0, its gradient with respect to the
+    choice bias this layer's load minus the mean load (the optimizer moves the bias by its sign:
+    jaxtrain.optim.balance_update)."""
+    y, aux, metrics = super().__call__(x, segment_ids, decoding)
+    if self.feedback and not decoding:
+      load = jnp.stack([metrics[f"moe/load/e{i:02d}"] for i in range(self.score_bias.shape[0])])
+      deviation = jax.lax.stop_gradient(load - jnp.mean(load))
+      pull = jnp.sum(self.score_bias[...] * deviation)
+      aux["bias_feedback"] = pull - jax.lax.stop_gradient(pull)
+    return y, aux, metrics
 
   def route(self, x):
     logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...])
