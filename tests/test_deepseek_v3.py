@@ -152,12 +152,19 @@ def test_imported_logits_equal_transformers_and_each_mis_mapping_fails(imported)
     assert wrong > 100 * TOL, mis_map.__name__
 
 
-def test_greedy_generation_equals_transformers(imported):
-  """Left-padded prompts, the KV cache (every head's keys and values): token for token."""
-  _, tmp, ref, *_ = imported
+@pytest.mark.parametrize("mla_cache", ["latent", "full"])
+def test_greedy_generation_equals_transformers(imported, mla_cache):
+  """Left-padded prompts, the compressed cache (the latent and the rope key a token, W_kvb absorbed) and the full
+  one (every head's keys and values): token for token; the cache's bytes per token are cache_bytes_per_token's."""
+  from jaxtrain.models import deepseek_v3
+  _, tmp, ref, cfg, *_ = imported
   prompts = [[5, 17, 33, 2, 90, 11, 64], [7, 8, 9], [100, 3, 55, 21]]
   new = 10
-  loaded = generate.load(str(tmp / "out"))
+  loaded = generate.load(str(tmp / "out"), overrides=[f"model.mla_cache={mla_cache}"])
+  cache = loaded.model.init_cache(4, 17)
+  per_token = deepseek_v3.cache_bytes_per_token(loaded.model.cfg)
+  assert (cache.k.nbytes + cache.v.nbytes) / (4 * 17) == per_token[mla_cache]
+  print(f"deepseek_v3 cache bytes per token ({cfg.model.num_layers} layers): {per_token}")
   gen = sampling_lib.Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings,
                                rows=sampling_lib.padded_rows(len(prompts), loaded.mesh, loaded.rules), prompt_len=7,
                                max_new_tokens=new, eos_ids=())

@@ -27,11 +27,17 @@ The experts run in jaxtrain/parallel/experts.py (dropless or with a capacity; sh
 losses and load metrics are the ``moe`` family's (jaxtrain/models/moe/model.py; DeepSeek-V3 trains with
 ``load_balance_weight`` 0 and the bias instead).
 
-Decoding keeps every layer's full keys and values (``[heads, max(qk, v) head dim]`` per token).
+Decoding (``mla_cache``) keeps, per token and layer, either the normalized latent and the turned rope key
+(``latent``: ``kv_lora_rank + qk_rope_head_dim`` values, DeepSeek-V3's 576 against full keys and values' 128 heads x
+2 x 192) and attends with ``W_kvb`` absorbed: each head's query without position becomes ``q_nope W_k^T`` in the
+latent's space, so the scores are ``[q_nope W_k^T | q_rope] . [c | k_rope]`` (one key "head" shared by all query
+heads), the softmax-weighted sum of the latents is taken to each head's value by ``W_v`` before ``W_o``; or every
+head's full keys and values (``full``: the training path's own tensors). :func:`cache_bytes_per_token` gives both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import jax
@@ -47,6 +53,7 @@ from jaxtrain.models.moe import model as moe
 from jaxtrain.parallel import experts
 from jaxtrain.sharding import constrain
 
+MLA_CACHES = ("latent", "full")
 LATENT_NORM_EPS = 1e-6  # the q and kv latents' RMSNorm (transformers' DeepseekV3RMSNorm default)
 
 
@@ -67,6 +74,7 @@ def defaults() -> dict:
       qk_rope_head_dim=8,  # the dims RoPE turns (the key's shared by all heads)
       v_head_dim=16,
       rope_interleave=True,  # the RoPE dims stored as interleaved pairs (DeepSeek's checkpoints)
+      mla_cache="latent",  # decoding's cache: latent (the latent and the rope key a token) | full (every head's k, v)
       rope_theta=10_000.0,
       rope_scaling="",  # "" (none) | yarn
       rope_scaling_factor=40.0,
@@ -140,6 +148,9 @@ def validate(cfg) -> None:
   if cfg.moe_impl not in experts.MODES:
     raise ConfigError("model.moe_impl", f"'{cfg.moe_impl}' is not one of {', '.join(experts.MODES)}",
                       "set model.moe_impl=dropless or capacity")
+  if cfg.mla_cache not in MLA_CACHES:
+    raise ConfigError("model.mla_cache", f"'{cfg.mla_cache}' is not one of {', '.join(MLA_CACHES)}",
+                      "set model.mla_cache=latent or full")
   if not attention.takes_variants(cfg.attention):
     raise ConfigError("model.attention", f"the backend '{cfg.attention}' takes no explicit softmax scale, which "
                       "multi-head latent attention needs (its head dims are padded to one size)",
@@ -149,6 +160,14 @@ def validate(cfg) -> None:
     raise ConfigError("model.attention", f"'cudnn' needs a head dim that is a multiple of 8 up to "
                       f"{attention.CUDNN_MAX_HEAD_DIM} and MLA's is {width} (max of qk_nope_head_dim + "
                       "qk_rope_head_dim and v_head_dim)", "use blockwise or xla")
+
+
+def _write(cached, new, index):
+  """A latent cache's layer ``[batch, max_len, 1, width]`` with ``new`` at slot ``index`` (split over the batch
+  only: its one key "head" is not a ``kv_heads`` axis)."""
+  zero = jnp.zeros((), jnp.int32)
+  updated = jax.lax.dynamic_update_slice(cached, new.astype(cached.dtype), (zero, index, zero, zero))
+  return constrain(updated, ("batch", None, None, None))
 
 
 def _param(names):
@@ -186,6 +205,7 @@ class MLA(nnx.Module):
     yarn = self.scaling if isinstance(self.scaling, llama.Yarn) else None
     self.rope_scale = yarn.attention_factor if yarn else 1.0
     self.scale = qk ** -0.5 * (yarn.softmax_factor if yarn else 1.0)
+    self.latent_cache = cfg.mla_cache == "latent"
 
   def _rope(self, x, positions):
     """RoPE of the last dim of ``x`` ``[b, t, heads, qk_rope_head_dim]`` (interleaved pairs de-interleaved first)."""
@@ -222,11 +242,30 @@ class MLA(nnx.Module):
       return x if x.shape[-1] == width else jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
     return pad(q), pad(k), pad(v)
 
+  def _decode_latent(self, q_nope, q_rope, c, k_rope, segment_ids, positions, cache):
+    """Attention over the latent cache (``cache``: ``(latents [b, S, 1, rank], rope keys [b, S, 1, rope], slots)``)
+    with ``W_kvb`` absorbed into the queries and the outputs (the module docstring); the output and the updated
+    ``(latents, rope keys)``."""
+    c_cache, rope_cache, slots = cache
+    c_all, rope_all = _write(c_cache, c[:, :, None], slots.index), _write(rope_cache, k_rope, slots.index)
+    w = self.kv_b.kernel[...].astype(q_nope.dtype)  # [rank, heads, nope + v]
+    q_latent = jnp.einsum("btnh,rnh->btnr", q_nope, w[..., :self.nope])
+    q = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
+    keys = jnp.concatenate([c_all, rope_all.astype(c_all.dtype)], axis=-1)  # one key "head": [b, S, 1, rank + rope]
+    values = jnp.pad(c_all, [(0, 0)] * 3 + [(0, self.rope_dim)])  # the latents, at the keys' width
+    out = attend_cached(q, keys, values, segment_ids, positions, slots.segment_ids, slots.positions,
+                        attention.Variant(scale=self.scale))[..., :self.rank]
+    out = jnp.einsum("btnr,rnh->btnh", out, w[..., self.nope:])
+    return self.o(out), (c_all, rope_all)
+
   def __call__(self, x, positions, segment_ids, cache=None):
-    """As llama.Attention's (``cache``: ``(k, v, slots)``, every head's full keys and values padded to one head
-    dim); returns the output, and with a cache the updated ``(k, v)``."""
+    """As llama.Attention's (``cache``: ``(k, v, slots)``: with ``mla_cache=full`` every head's full keys and
+    values padded to one head dim, with ``latent`` the latents and the rope keys); returns the output, and with a
+    cache the updated ``(k, v)``."""
     q_nope, q_rope = self.queries(x, positions)
     c, k_rope = self.latent(x, positions)
+    if cache is not None and self.latent_cache:
+      return self._decode_latent(q_nope, q_rope, c, k_rope, segment_ids, positions, cache)
     k, v = self.keys_values(c, k_rope)
     q, k, v = self._padded(jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1), k, v)
     q = constrain(q, ("batch", "length", "heads", "head_dim"))
@@ -329,9 +368,48 @@ class DeepseekV3(moe.MoeLM):
 
   @classmethod
   def init_cache(cls, cfg, batch: int, max_len: int) -> KVCache:
-    """Every layer's full keys and values, ``[heads, max(qk, v) head dim]`` a token."""
-    return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_heads, max(qk_head_dim(cfg), cfg.v_head_dim),
-                         jnp.dtype(cfg.dtype))
+    """``mla_cache=latent``: every layer's latents (``k``, ``[layers, batch, max_len, 1, kv_lora_rank]``) and rope
+    keys (``v``, ``[..., 1, qk_rope_head_dim]``); ``full``: every head's keys and values (``[..., heads, max(qk,
+    v) head dim]``)."""
+    dtype = jnp.dtype(cfg.dtype)
+    if cfg.mla_cache == "full":
+      return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_heads, max(qk_head_dim(cfg), cfg.v_head_dim),
+                           dtype)
+    slots = jnp.zeros((batch, max_len), jnp.int32)
+    return KVCache(jnp.zeros((cfg.num_layers, batch, max_len, 1, cfg.kv_lora_rank), dtype),
+                   jnp.zeros((cfg.num_layers, batch, max_len, 1, cfg.qk_rope_head_dim), dtype), slots, slots,
+                   jnp.zeros((), jnp.int32))
+
+  def _decode(self, tokens, positions, segment_ids, cache: KVCache):
+    """The ``moe`` family's decoding (full keys and values), or over the latent cache: both stacks in turn, each
+    layer writing its new latents and rope keys (unsplit but for the batch)."""
+    if not self.layers.attn.latent_cache:
+      return super()._decode(tokens, positions, segment_ids, cache)
+    slots = cache.write_slots(segment_ids, positions)
+    x, start, cs, ropes = llama.lookup(self.embed, tokens), 0, [], []
+    for stack in (self.dense_layers, self.layers):
+      if stack is None:
+        continue
+      graphdef, count = nnx.graphdef(stack), jax.tree.leaves(nnx.state(stack))[0].shape[0]
+
+      def layer(h, xs, graphdef=graphdef):
+        weights, c_layer, rope_layer = xs
+        return nnx.merge(graphdef, weights)(h, positions, segment_ids, (c_layer, rope_layer, slots))
+
+      x, (c_new, rope_new) = jax.lax.scan(layer, x, (nnx.state(stack), cache.k[start:start + count],
+                                                    cache.v[start:start + count]))
+      cs, ropes, start = cs + [c_new], ropes + [rope_new], start + count
+    cache = dataclasses.replace(slots, k=jnp.concatenate(cs), v=jnp.concatenate(ropes),
+                                index=slots.index + tokens.shape[1])
+    return self.head(x), cache
+
+
+def cache_bytes_per_token(cfg) -> dict[str, int]:
+  """Decoding's cache per token (all layers, the compute dtype): ``latent`` (the latent and the rope key) and
+  ``full`` (every head's keys and values at the padded head dim)."""
+  item, layers = jnp.dtype(cfg.dtype).itemsize, cfg.num_layers
+  return {"latent": layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item,
+          "full": layers * 2 * cfg.num_heads * max(qk_head_dim(cfg), cfg.v_head_dim) * item}
 
 
 def _expert_params(abstract_params) -> int:
