@@ -315,3 +315,29 @@ def test_the_choice_bias_moves_the_load_toward_uniform(tmp_path):
   np.testing.assert_allclose(bias / 0.01, np.round(bias / 0.01), atol=1e-3)  # whole steps of the speed
   assert np.abs(bias).max() > 0.05
   assert not np.any(np.asarray(jax.device_get(fixed.params["layers"]["moe"]["score_bias"])))
+
+
+def test_the_published_size_has_the_published_parameter_counts():
+  """configs/deepseek_v3_671b.py: total the published 671B, transformers' count for the config.json jaxtrain would
+  export (built on the meta device) plus the choice biases it holds as buffers (58 MoE layers x 256); active (8 of
+  256 routed experts) the published 37B."""
+  import importlib
+  from jaxtrain.models import deepseek_v3
+  model_cfg = importlib.import_module("configs.deepseek_v3_671b").get_config().model
+  total, active = deepseek_v3.param_counts(model_cfg, models.Model.from_config(model_cfg).abstract_params)
+  hf_cfg = transformers.AutoConfig.for_model(**hf.hf_config(model_cfg))
+  with torch.device("meta"):
+    theirs = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf_cfg).parameters())
+  assert total == theirs + 58 * 256 == 671_026_419_200
+  assert active == 37_552_297_472 and round(active / 1e9) == 38 and int(active // 1e9) == 37
+
+
+def test_the_estimator_sizes_the_published_config_as_its_docstring_says():
+  """tools/estimate.py on 1024 chips, expert 64 x fsdp 16, the config's capacity mode and 15 microbatches."""
+  import re
+  result = forked.run_many([["tools/estimate.py", "--config=configs/deepseek_v3_671b.py", "--devices=1024",
+                             "--set=mesh.expert=64", "--set=mesh.fsdp=16"]])[0]
+  assert result.returncode == 0, result.stderr[-2000:]
+  total = re.search(r"^ +total +([0-9.]+) GiB per device", result.stdout + result.stderr, re.M)
+  assert total and round(float(total.group(1)), 1) == 34.2
+  assert "34.2 GiB per chip" in (pathlib.Path(__file__).parents[1] / "configs" / "deepseek_v3_671b.py").read_text()

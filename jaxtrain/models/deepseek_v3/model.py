@@ -189,8 +189,9 @@ class MLA(nnx.Module):
       self.q = None
       self.q_a = nnx.Linear(d, cfg.q_lora_rank, kernel_init=_param(("embed", None)), **linear)
       self.q_norm = llama.RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, dtype, None)
-      self.q_b = nnx.Einsum("btr,rnh->btnh", (cfg.q_lora_rank, n, qk), kernel_init=_param((None, "heads", "head_dim")),
-                            **kw)
+      # The latent dims are named ``embed`` in the up-projections: split over fsdp as a projection's input dim.
+      self.q_b = nnx.Einsum("btr,rnh->btnh", (cfg.q_lora_rank, n, qk),
+                            kernel_init=_param(("embed", "heads", "head_dim")), **kw)
     else:
       self.q, self.q_a, self.q_norm, self.q_b = (
           nnx.Einsum("btd,dnh->btnh", (d, n, qk), kernel_init=_param(("embed", "heads", "head_dim")), **kw),
@@ -198,7 +199,7 @@ class MLA(nnx.Module):
     self.kv_a = nnx.Linear(d, self.rank + self.rope_dim, kernel_init=_param(("embed", None)), **linear)
     self.kv_norm = llama.RMSNorm(self.rank, LATENT_NORM_EPS, dtype, None)
     self.kv_b = nnx.Einsum("btr,rnh->btnh", (self.rank, n, self.nope + self.v_dim),
-                           kernel_init=_param((None, "heads", "head_dim")), **kw)
+                           kernel_init=_param(("embed", "heads", "head_dim")), **kw)
     self.o = nnx.Einsum("btnh,nhd->btd", (n, self.v_dim, d), kernel_init=_param(("heads", "head_dim", "embed")), **kw)
     self.theta, self.scaling, self.backend = cfg.rope_theta, llama.rope_scaling(cfg), cfg.attention
     self.interleave, self.block_size = bool(cfg.rope_interleave), cfg.attention_block_size
@@ -434,9 +435,9 @@ def flops_per_token(cfg, seq_len: int, abstract_params) -> float:
 def activation_estimate(cfg, rows: int, seq_len: int, tensor: int, context: int = 1) -> dict[str, int]:
   """The ``moe`` family's estimate with MLA's attention as grouped-query attention of ``num_heads`` key/value heads
   at the padded head dim (what the backends see; the latent projections' activations are not counted)."""
-  view = types.SimpleNamespace(**dict(cfg.items()), num_kv_heads=cfg.num_heads,
-                               head_dim=max(qk_head_dim(cfg), cfg.v_head_dim),
-                               mlp_dim=(cfg.experts_per_token + cfg.num_shared_experts) * cfg.expert_mlp_dim)
+  view = types.SimpleNamespace(**{**dict(cfg.items()), "num_kv_heads": cfg.num_heads,
+                                  "head_dim": max(qk_head_dim(cfg), cfg.v_head_dim),
+                                  "mlp_dim": (cfg.experts_per_token + cfg.num_shared_experts) * cfg.expert_mlp_dim})
   return llama.activation_estimate(view, rows, seq_len, tensor, context,
                                    routed_mlp=cfg.experts_per_token * cfg.expert_mlp_dim, router=cfg.num_experts)
 
