@@ -341,3 +341,38 @@ def test_the_estimator_sizes_the_published_config_as_its_docstring_says():
   total = re.search(r"^ +total +([0-9.]+) GiB per device", result.stdout + result.stderr, re.M)
   assert total and round(float(total.group(1)), 1) == 34.2
   assert "34.2 GiB per chip" in (pathlib.Path(__file__).parents[1] / "configs" / "deepseek_v3_671b.py").read_text()
+
+
+def _config(tmp_path, **mesh):
+  from tests.conftest import small_config
+  c = small_config(tmp_path, **mesh)
+  m = models.defaults("deepseek_v3")
+  m.update(num_layers=3, d_model=64, num_heads=4, vocab_size=256, q_lora_rank=32, kv_lora_rank=16,
+           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_experts=8, experts_per_token=2,
+           expert_mlp_dim=32, num_groups=4, topk_groups=2, first_dense_layers=1, load_balance_weight=0.01,
+           router_z_weight=0.001, rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_positions=16)
+  c.model = m
+  return c
+
+
+@pytest.mark.slow
+def test_trains_sharded_equal_to_one_device(tmp_path):
+  """fsdp 2 x tensor 2 x expert 2 (dropless, and capacity with room for every token), context 2 x fsdp 2 x expert 2
+  (blockwise: MLA's keys and values gathered over the context axis) and pipeline 2 x fsdp 2 x expert 2, against one
+  device (packed rows, the auxiliary losses on): the loss and every gradient within 1e-5."""
+  from tests.test_pipeline import _loss_and_grads, _packed_batch
+  batch = _packed_batch()
+  ref_loss, ref_tokens, ref_grads, _ = _loss_and_grads(_config(tmp_path / "one"), batch, jax.devices()[:1])
+  for i, (mesh, impl) in enumerate([(dict(fsdp=2, tensor=2, expert=2), "dropless"),
+                                    (dict(fsdp=2, tensor=2, expert=2), "capacity"),
+                                    (dict(context=2, fsdp=2, expert=2), "dropless"),
+                                    (dict(pipeline=2, fsdp=2, expert=2), "dropless")]):
+    config = _config(tmp_path / str(i), **mesh)
+    config.model.update(attention="blockwise" if "context" in mesh else "auto", moe_impl=impl, capacity_factor=8.0)
+    loss, tokens, grads, _ = _loss_and_grads(config, batch, jax.devices())
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=f"{mesh} {impl}")
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):
+      scale = np.max(np.abs(r))
+      err = np.max(np.abs(g - r)) / scale if scale else np.max(np.abs(g))
+      assert err < 1e-5, f"{mesh} {impl} {jax.tree_util.keystr(path)}: relative gradient error {err:.2e}"
