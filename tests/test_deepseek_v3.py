@@ -376,3 +376,57 @@ def test_trains_sharded_equal_to_one_device(tmp_path):
       scale = np.max(np.abs(r))
       err = np.max(np.abs(g - r)) / scale if scale else np.max(np.abs(g))
       assert err < 1e-5, f"{mesh} {impl} {jax.tree_util.keystr(path)}: relative gradient error {err:.2e}"
+
+
+def test_multi_token_prediction_loss_equals_an_independent_computation():
+  """mtp_depth 2 on a packed row of two documents and padding: the aux loss ``mtp`` (weighted by model.mtp_weight,
+  logged as aux_loss/mtp) equals the mean over the two modules of their mean cross-entropy computed here in numpy
+  from the stack's output (each module: [enorm(Emb(t_{i+k})) | hnorm(h)] W_eh, its block, post_norm, the shared
+  head; targets t_{i+k+1} of the same document only); the logits are those of the model without the modules."""
+  from jaxtrain.train import step as step_lib
+  from flax import nnx
+  m = models.defaults("deepseek_v3")
+  m.update(mtp_depth=2, vocab_size=64)
+  model = models.Model.from_config(m)
+  assert model.aux_loss_weights(step_lib.aux_loss_names(model, 8))["mtp"] == 0.3
+  params = jax.tree.map(lambda a: a + 0.1 * np.random.default_rng(0).standard_normal(a.shape).astype(np.float32),
+                        model.init(jax.random.key(0)))
+  t = 16
+  tokens = np.random.default_rng(1).integers(0, 64, (1, t)).astype(np.int32)
+  seg = np.array([[1] * 7 + [2] * 6 + [0] * 3], np.int32)
+  pos = np.array([list(range(7)) + list(range(6)) + [0] * 3], np.int32)
+  out = model.forward(params, tokens, pos, seg)
+  plain = {k: v for k, v in params.items() if k != "mtp"}
+  m0 = m.copy_and_resolve_references()
+  m0.mtp_depth = 0
+  np.testing.assert_array_equal(np.asarray(out.logits), np.asarray(models.Model.from_config(m0).forward(
+      plain, tokens, pos, seg).logits))
+
+  module = model.bind(params)
+  x = module.embed_tokens(tokens, pos, seg)
+  for i in range(m.num_layers - m.first_dense_layers):
+    x, _ = module.apply_layer(jax.tree.map(lambda a, i=i: a[i], nnx.state(module.layers)), x, (pos, seg))
+
+  def rms(v, scale, eps=m.norm_eps):
+    v = np.asarray(v, np.float64)
+    return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps) * np.asarray(scale)
+
+  mtp, table, head = params["mtp"], np.asarray(params["embed"]["embedding"]), np.asarray(params["lm_head"]["kernel"])
+  h, losses = rms(x, params["final_norm"]["scale"]), []
+  for k in (1, 2):
+    w = jax.tree.map(lambda a, k=k: np.asarray(a[k - 1]), mtp)
+    ahead = np.array([[tokens[0, min(i + k, t - 1)] for i in range(t)]])
+    mixed = np.concatenate([rms(table[ahead], w["enorm"]["scale"]), rms(h, w["hnorm"]["scale"])], -1)
+    block = nnx.merge(nnx.graphdef(module.mtp), jax.tree.map(lambda a, k=k: a[k - 1], nnx.state(module.mtp))).block
+    y, _, _ = block(jax.numpy.asarray(mixed @ w["eh_proj"]["kernel"], jax.numpy.float32), pos, seg)
+    h = rms(y, w["post_norm"]["scale"])
+    logits = h @ head
+    logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True)) - logits.max(
+        -1, keepdims=True)
+    nll = [-logp[0, i, tokens[0, i + k + 1]] for i in range(t - k - 1)
+           if seg[0, i] != 0 and seg[0, i + k + 1] == seg[0, i]]
+    assert len(nll) == (7 - k - 1) + (6 - k - 1)
+    losses.append(np.mean(nll))
+  ours = float(out.aux_losses["mtp"])
+  print(f"deepseek_v3 mtp: {ours:.6f}, independent {np.mean(losses):.6f}")
+  assert ours == pytest.approx(np.mean(losses), rel=1e-5)

@@ -375,6 +375,8 @@ class Model:
       return "it has no stacked 'layers' parameters"
     if attention.mixed_layers(self.cfg):
       return "its layers interleave local and global attention (model.global_every)"
+    if self.cfg.get("mtp_depth"):
+      return "its multi-token prediction modules run after the stack (model.mtp_depth)"
     return None
 
   def num_layers(self) -> int:

@@ -46,7 +46,7 @@ from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
 from jaxtrain.errors import ConfigError, check_positive
-from jaxtrain.models import attention, core, quantization
+from jaxtrain.models import attention, core, quantization, scans
 from jaxtrain.models.attention import KVCache, attend, attend_cached, write_kv
 from jaxtrain.models.llama import model as llama
 from jaxtrain.models.moe import model as moe
@@ -102,6 +102,10 @@ def defaults() -> dict:
       # (jaxtrain.optim.balance_update; DeepSeek-V3: 0.001, then 0 for the last 500B tokens); 0: the bias stays
       bias_update_speed=0.001,
       bias_feedback_weight=1.0,  # the weight of the zero-valued aux loss that carries the load to the bias: keep 1
+      # Multi-token prediction: D modules after the stack, module k predicting token t + 1 + k (aux loss ``mtp``,
+      # the mean over the modules; DeepSeek-V3: D = 1, weight 0.3 then 0.1); not run when decoding, not exported
+      mtp_depth=0,
+      mtp_weight=0.3,
   )
 
 
@@ -116,7 +120,8 @@ def validate(cfg) -> None:
       "topk_groups", "routed_scaling_factor")])
   check_positive({"model": cfg}, [f"model.{k}" for k in ("q_lora_rank", "num_shared_experts", "first_dense_layers",
                                                           "load_balance_weight", "router_z_weight",
-                                                          "bias_update_speed")], allow_zero=True)
+                                                          "bias_update_speed", "mtp_depth", "mtp_weight")],
+                 allow_zero=True)
   if cfg.bias_update_speed and cfg.bias_feedback_weight <= 0:
     raise ConfigError("model.bias_feedback_weight", f"is {cfg.bias_feedback_weight}: the load no longer reaches the "
                       "choice biases, which model.bias_update_speed moves", "leave it at 1 (or set "
@@ -349,6 +354,36 @@ def _dense_block(cfg, dtype, rngs):
   return Block(cfg, dtype, rngs, dense=True)
 
 
+class MTPModule(nnx.Module):
+  """One multi-token-prediction module (DeepSeek-V3 technical report, section 2.2; transformers' ``MtpLayer``):
+  ``h_k = post_norm(Block(W_eh [enorm(Emb(t_{i+k})) | hnorm(h_{k-1})]))``, its logits the shared head's of
+  ``h_k``."""
+
+  def __init__(self, cfg, dtype, rngs: nnx.Rngs):
+    self.enorm, self.hnorm, self.post_norm = llama.norm(cfg, dtype), llama.norm(cfg, dtype), llama.norm(cfg, dtype)
+    self.eh_proj = nnx.Linear(2 * cfg.d_model, cfg.d_model, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
+                              kernel_init=_param((None, "embed")), rngs=rngs)
+    self.block = Block(cfg, dtype, rngs)
+
+  def __call__(self, h, embedded, positions, segment_ids):
+    x = self.eh_proj(jnp.concatenate([self.enorm(embedded), self.hnorm(h)], axis=-1))
+    x, _, _ = self.block(x, positions, segment_ids)  # (its router's losses and load are not the stack's)
+    return self.post_norm(x)
+
+
+def mtp_targets(tokens, positions, segment_ids, k: int):
+  """Module k's (1-based) inputs and targets at each position i: ``(t_{i+k}, t_{i+k+1}, valid)``, valid where
+  ``t_{i+k+1}`` is in the row and of i's document (the row's last k + 1 positions and a document's last k + 1
+  tokens have none)."""
+  length = tokens.shape[1]
+
+  def ahead(a, n):
+    return jnp.concatenate([a[:, n:], jnp.zeros_like(a[:, :n])], axis=1) if n < length else jnp.zeros_like(a)
+  valid = ((ahead(segment_ids, k + 1) == segment_ids) & (segment_ids != 0)
+           & (ahead(positions, k + 1) == positions + k + 1) & (jnp.arange(length) < length - k - 1))
+  return ahead(tokens, k), ahead(tokens, k + 1), valid
+
+
 class DeepseekV3(moe.MoeLM):
   """The ``moe`` family's decoder (its layer scan, pipeline methods and decoding) with MLA blocks: embedding,
   ``first_dense_layers`` dense blocks, the stacked MoE blocks ``layers``, final norm and head."""
@@ -366,6 +401,44 @@ class DeepseekV3(moe.MoeLM):
         kernel_init=_param(("embed", "vocab")), rngs=rngs)
     self.remat = cfg.remat
     self.moe_layers = cfg.num_layers - cfg.first_dense_layers
+    # Stacked like the layers, its leading axis ``mtp_layers`` (no rule shards it); run one module at a time.
+    self.mtp = moe._stack(cfg, dtype, rngs, MTPModule, cfg.mtp_depth, "mtp_layers") if cfg.mtp_depth else None
+
+  def __call__(self, tokens, positions, segment_ids, cache: KVCache | None = None):
+    """The ``moe`` family's forward; with ``mtp_depth`` also the aux loss ``mtp``: the mean over the modules of
+    their mean token cross-entropy (:func:`mtp_targets`). Decoding never runs the modules."""
+    if cache is not None or self.mtp is None:
+      return super().__call__(tokens, positions, segment_ids, cache)
+    x = self.embed_tokens(tokens, positions, segment_ids)
+    side = (positions, segment_ids)
+    zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                        jax.eval_shape(lambda w, h: self.apply_layer(w, h, side)[1],
+                                       jax.tree.map(lambda a: a[0], nnx.state(self.layers)), x))
+
+    def body(carry, w):
+      h, extras = carry
+      h, new = self.apply_layer(w, h, side)
+      return (h, jax.tree.map(jnp.add, extras, new)), None
+
+    (x, extras), _ = jax.lax.scan(body, (x, zero), nnx.state(self.layers), unroll=scans.unroll())
+    return core.Output(self.head(x), {**extras["aux_losses"], "mtp": self.mtp_loss(x, tokens, positions,
+                                                                                     segment_ids)},
+                       extras["metrics"])
+
+  def mtp_loss(self, x, tokens, positions, segment_ids):
+    """The multi-token-prediction loss from the stack's output ``x`` (before the final norm)."""
+    h, losses = self.final_norm(x), []
+    graphdef, stacked = nnx.graphdef(self.mtp), nnx.state(self.mtp)
+    for k in range(1, jax.tree.leaves(stacked)[0].shape[0] + 1):
+      inputs, targets, valid = mtp_targets(tokens, positions, segment_ids, k)
+      module = nnx.merge(graphdef, jax.tree.map(lambda a, k=k: a[k - 1], stacked))
+      h = module(h, llama.lookup(self.embed, inputs), positions, segment_ids)
+      logits = self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
+      logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+      nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+      mask = valid.astype(jnp.float32)
+      losses.append(jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0))
+    return sum(losses) / len(losses)
 
   @classmethod
   def init_cache(cls, cfg, batch: int, max_len: int) -> KVCache:
