@@ -246,9 +246,8 @@ def test_fp8_blocks_dequantize_on_import_as_transformers_does(imported, tmp_path
 
 @pytest.fixture(scope="module")
 def refusals(tmp_path_factory):
-  """Forked commands: a backend without an explicit scale (cudnn off GPU is refused first: xla's plain layout is
-  used instead via a registered test backend is not possible in a fork), a model of an odd rope dim, and an import
-  of another quantization."""
+  """Forked commands: a model of an odd rope dim, expert groups that do not divide the experts, and an import of
+  another quantization."""
   tmp = tmp_path_factory.mktemp("refused")
   src = tmp / "int4"
   _hf_deepseek(src)
@@ -430,3 +429,17 @@ def test_multi_token_prediction_loss_equals_an_independent_computation():
   ours = float(out.aux_losses["mtp"])
   print(f"deepseek_v3 mtp: {ours:.6f}, independent {np.mean(losses):.6f}")
   assert ours == pytest.approx(np.mean(losses), rel=1e-5)
+
+
+def test_mla_dims_the_cudnn_kernel_cannot_take_are_one_line():
+  """The family's check (validation runs it after the backend's own, which refuses cudnn off a GPU first): the
+  padded head dim max(qk_nope + qk_rope, v) past cuDNN's 256 or not a multiple of 8 names model.attention."""
+  from jaxtrain.errors import ConfigError
+  from jaxtrain.models import deepseek_v3
+  m = models.defaults("deepseek_v3")
+  m.update(attention="cudnn", qk_nope_head_dim=250)
+  with pytest.raises(ConfigError, match=r"model.attention: 'cudnn' needs a head dim that is a multiple of 8 up to "
+                     r"256 and MLA's is 258"):
+    deepseek_v3.validate(m)
+  m.update(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)  # DeepSeek-V3's: 192
+  deepseek_v3.validate(m)
