@@ -1,6 +1,6 @@
 """configs/tiny.py's shapes for any registered family, its attention variants on: ``configs/tiny_family.py:NAME``
-(default qwen3), e.g. ``:gemma2``, ``:mistral``, ``:qwen3_moe``, ``:gpt_oss``, ``:deepseek_v3``. Trains in seconds on 8 simulated CPU
-devices.
+(default qwen3), e.g. ``:gemma2``, ``:mistral``, ``:qwen3_moe``, ``:gpt_oss``, ``:deepseek_v3``. Trains in seconds
+on 8 simulated CPU devices.
 
 Windows are 32 tokens (of 128): Gemma 2 and GPT-OSS alternate local and global layers, Gemma 3 has three local to one
 global (of 4 layers), Mistral's are all local, Qwen's families have none (as released). MoE families (GPT-OSS too) get
