@@ -54,7 +54,7 @@ from jaxtrain.sampling import (GenerateError, Generator, Sampling, encode_prompt
 from jaxtrain.train.state import TrainState
 
 # Keys of the saved run config that the command line may override (the layout and the compute, not the model).
-OVERRIDABLE = ("mesh.", "sharding.", "model.dtype", "model.attention")
+OVERRIDABLE = ("mesh.", "sharding.", "model.dtype", "model.attention", "model.mla_cache")  # (MLA: its cache kind)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -51,6 +51,8 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "special_tokens_map.json", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 _DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "F64": np.dtype(np.float64)}
 _EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+# Read from the file's bytes (quantized checkpoints: DeepSeek-V3's fp8 weights, jaxtrain/models/deepseek_v3/hf.py).
+_RAW_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
 
 
 def _bf16():
@@ -150,7 +152,19 @@ class _Entry:
   def read(self) -> np.ndarray:
     # framework="flax": safetensors' numpy backend cannot hold bfloat16; on the CPU the jax array is a view.
     with safe_open(self.file, framework="flax") as f:
+      if f.get_slice(self.name).get_dtype() in _RAW_DTYPES:  # which neither backend can hold: read as bytes
+        return self._read_raw()
       return np.asarray(f.get_tensor(self.name))
+
+  def _read_raw(self) -> np.ndarray:
+    """The tensor's bytes (the header's ``data_offsets`` past the header) as its ml_dtypes type."""
+    with open(self.file, "rb") as f:
+      size = int.from_bytes(f.read(8), "little")
+      entry = json.loads(f.read(size))[self.name]
+      start, end = entry["data_offsets"]
+      f.seek(8 + size + start)
+      data = f.read(end - start)
+    return np.frombuffer(data, _RAW_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
 def _header(path: str) -> dict[str, _Entry]:
@@ -250,8 +264,8 @@ def read_params(hf_dir: str, model: Any) -> tuple[dict, str]:
   entries = _find_weights(hf_dir)
   found = _exporter(model)
   expected = found.tensors(model)
-  stored = {name: how for name, *_ in expected if name not in entries
-            for how in [found.stored_as(name, entries)] if how is not None}  # quantized: read from its parts
+  stored = {name: how for name, *_ in expected for how in [found.stored_as(name, entries)]
+            if how is not None}  # quantized: read from its parts (the tensor's own name may be one of them)
   known = {name for name, *_ in expected if name not in stored} | {p for parts, _ in stored.values() for p in parts}
   extra = sorted(n for n in entries if n not in known and not found.ignored(n, model))
   missing = sorted(known - set(entries))

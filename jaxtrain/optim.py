@@ -50,7 +50,7 @@ from jaxtrain import loss_scale
 from jaxtrain.errors import ConfigError, check_positive
 from jaxtrain.registry import Registry
 
-NO_DECAY = ("scale", "bias")  # norm scales and biases are not weight-decayed
+NO_DECAY = ("scale", "bias", "score_bias")  # norm scales, biases and routers' choice biases: not weight-decayed
 # optim.name -> (cfg, learning_rate: optax.Schedule) -> optax.GradientTransformation (weight decay included)
 OPTIMIZERS: Registry[Callable[..., optax.GradientTransformation]] = Registry(
     "optim.name", "optimizer", how="jaxtrain.optim.OPTIMIZERS.register")
@@ -112,8 +112,17 @@ def decay_mask(params):
                                           params)
 
 
+def balance_update(speed: float) -> optax.GradientTransformation:
+  """The auxiliary-loss-free balancing of DeepSeek-V3's routers (arXiv:2412.19437, section 2.1.2): each choice bias
+  moves by ``speed x sign(mean load - load)`` per step, whatever the lr schedule. Its "gradient" is the load's
+  deviation (``load - mean load``; jaxtrain/models/deepseek_v3's ``bias_feedback``), so the update is ``-speed x
+  sign(gradient)``."""
+  return optax.chain(optax.scale_by_sign(), optax.scale(-speed))
+
+
 def optimizer(optim_cfg, train_steps: int, trainable: Callable[[Any], Any] | None = None,
-              logical_specs: Any = None) -> optax.GradientTransformation:
+              logical_specs: Any = None, balance: tuple[Callable[[Any], Any], float] | None = None
+              ) -> optax.GradientTransformation:
   """Global-norm clipping (unless ``clip_norm`` is 0), then ``OPTIMIZERS[optim_cfg.name]`` with the lr
   :func:`schedule`. ConfigError naming ``optim.name`` if it is not registered.
 
@@ -121,7 +130,10 @@ def optimizer(optim_cfg, train_steps: int, trainable: Callable[[Any], Any] | Non
   ``trainable_mask()``); the clipping and the optimizer then see only the trained params (the global norm is
   theirs), and the frozen ones get zero updates and have no optimizer state at all (``optax.multi_transform``
   with ``set_to_zero``). ``logical_specs``: the model's logical axis names per param, given to an optimizer
-  whose factory takes a ``logical_specs`` argument (Muon: which axes are batch axes)."""
+  whose factory takes a ``logical_specs`` argument (Muon: which axes are batch axes). ``balance``: ``(params ->
+  tree of bools, speed)``, the routers' choice biases (the model's ``balance()``), updated by
+  :func:`balance_update` instead, outside the clipping's norm and without optimizer state (a frozen one stays
+  frozen)."""
   chain = []
   if optim_cfg.clip_norm > 0:
     chain.append(optax.clip_by_global_norm(optim_cfg.clip_norm))
@@ -130,20 +142,26 @@ def optimizer(optim_cfg, train_steps: int, trainable: Callable[[Any], Any] | Non
   chain.append(factory(optim_cfg, schedule(optim_cfg, train_steps),
                        **({"logical_specs": logical_specs} if takes_specs else {})))
   tx = optax.chain(*chain)
-  if trainable is None:
+  if trainable is None and balance is None:
     return tx
 
   def labels(params):
-    return jax.tree.map(lambda t: "train" if t else "frozen", trainable(params))
+    trained = trainable(params) if trainable is not None else jax.tree.map(lambda _: True, params)
+    balanced = balance[0](params) if balance is not None else jax.tree.map(lambda _: False, params)
+    return jax.tree.map(lambda t, b: "frozen" if not t else "balance" if b else "train", trained, balanced)
 
-  return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
+  transforms = {"train": tx, "frozen": optax.set_to_zero()}
+  if balance is not None:
+    transforms["balance"] = balance_update(balance[1])
+  return optax.multi_transform(transforms, labels)
 
 
 def make(optim_cfg, train_steps: int, trainable: Callable[[Any], Any] | None = None,
-         logical_specs: Any = None) -> optax.GradientTransformation:
+         logical_specs: Any = None, balance: tuple[Callable[[Any], Any], float] | None = None
+         ) -> optax.GradientTransformation:
   """The run's optimizer (:func:`optimizer`), loss-scaled as ``optim.loss_scale`` says (the outermost layer: its
   state holds the scale, :mod:`jaxtrain.loss_scale`)."""
-  return loss_scale.wrap(optimizer(optim_cfg, train_steps, trainable, logical_specs), optim_cfg.loss_scale,
+  return loss_scale.wrap(optimizer(optim_cfg, train_steps, trainable, logical_specs, balance), optim_cfg.loss_scale,
                          optim_cfg.loss_scale_init, optim_cfg.loss_scale_period)
 
 

@@ -324,6 +324,16 @@ class Model:
     adapters), else None (everything is trained)."""
     return lora.trainable_mask if self.lora else None
 
+  def balance(self) -> tuple[Callable[[Any], Any], float] | None:
+    """``(params -> tree of bools, speed)``: the routers' choice biases (params named ``score_bias``) that the
+    optimizer moves by the load (jaxtrain.optim.balance_update) at ``model.bias_update_speed``; None where the model
+    has no such key or it is 0."""
+    speed = float(self.cfg.get("bias_update_speed", 0.0))
+    if not speed:
+      return None
+    return (lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) == "score_bias", params)), speed
+
   def split_trainable(self, params: dict) -> tuple[Any, Any]:
     """(trained params, frozen params): with LoRA (adapters, base), else (params, {})."""
     return lora.split(params) if self.lora else (params, {})
@@ -365,6 +375,8 @@ class Model:
       return "it has no stacked 'layers' parameters"
     if attention.mixed_layers(self.cfg):
       return "its layers interleave local and global attention (model.global_every)"
+    if self.cfg.get("mtp_depth"):
+      return "its multi-token prediction modules run after the stack (model.mtp_depth)"
     return None
 
   def num_layers(self) -> int:

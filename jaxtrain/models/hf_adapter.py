@@ -62,8 +62,8 @@ class Adapter(abc.ABC):
 
   def stored_as(self, name: str, names: Any) -> tuple[list[str], Any] | None:
     """How a checkpoint whose tensor names are ``names`` holds the tensor ``name`` when not as itself (quantized):
-    the names of its parts and ``make(arrays) -> np.ndarray`` (the tensor, from the parts read in that order); None:
-    as itself."""
+    the names of its parts (``name`` itself may be one: a quantized weight beside its scales) and ``make(arrays) ->
+    np.ndarray`` (the tensor, from the parts read in that order); None: as itself."""
     del name, names
     return None
 

@@ -106,7 +106,7 @@ see :func:`jaxtrain.config.resolve`). Raises ConfigError on user mistakes."""
   if config.optim.name == "muon":
     optim.check_muon(model.abstract_params, model.logical_specs, config.model.name)
   # LoRA: the adapters only; the logical axes tell Muon an expert kernel's experts from its matrix
-  tx = optim.make(config.optim, config.train.steps, model.trainable_mask(), model.logical_specs)
+  tx = optim.make(config.optim, config.train.steps, model.trainable_mask(), model.logical_specs, model.balance())
   aux_weights = model.aux_loss_weights(step_lib.aux_loss_names(model, config.data.seq_len))
   return Run(config=config, mesh=mesh, rules=rules, model=model, tx=tx,
              lr_schedule=optim.schedule(config.optim, config.train.steps),

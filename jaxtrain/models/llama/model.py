@@ -170,16 +170,32 @@ class Yarn(NamedTuple):
   """YaRN RoPE scaling (Peng et al. 2023, arXiv:2309.00071) as transformers' ``_compute_yarn_parameters`` computes
   it: frequencies interpolated (divided by ``factor``) below a ramp between the dims that rotate ``beta_slow`` and
   ``beta_fast`` times over ``original`` positions, extrapolated (kept) above it; cos and sin scaled by
-  :meth:`attention_factor` (so the scores by its square)."""
+  :meth:`attention_factor` (so the scores by its square). DeepSeek's form (``mscale``, ``mscale_all_dim``; 0 = unset)
+  changes that factor and scales the softmax too (:meth:`softmax_factor`; jaxtrain/models/deepseek_v3)."""
   factor: float
   beta_fast: float
   beta_slow: float
   original: int
   truncate: bool
+  mscale: float = 0.0
+  mscale_all_dim: float = 0.0
+
+  def _mscale(self, m: float = 1.0) -> float:
+    return 0.1 * m * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
   @property
   def attention_factor(self) -> float:
-    return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+    """cos and sin's factor: ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are set (DeepSeek:
+    1 when they are equal), else ``0.1 ln(factor) + 1`` (transformers' ``_compute_yarn_parameters``)."""
+    if self.mscale and self.mscale_all_dim:
+      return self._mscale(self.mscale) / self._mscale(self.mscale_all_dim)
+    return self._mscale()
+
+  @property
+  def softmax_factor(self) -> float:
+    """What the softmax scale is multiplied by: ``mscale(factor, mscale_all_dim)^2`` when ``mscale_all_dim`` is set
+    (transformers' ``yarn_apply_mscale`` of DeepSeek), else 1."""
+    return self._mscale(self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
 
   def frequencies(self, head_dim: int, theta: float):
     def dim_of(rotations):  # the dim that rotates this many times over the original context
@@ -225,7 +241,8 @@ def rope_scaling(cfg) -> tuple[float, float, float, int] | float | None:
     return float(cfg.rope_scaling_factor)
   if cfg.rope_scaling == "yarn":  # (the keys of jaxtrain/models/gpt_oss)
     return Yarn(float(cfg.rope_scaling_factor), float(cfg.rope_yarn_beta_fast), float(cfg.rope_yarn_beta_slow),
-                int(cfg.rope_original_max_positions), bool(cfg.rope_yarn_truncate))
+                int(cfg.rope_original_max_positions), bool(cfg.rope_yarn_truncate),
+                float(cfg.get("rope_yarn_mscale", 0.0)), float(cfg.get("rope_yarn_mscale_all_dim", 0.0)))
   return (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
           cfg.rope_original_max_positions)
 

@@ -1,0 +1,196 @@
+"""The Hugging Face adapter of ``deepseek_v3`` (transformers' ``DeepseekV3ForCausalLM``).
+
+Tensors per layer, as the hub's checkpoints name them: ``self_attn.q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``
+(or ``q_proj`` without a query rank), ``kv_a_proj_with_mqa`` ``[kv_lora_rank + qk_rope_head_dim, d]`` (jaxtrain's
+``kv_a``), ``kv_a_layernorm``, ``kv_b_proj`` ``[heads x (qk_nope + v), kv_lora_rank]``, ``o_proj``; the first
+``first_k_dense_replace`` layers' ``mlp.{gate,up,down}_proj`` (jaxtrain's ``dense_layers``), the others' router
+``mlp.gate.weight`` ``[E, d]``, its ``mlp.gate.e_score_correction_bias`` (``score_bias``), per-expert
+``mlp.experts.E.{gate,up,down}_proj`` (transformers fuses them when loading) and ``mlp.shared_experts.*``. The
+multi-token-prediction modules the released checkpoints carry as layers ``num_hidden_layers`` and after
+(``num_nextn_predict_layers``; transformers' model has none) are skipped on import.
+
+The released checkpoints (deepseek-ai/DeepSeek-V3, -R1) store their linear weights in fp8 (``quantization_config``:
+``quant_method=fp8``, ``fmt=e4m3``, ``weight_block_size=[128, 128]``): a ``float8_e4m3fn`` ``weight`` and a float32
+``weight_scale_inv`` per 128 x 128 block. The import dequantizes them (:func:`dequantize_fp8_blocks`: the weight
+times its block's scale, as transformers' fp8 dequantization and DeepSeek's ``weight_dequant`` compute it) to
+bfloat16; an export writes them unquantized. Another quantization is refused in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_collections
+import ml_dtypes
+import numpy as np
+
+from jaxtrain.models import core, hf_adapter
+from jaxtrain.models.hf_adapter import HFError, Tensor
+
+FP8_BLOCK = (128, 128)  # the released checkpoints' weight_block_size (another is refused)
+QUANTIZED_FIX = ("dequantize it to bf16 first (transformers' from_pretrained with its quantizer's dequantize option, "
+                 "then save_pretrained), or import a bf16 copy")
+
+
+def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+  """An fp8 ``weight`` ``[out, in]`` times its ``scale_inv`` ``[ceil(out / b0), ceil(in / b1)]`` per ``block``
+  (float32 products), as bfloat16."""
+  out_dim, in_dim = weight.shape
+  scale = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), block[0], axis=0), block[1], axis=1)
+  return (weight.astype(np.float32) * scale[:out_dim, :in_dim]).astype(ml_dtypes.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekV3Adapter(hf_adapter.Adapter):
+  model_type: str = "deepseek_v3"
+  family: str = "deepseek_v3"
+  architecture: str = "DeepseekV3ForCausalLM"
+
+  def model_config(self, hf: dict, where: str) -> ml_collections.ConfigDict:
+    quant = hf.get("quantization_config") or {}
+    if quant and (quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3"
+                  or list(quant.get("weight_block_size") or ()) != list(FP8_BLOCK)):
+      raise HFError(where, f"is quantized ({quant.get('quant_method', 'quantization_config')}"
+                    f"{', ' + quant['fmt'] if quant.get('fmt') else ''})", "only DeepSeek's fp8 e4m3 128 x 128 blocks "
+                    "are dequantized on import; " + QUANTIZED_FIX)
+    for key in ("attention_bias", "mlp_bias"):
+      if hf.get(key):
+        raise HFError(where, f"sets {key}=true", "DeepSeek-V3 has no biases there; not supported")
+    if (hf.get("hidden_act") or "silu") != "silu":
+      raise HFError(where, f"uses the activation {hf['hidden_act']!r}", "DeepSeek-V3's MLPs are SwiGLU (silu)")
+    if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get("scoring_func", "sigmoid") != "sigmoid":
+      raise HFError(where, f"routes with {hf.get('scoring_func', 'sigmoid')} / {hf.get('topk_method', 'noaux_tc')}",
+                    "only DeepSeek-V3's sigmoid scores with the choice bias (noaux_tc) are supported")
+    if hf.get("moe_layer_freq", 1) != 1:
+      raise HFError(where, f"sets moe_layer_freq={hf['moe_layer_freq']}", "only every layer after the dense first "
+                    "ones routed (moe_layer_freq=1) is supported")
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size", "moe_intermediate_size", "kv_lora_rank", "qk_nope_head_dim",
+                           "qk_rope_head_dim", "v_head_dim") if not isinstance(hf.get(k), int)]
+    if missing:
+      raise HFError(where, f"has no integer {', '.join(missing)}", "pass a complete config.json")
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+      raise HFError(where, f"uses RoPE type {rope_type!r}", "DeepSeek-V3 imports take default or yarn RoPE")
+    if rope.get("attention_factor") is not None:
+      raise HFError(where, "sets YaRN's attention_factor", "only YaRN's factor with mscale / mscale_all_dim is "
+                    "supported")
+    experts = int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 0)
+    m = core.defaults(self.family)
+    m.update(vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+             num_heads=hf["num_attention_heads"], mlp_dim=hf["intermediate_size"],
+             tie_embeddings=bool(hf.get("tie_word_embeddings", False)), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+             q_lora_rank=int(hf.get("q_lora_rank") or 0), kv_lora_rank=hf["kv_lora_rank"],
+             qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+             v_head_dim=hf["v_head_dim"], rope_interleave=bool(hf.get("rope_interleave", True)),
+             rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
+             num_experts=experts, experts_per_token=int(hf.get("num_experts_per_tok") or 8),
+             expert_mlp_dim=hf["moe_intermediate_size"], num_shared_experts=int(hf.get("n_shared_experts") or 0),
+             first_dense_layers=int(hf.get("first_k_dense_replace") or 0), num_groups=int(hf.get("n_group") or 1),
+             topk_groups=int(hf.get("topk_group") or 1),
+             routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+             normalize_topk=bool(hf.get("norm_topk_prob", True)), load_balance_weight=0.0, router_z_weight=0.0)
+    if rope_type == "yarn":
+      try:
+        m.update(rope_scaling="yarn", rope_scaling_factor=float(rope["factor"]),
+                 rope_original_max_positions=int(rope["original_max_position_embeddings"]),
+                 rope_yarn_beta_fast=float(rope.get("beta_fast") or 32.0),
+                 rope_yarn_beta_slow=float(rope.get("beta_slow") or 1.0),
+                 rope_yarn_truncate=bool(rope.get("truncate", True)),
+                 rope_yarn_mscale=float(rope.get("mscale") or 0.0),
+                 rope_yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0))
+      except (KeyError, TypeError) as e:
+        raise HFError(where, f"has YaRN RoPE without {e.args[0]}", "pass a complete config.json") from None
+    else:
+      m.update(rope_scaling="")
+    return m
+
+  def hf_config(self, model: Any, base: dict | None, dtype: str) -> dict:
+    out = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "rope_scaling", "rope_theta",
+                                                              "torch_dtype", "dtype", "transformers_version",
+                                                              "quantization_config")}
+    out.update(architectures=[self.architecture], model_type=self.model_type, vocab_size=model.vocab_size,
+               hidden_size=model.d_model, intermediate_size=model.mlp_dim, num_hidden_layers=model.num_layers,
+               num_attention_heads=model.num_heads, num_key_value_heads=model.num_heads,
+               q_lora_rank=model.q_lora_rank or None, kv_lora_rank=model.kv_lora_rank,
+               qk_nope_head_dim=model.qk_nope_head_dim, qk_rope_head_dim=model.qk_rope_head_dim,
+               v_head_dim=model.v_head_dim, rope_interleave=bool(model.rope_interleave), hidden_act="silu",
+               rms_norm_eps=model.norm_eps, tie_word_embeddings=bool(model.tie_embeddings), attention_bias=False,
+               n_routed_experts=model.num_experts, num_experts_per_tok=model.experts_per_token,
+               moe_intermediate_size=model.expert_mlp_dim, n_shared_experts=model.num_shared_experts,
+               first_k_dense_replace=model.first_dense_layers, n_group=model.num_groups,
+               topk_group=model.topk_groups, routed_scaling_factor=model.routed_scaling_factor,
+               norm_topk_prob=bool(model.normalize_topk), torch_dtype=dtype, rope_theta=model.rope_theta)
+    yarn = model.rope_scaling == "yarn"
+    out["rope_scaling"] = ({"rope_type": "yarn", "factor": model.rope_scaling_factor,
+                            "beta_fast": model.rope_yarn_beta_fast, "beta_slow": model.rope_yarn_beta_slow,
+                            "mscale": model.rope_yarn_mscale or None,
+                            "mscale_all_dim": model.rope_yarn_mscale_all_dim or None,
+                            "original_max_position_embeddings": model.rope_original_max_positions,
+                            **({} if model.rope_yarn_truncate else {"truncate": False})} if yarn else None)
+    out.setdefault("max_position_embeddings", int(model.rope_original_max_positions * (
+        model.rope_scaling_factor if yarn else 1)))
+    out.setdefault("initializer_range", 0.02)
+    out.setdefault("num_nextn_predict_layers", 0)  # the MTP modules are not exported
+    return out
+
+  def stored_as(self, name: str, names: Any) -> tuple[list[str], Any] | None:
+    """A linear weight in DeepSeek's fp8 blocks: its ``weight`` and ``weight_scale_inv``
+    (:func:`dequantize_fp8_blocks`)."""
+    parts = [name, f"{name}_scale_inv"]
+    if name.endswith(".weight") and parts[1] in names:
+      return parts, lambda arrays: dequantize_fp8_blocks(*arrays, FP8_BLOCK)
+    return None
+
+  def ignored(self, name: str, model: Any) -> bool:
+    if name.endswith("rotary_emb.inv_freq"):
+      return True
+    parts = name.split(".")  # the MTP modules: model.layers.{num_layers + j}.*
+    return (len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and int(parts[2]) >= model.num_layers)
+
+  def tensors(self, model: Any) -> list[Tensor]:
+    d, n, v = model.d_model, model.num_heads, model.vocab_size
+    qk, rank, rope = model.qk_nope_head_dim + model.qk_rope_head_dim, model.kv_lora_rank, model.qk_rope_head_dim
+    e, f, k = model.num_experts, model.expert_mlp_dim, model.first_dense_layers
+    out = [Tensor("model.embed_tokens.weight", ("embed", "embedding"), None, (v, d), False),
+           Tensor("model.norm.weight", ("final_norm", "scale"), None, (d,), False)]
+    if not model.tie_embeddings:
+      out.append(Tensor("lm_head.weight", ("lm_head", "kernel"), None, (v, d), True))
+    if model.q_lora_rank:
+      r = model.q_lora_rank
+      attn = [("self_attn.q_a_proj.weight", ("attn", "q_a", "kernel"), (r, d), True),
+              ("self_attn.q_a_layernorm.weight", ("attn", "q_norm", "scale"), (r,), False),
+              ("self_attn.q_b_proj.weight", ("attn", "q_b", "kernel"), (n * qk, r), True)]
+    else:
+      attn = [("self_attn.q_proj.weight", ("attn", "q", "kernel"), (n * qk, d), True)]
+    attn += [("self_attn.kv_a_proj_with_mqa.weight", ("attn", "kv_a", "kernel"), (rank + rope, d), True),
+             ("self_attn.kv_a_layernorm.weight", ("attn", "kv_norm", "scale"), (rank,), False),
+             ("self_attn.kv_b_proj.weight", ("attn", "kv_b", "kernel"),
+              (n * (model.qk_nope_head_dim + model.v_head_dim), rank), True),
+             ("self_attn.o_proj.weight", ("attn", "o", "kernel"), (d, n * model.v_head_dim), True)]
+    norms = [("input_layernorm.weight", ("attn_norm", "scale"), (d,), False),
+             ("post_attention_layernorm.weight", ("mlp_norm", "scale"), (d,), False)]
+    dense = [(f"mlp.{x}_proj.weight", ("mlp", x, "kernel"), shape, True)
+             for x, shape in (("gate", (model.mlp_dim, d)), ("up", (model.mlp_dim, d)), ("down", (d, model.mlp_dim)))]
+    routed = [("mlp.gate.weight", ("moe", "router"), (e, d), True),
+              ("mlp.gate.e_score_correction_bias", ("moe", "score_bias"), (e,), False)]
+    s = model.num_shared_experts * f
+    if s:
+      routed += [(f"mlp.shared_experts.{x}_proj.weight", ("moe", "shared", x, "kernel"), shape, True)
+                 for x, shape in (("gate", (s, d)), ("up", (s, d)), ("down", (d, s)))]
+    expert = [(x, (f, d) if x != "down" else (d, f)) for x in ("gate", "up", "down")]
+    for i in range(model.num_layers):
+      stack, j = ("dense_layers", i) if i < k else ("layers", i - k)
+      for name, path, shape, linear in attn[:1] + attn[1:] + (dense if i < k else routed) + norms:
+        out.append(Tensor(f"model.layers.{i}.{name}", (stack, *path), (j,), shape, linear))
+      for x in range(e if i >= k else 0):
+        for name, shape in expert:
+          out.append(Tensor(f"model.layers.{i}.mlp.experts.{x}.{name}_proj.weight", (stack, "moe", name), (j, x),
+                            shape, True))
+    return out
+
+
+hf_adapter.register(DeepseekV3Adapter())

@@ -1,0 +1,445 @@
+"""DeepSeek-V3 (jaxtrain/models/deepseek_v3): random small DeepseekV3ForCausalLMs built by transformers itself (MLA
+with a query rank and without one, the value head dim below and above the query/key one, YaRN with DeepSeek's
+mscale, 8 experts in 4 groups of which 2 compete, top-3, a shared expert, a dense first layer, a random choice bias):
+imported, their logits equal transformers' on a padded batch and a packed row; each feature mapped wrong on purpose
+fails that comparison; greedy generation (the KV cache) equals transformers' token for token; import -> export is
+bitwise; fp8 block-quantized weights dequantize as transformers' do; the bad inputs are one line, exit 2."""
+
+import copy
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain import generate, hf
+from jaxtrain import models
+from jaxtrain import sampling as sampling_lib
+from tests import forked
+from tests.test_hf import TOL, _exported_equals_source, _hf_logits, _rel_err, _restore, logit_errors
+
+torch = pytest.importorskip("torch", reason="torch (test-only, in setup.cfg's test extra) is not installed: the "
+                            "Hugging Face comparisons need it")
+transformers = pytest.importorskip("transformers", reason="transformers (test-only) is not installed: the "
+                                   "Hugging Face comparisons need it")
+
+# YaRN over 16 original positions of a 24-token text, mscale != mscale_all_dim (so both cos/sin and the softmax are
+# scaled); 8 experts in 4 groups, 2 groups chosen, top 3.
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_group=4, topk_group=2,
+            num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=12, routed_scaling_factor=2.5, rms_norm_eps=1e-6, max_position_embeddings=64,
+            num_nextn_predict_layers=0)
+HF_CONFIGS = {
+    "q_lora": dict(BASE, q_lora_rank=24, v_head_dim=10, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7,
+        "original_max_position_embeddings": 16, "rope_theta": 1e4}),
+    "plain_q": dict(BASE, q_lora_rank=None, v_head_dim=24),  # v wider than q/k (20): q and k padded
+}
+
+
+def _hf_deepseek(folder, name="q_lora", seed=0):
+  torch.manual_seed(seed)
+  model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF_CONFIGS[name])).eval()
+  with torch.no_grad():
+    for n, p in model.named_parameters():  # norms random too, the latents' of a size that matters
+      p.add_(torch.randn_like(p) * (0.5 if n.endswith("_a_layernorm.weight") else 0.05))
+    for n, b in model.named_buffers():  # a choice bias of the size of the scores' spread
+      if n.endswith("e_score_correction_bias"):
+        b.copy_(torch.randn_like(b) * 0.02)
+  model.save_pretrained(folder, safe_serialization=True)
+  (pathlib.Path(folder) / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')
+  return model
+
+
+@pytest.fixture(scope="module", params=list(HF_CONFIGS))
+def imported(request, tmp_path_factory):
+  """(name, folder, the transformers model, the imported config, model and params)."""
+  tmp = tmp_path_factory.mktemp(request.param)
+  ref = _hf_deepseek(tmp / "src", request.param)
+  hf.import_model(str(tmp / "src"), str(tmp / "out"))
+  cfg, model, params = _restore(tmp / "out")
+  return request.param, tmp, ref, cfg, model, params
+
+
+# Each feature mapped wrong: (what it does to a copy of the imported config and params).
+def _no_choice_bias(params, cfg):
+  params["layers"]["moe"]["score_bias"] = np.zeros_like(params["layers"]["moe"]["score_bias"])
+
+
+def _bias_in_the_weights(params, cfg):  # transformers weighs by the scores without the bias
+  cfg.routed_scaling_factor = 2.0
+
+
+def _no_groups(params, cfg):
+  cfg.num_groups = 1
+
+
+def _unnormalized_topk(params, cfg):
+  cfg.normalize_topk = False
+
+
+def _no_shared_expert(params, cfg):
+  shared = params["layers"]["moe"]["shared"]["down"]["kernel"]
+  params["layers"]["moe"]["shared"]["down"]["kernel"] = np.zeros_like(shared)
+
+
+def _dense_layer_as_moe_layer_norms(params, cfg):  # the dense layer's MLP norm read from the MoE layer's
+  params["dense_layers"]["mlp_norm"]["scale"] = params["layers"]["mlp_norm"]["scale"][:1].copy()
+
+
+def _rope_not_interleaved(params, cfg):
+  cfg.rope_interleave = False
+
+
+def _kv_latent_unnormalized(params, cfg):
+  for stack in ("dense_layers", "layers"):
+    params[stack]["attn"]["kv_norm"]["scale"] = np.ones_like(params[stack]["attn"]["kv_norm"]["scale"])
+
+
+def _rope_key_from_the_latent_end(params, cfg):  # kv_a's [latent | rope key] split the other way round
+  for stack in ("dense_layers", "layers"):
+    kv_a = params[stack]["attn"]["kv_a"]["kernel"]
+    params[stack]["attn"]["kv_a"]["kernel"] = np.concatenate([kv_a[..., -cfg.kv_lora_rank:],
+                                                              kv_a[..., :-cfg.kv_lora_rank]], axis=-1)
+
+
+def _keys_values_swapped_heads(params, cfg):  # kv_b's heads in the wrong order
+  for stack in ("dense_layers", "layers"):
+    params[stack]["attn"]["kv_b"]["kernel"] = params[stack]["attn"]["kv_b"]["kernel"][..., ::-1, :].copy()
+
+
+def _q_latent_unnormalized(params, cfg):
+  for stack in ("dense_layers", "layers"):
+    params[stack]["attn"]["q_norm"]["scale"] = np.ones_like(params[stack]["attn"]["q_norm"]["scale"])
+
+
+def _no_mscale(params, cfg):
+  cfg.rope_yarn_mscale_all_dim = 0.0
+
+
+def _no_yarn(params, cfg):
+  cfg.rope_scaling = ""
+
+
+MIS_MAPS = [_no_choice_bias, _bias_in_the_weights, _no_groups, _unnormalized_topk, _no_shared_expert,
+            _dense_layer_as_moe_layer_norms, _rope_not_interleaved, _kv_latent_unnormalized,
+            _rope_key_from_the_latent_end, _keys_values_swapped_heads]
+MIS_MAPS_Q_LORA = [_q_latent_unnormalized, _no_mscale, _no_yarn]  # (the other config has none of these)
+
+
+def test_imported_logits_equal_transformers_and_each_mis_mapping_fails(imported):
+  name, _, ref, cfg, model, params = imported
+  m = cfg.model
+  assert m.name == "deepseek_v3"
+  assert (m.q_lora_rank, m.v_head_dim, m.num_groups, m.topk_groups, m.first_dense_layers, m.num_shared_experts) == (
+      24 if name == "q_lora" else 0, 10 if name == "q_lora" else 24, 4, 2, 1, 1)
+  assert (m.rope_scaling, m.rope_yarn_mscale_all_dim) == (("yarn", 0.7) if name == "q_lora" else ("", 1.0))
+  padded, packed = logit_errors(model, params, ref)
+  print(f"deepseek_v3 {name}: max relative logit error padded {padded:.2e}, packed {packed:.2e}")
+  assert padded < TOL and packed < TOL
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 256, (2, 24)).astype(np.int32)
+  theirs = _hf_logits(ref, tokens)
+  positions, segments = np.broadcast_to(np.arange(24, dtype=np.int32), (2, 24)), np.ones((2, 24), np.int32)
+  for mis_map in MIS_MAPS + (MIS_MAPS_Q_LORA if name == "q_lora" else []):
+    wrong_cfg, wrong_params = m.copy_and_resolve_references(), jax.tree.map(np.array, params)
+    mis_map(wrong_params, wrong_cfg)
+    ours = np.asarray(models.Model.from_config(wrong_cfg).apply(wrong_params, tokens, positions, segments))
+    wrong = _rel_err(ours, theirs)
+    print(f"deepseek_v3 {name}: mis-mapped ({mis_map.__name__}): {wrong:.2e}")
+    assert wrong > 100 * TOL, mis_map.__name__
+
+
+@pytest.mark.parametrize("mla_cache", ["latent", "full"])
+def test_greedy_generation_equals_transformers(imported, mla_cache):
+  """Left-padded prompts, the compressed cache (the latent and the rope key a token, W_kvb absorbed) and the full
+  one (every head's keys and values): token for token; the cache's bytes per token are cache_bytes_per_token's."""
+  from jaxtrain.models import deepseek_v3
+  _, tmp, ref, cfg, *_ = imported
+  prompts = [[5, 17, 33, 2, 90, 11, 64], [7, 8, 9], [100, 3, 55, 21]]
+  new = 10
+  loaded = generate.load(str(tmp / "out"), overrides=[f"model.mla_cache={mla_cache}"])
+  cache = loaded.model.init_cache(4, 17)
+  per_token = deepseek_v3.cache_bytes_per_token(loaded.model.cfg)
+  assert (cache.k.nbytes + cache.v.nbytes) / (4 * 17) == per_token[mla_cache]
+  print(f"deepseek_v3 cache bytes per token ({cfg.model.num_layers} layers): {per_token}")
+  gen = sampling_lib.Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings,
+                               rows=sampling_lib.padded_rows(len(prompts), loaded.mesh, loaded.rules), prompt_len=7,
+                               max_new_tokens=new, eos_ids=())
+  ours = gen.generate(loaded.params, prompts)
+  batch = gen.batch(prompts)
+  with torch.no_grad():
+    theirs = ref.generate(input_ids=torch.tensor(batch.tokens[:3]), attention_mask=torch.tensor(batch.segment_ids[:3]),
+                          do_sample=False, max_new_tokens=new, pad_token_id=0, eos_token_id=None).numpy()[:, 7:]
+  assert ours == theirs.tolist()
+
+
+def test_import_export_is_bitwise_and_loads_in_transformers(imported, tmp_path):
+  _, tmp, ref, *_ = imported
+  hf.export_model(str(tmp / "out" / "checkpoints"), str(tmp_path / "exported"))
+  _exported_equals_source(tmp / "src", tmp_path / "exported")
+  config = json.loads((tmp_path / "exported" / "config.json").read_text())
+  assert config["model_type"] == "deepseek_v3" and config["architectures"] == ["DeepseekV3ForCausalLM"]
+  loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"),
+                                                                   output_loading_info=True)
+  assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+  assert loaded.config.rope_parameters == ref.config.rope_parameters
+  tokens = np.random.default_rng(1).integers(0, 256, (2, 20))
+  np.testing.assert_array_equal(_hf_logits(loaded.eval(), tokens), _hf_logits(ref, tokens))
+
+
+def test_fp8_blocks_dequantize_on_import_as_transformers_does(imported, tmp_path):
+  """The released checkpoints' form: every linear weight of the layers as float8_e4m3fn with a float32
+  ``weight_scale_inv`` per 128 x 128 block (random codes, scales 2^-8 to 2^-5), the rest bf16, an MTP layer
+  beside (skipped). The import's weights are bitwise transformers' own dequantization (``_dequantize_fp8_weight``,
+  in bf16), and its logits equal those of transformers' model holding them."""
+  from safetensors.torch import load_file, save_file
+  from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+  name, tmp, ref, *_ = imported
+  if name != "q_lora":
+    pytest.skip("one config is enough")
+  (tmp_path / "src").mkdir()
+  tensors, dequantized = load_file(str(tmp / "src" / "model.safetensors")), {}
+  gen = torch.Generator().manual_seed(3)
+  for n in [n for n in tensors if n.startswith("model.layers.") and n.endswith("proj.weight")]:
+    out_dim, in_dim = tensors[n].shape
+    codes = (torch.randn(out_dim, in_dim, generator=gen) * 8).to(torch.float8_e4m3fn)
+    scale = 2.0 ** -torch.randint(5, 9, (-(-out_dim // 128), -(-in_dim // 128)), generator=gen).float()
+    tensors[n], tensors[n + "_scale_inv"] = codes, scale
+    dequantized[n] = _dequantize_fp8_weight(codes, scale, [128, 128], torch.float32).to(torch.bfloat16)
+  for n in [n for n in tensors if tensors[n].dtype == torch.float32 and not n.endswith("_scale_inv")]:
+    tensors[n] = tensors[n].to(torch.bfloat16)
+  tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128, dtype=torch.bfloat16)  # an MTP module's
+  save_file(tensors, str(tmp_path / "src" / "model.safetensors"))
+  config = json.loads((tmp / "src" / "config.json").read_text())
+  config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                   "weight_block_size": [128, 128]}
+  (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+  (tmp_path / "src" / "tokenizer.json").write_text((tmp / "src" / "tokenizer.json").read_text())
+  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
+  _, model, params = _restore(tmp_path / "out")
+  theirs = copy.deepcopy(ref)
+  with torch.no_grad():
+    for n, value in tensors.items():
+      if n in dequantized:
+        value = dequantized[n]
+      # (transformers holds the experts fused: gate_up_proj [E, 2f, d], down_proj [E, d, f]: below)
+      if not n.endswith("_scale_inv") and not n.startswith("model.layers.3.") and ".experts." not in n:
+        target = theirs.get_parameter(n) if not n.endswith("e_score_correction_bias") else theirs.get_buffer(n)
+        target.copy_(value.float())
+    for layer in range(1, 3):
+      experts = theirs.model.layers[layer].mlp.experts
+      for e in range(8):
+        p = f"model.layers.{layer}.mlp.experts.{e}."
+        experts.gate_up_proj[e].copy_(torch.cat([dequantized[p + "gate_proj.weight"],
+                                                 dequantized[p + "up_proj.weight"]]).float())
+        experts.down_proj[e].copy_(dequantized[p + "down_proj.weight"].float())
+  q_b = np.asarray(params["layers"]["attn"]["q_b"]["kernel"][0])
+  np.testing.assert_array_equal(q_b.reshape(q_b.shape[0], -1).T,
+                                dequantized["model.layers.1.self_attn.q_b_proj.weight"].float().numpy())
+  padded, packed = logit_errors(model, params, theirs.eval())
+  print(f"deepseek_v3 fp8: max relative logit error padded {padded:.2e}, packed {packed:.2e}")
+  assert padded < TOL and packed < TOL
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+  """Forked commands: a model of an odd rope dim, expert groups that do not divide the experts, and an import of
+  another quantization."""
+  tmp = tmp_path_factory.mktemp("refused")
+  src = tmp / "int4"
+  _hf_deepseek(src)
+  config = json.loads((src / "config.json").read_text())
+  config["quantization_config"] = {"quant_method": "awq"}
+  (src / "config.json").write_text(json.dumps(config))
+  base = ["-m", "jaxtrain.main", "--config=configs/tiny.py", "--config.model.name=deepseek_v3"]
+  argvs = [base + ["--config.model.qk_rope_head_dim=7", f"--config.workdir={tmp / 'odd'}"],
+           base + ["--config.model.num_groups=3", f"--config.workdir={tmp / 'groups'}"],
+           ["tools/convert_hf.py", "import", f"--hf={src}", f"--output={tmp / 'out'}"]]
+  return tmp, forked.run_many(argvs)
+
+
+@pytest.mark.parametrize("case,message", [
+    (0, "jaxtrain: error: model.qk_rope_head_dim: 7 is odd; RoPE turns pairs of dims"),
+    (1, "jaxtrain: error: model.num_groups: 3 does not divide model.num_experts=8"),
+    (2, "is quantized (awq); only DeepSeek's fp8 e4m3 128 x 128 blocks are dequantized on import")])
+def test_bad_inputs_are_one_line_exit_2(refusals, case, message):
+  tmp, results = refusals
+  result = results[case]
+  errors = [line for line in result.stderr.splitlines() if ": error:" in line]
+  assert result.returncode == 2, result.stderr
+  assert len(errors) == 1 and message in errors[0], result.stderr
+  assert "Traceback" not in result.stderr
+  assert sorted(p.name for p in tmp.iterdir()) == ["int4"]  # nothing written: no workdir, no output
+
+
+def test_the_choice_bias_moves_the_load_toward_uniform(tmp_path):
+  """A skewed router (every expert's router row a multiple, -4 to 4, of one direction: a token picks experts
+  from one end of the row, by the sign of its hidden state along that direction) imported and trained 50 steps at
+  lr 1e-9 (only the choice biases move, by bias_update_speed a step), against the same run with the biases fixed
+  (speed 0): the MoE layers' load (``moe/load_max``, the largest expert's load x E: 1 is uniform) is the same at
+  step 1 and falls toward 1 with the update only; every bias moved by whole steps of the speed (no weight decay, no
+  Adam), and the aux loss that carries the load to the biases is logged as 0."""
+  from jaxtrain.train import trainer
+  from tests.test_hf import _load_config
+  model = _hf_deepseek(tmp_path / "src", "plain_q")
+  with torch.no_grad():
+    direction = torch.randn(64)
+    for layer in model.model.layers[1:]:
+      layer.mlp.gate.weight.copy_(torch.linspace(-4.0, 4.0, 8)[:, None] * direction[None] / 8)
+      layer.mlp.gate.e_score_correction_bias.zero_()
+  model.save_pretrained(tmp_path / "src", safe_serialization=True)
+  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
+  runs = {}
+  for speed in (0.0, 0.01):
+    cfg = _load_config(tmp_path / "out" / "config.py")
+    cfg.workdir = str(tmp_path / f"run{speed}")
+    cfg.model.bias_update_speed = speed
+    cfg.data.update(source="synthetic", seq_len=32)
+    cfg.train.update(steps=50, global_batch_size=8, log_every=1)
+    cfg.optim.update(lr=1e-9, warmup_steps=0, weight_decay=0.1)
+    runs[speed] = trainer.train(cfg)
+  (fixed, fixed_logged), (state, logged) = runs[0.0], runs[0.01]
+  fixed_load = [m["moe/load_max"] for m in fixed_logged]
+  load = [m["moe/load_max"] for m in logged]
+  assert len(load) == len(fixed_load) == 50
+  print(f"deepseek_v3 balancing: moe/load_max at step 1 {load[0]:.3f}; mean of steps 41-50: biases fixed "
+        f"{np.mean(fixed_load[-10:]):.3f}, updated {np.mean(load[-10:]):.3f}")
+  assert load[0] == pytest.approx(fixed_load[0], rel=1e-5) and load[0] > 1.5
+  assert np.mean(fixed_load[-10:]) > 1.5 and np.mean(load[-10:]) < np.mean(fixed_load[-10:]) - 0.2
+  assert all(m["aux_loss/bias_feedback"] == 0 for m in logged) and "aux_loss/bias_feedback" in logged[-1]
+  bias = np.asarray(jax.device_get(state.params["layers"]["moe"]["score_bias"]))
+  np.testing.assert_allclose(bias / 0.01, np.round(bias / 0.01), atol=1e-3)  # whole steps of the speed
+  assert np.abs(bias).max() > 0.05
+  assert not np.any(np.asarray(jax.device_get(fixed.params["layers"]["moe"]["score_bias"])))
+
+
+def test_the_published_size_has_the_published_parameter_counts():
+  """configs/deepseek_v3_671b.py: total the published 671B, transformers' count for the config.json jaxtrain would
+  export (built on the meta device) plus the choice biases it holds as buffers (58 MoE layers x 256); active (8 of
+  256 routed experts) the published 37B."""
+  import importlib
+  from jaxtrain.models import deepseek_v3
+  model_cfg = importlib.import_module("configs.deepseek_v3_671b").get_config().model
+  total, active = deepseek_v3.param_counts(model_cfg, models.Model.from_config(model_cfg).abstract_params)
+  hf_cfg = transformers.AutoConfig.for_model(**hf.hf_config(model_cfg))
+  with torch.device("meta"):
+    theirs = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf_cfg).parameters())
+  assert total == theirs + 58 * 256 == 671_026_419_200
+  assert active == 37_552_297_472 and round(active / 1e9) == 38 and int(active // 1e9) == 37
+
+
+def test_the_estimator_sizes_the_published_config_as_its_docstring_says():
+  """tools/estimate.py on 1024 chips, expert 64 x fsdp 16, the config's capacity mode and 15 microbatches."""
+  import re
+  result = forked.run_many([["tools/estimate.py", "--config=configs/deepseek_v3_671b.py", "--devices=1024",
+                             "--set=mesh.expert=64", "--set=mesh.fsdp=16"]])[0]
+  assert result.returncode == 0, result.stderr[-2000:]
+  total = re.search(r"^ +total +([0-9.]+) GiB per device", result.stdout + result.stderr, re.M)
+  assert total and round(float(total.group(1)), 1) == 34.2
+  assert "34.2 GiB per chip" in (pathlib.Path(__file__).parents[1] / "configs" / "deepseek_v3_671b.py").read_text()
+
+
+def _config(tmp_path, **mesh):
+  from tests.conftest import small_config
+  c = small_config(tmp_path, **mesh)
+  m = models.defaults("deepseek_v3")
+  m.update(num_layers=3, d_model=64, num_heads=4, vocab_size=256, q_lora_rank=32, kv_lora_rank=16,
+           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_experts=8, experts_per_token=2,
+           expert_mlp_dim=32, num_groups=4, topk_groups=2, first_dense_layers=1, load_balance_weight=0.01,
+           router_z_weight=0.001, rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_positions=16)
+  c.model = m
+  return c
+
+
+@pytest.mark.slow
+def test_trains_sharded_equal_to_one_device(tmp_path):
+  """fsdp 2 x tensor 2 x expert 2 (dropless, and capacity with room for every token), context 2 x fsdp 2 x expert 2
+  (blockwise: MLA's keys and values gathered over the context axis) and pipeline 2 x fsdp 2 x expert 2, against one
+  device (packed rows, the auxiliary losses on): the loss and every gradient within 1e-5."""
+  from tests.test_pipeline import _loss_and_grads, _packed_batch
+  batch = _packed_batch()
+  ref_loss, ref_tokens, ref_grads, _ = _loss_and_grads(_config(tmp_path / "one"), batch, jax.devices()[:1])
+  for i, (mesh, impl) in enumerate([(dict(fsdp=2, tensor=2, expert=2), "dropless"),
+                                    (dict(fsdp=2, tensor=2, expert=2), "capacity"),
+                                    (dict(context=2, fsdp=2, expert=2), "dropless"),
+                                    (dict(pipeline=2, fsdp=2, expert=2), "dropless")]):
+    config = _config(tmp_path / str(i), **mesh)
+    config.model.update(attention="blockwise" if "context" in mesh else "auto", moe_impl=impl, capacity_factor=8.0)
+    loss, tokens, grads, _ = _loss_and_grads(config, batch, jax.devices())
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=f"{mesh} {impl}")
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):
+      scale = np.max(np.abs(r))
+      err = np.max(np.abs(g - r)) / scale if scale else np.max(np.abs(g))
+      assert err < 1e-5, f"{mesh} {impl} {jax.tree_util.keystr(path)}: relative gradient error {err:.2e}"
+
+
+def test_multi_token_prediction_loss_equals_an_independent_computation():
+  """mtp_depth 2 on a packed row of two documents and padding: the aux loss ``mtp`` (weighted by model.mtp_weight,
+  logged as aux_loss/mtp) equals the mean over the two modules of their mean cross-entropy computed here in numpy
+  from the stack's output (each module: [enorm(Emb(t_{i+k})) | hnorm(h)] W_eh, its block, post_norm, the shared
+  head; targets t_{i+k+1} of the same document only); the logits are those of the model without the modules."""
+  from jaxtrain.train import step as step_lib
+  from flax import nnx
+  m = models.defaults("deepseek_v3")
+  m.update(mtp_depth=2, vocab_size=64)
+  model = models.Model.from_config(m)
+  assert model.aux_loss_weights(step_lib.aux_loss_names(model, 8))["mtp"] == 0.3
+  params = jax.tree.map(lambda a: a + 0.1 * np.random.default_rng(0).standard_normal(a.shape).astype(np.float32),
+                        model.init(jax.random.key(0)))
+  t = 16
+  tokens = np.random.default_rng(1).integers(0, 64, (1, t)).astype(np.int32)
+  seg = np.array([[1] * 7 + [2] * 6 + [0] * 3], np.int32)
+  pos = np.array([list(range(7)) + list(range(6)) + [0] * 3], np.int32)
+  out = model.forward(params, tokens, pos, seg)
+  plain = {k: v for k, v in params.items() if k != "mtp"}
+  m0 = m.copy_and_resolve_references()
+  m0.mtp_depth = 0
+  np.testing.assert_array_equal(np.asarray(out.logits), np.asarray(models.Model.from_config(m0).forward(
+      plain, tokens, pos, seg).logits))
+
+  module = model.bind(params)
+  x = module.embed_tokens(tokens, pos, seg)
+  for i in range(m.num_layers - m.first_dense_layers):
+    x, _ = module.apply_layer(jax.tree.map(lambda a, i=i: a[i], nnx.state(module.layers)), x, (pos, seg))
+
+  def rms(v, scale, eps=m.norm_eps):
+    v = np.asarray(v, np.float64)
+    return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps) * np.asarray(scale)
+
+  mtp, table, head = params["mtp"], np.asarray(params["embed"]["embedding"]), np.asarray(params["lm_head"]["kernel"])
+  h, losses = rms(x, params["final_norm"]["scale"]), []
+  for k in (1, 2):
+    w = jax.tree.map(lambda a, k=k: np.asarray(a[k - 1]), mtp)
+    ahead = np.array([[tokens[0, min(i + k, t - 1)] for i in range(t)]])
+    mixed = np.concatenate([rms(table[ahead], w["enorm"]["scale"]), rms(h, w["hnorm"]["scale"])], -1)
+    block = nnx.merge(nnx.graphdef(module.mtp), jax.tree.map(lambda a, k=k: a[k - 1], nnx.state(module.mtp))).block
+    y, _, _ = block(jax.numpy.asarray(mixed @ w["eh_proj"]["kernel"], jax.numpy.float32), pos, seg)
+    h = rms(y, w["post_norm"]["scale"])
+    logits = h @ head
+    logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True)) - logits.max(
+        -1, keepdims=True)
+    nll = [-logp[0, i, tokens[0, i + k + 1]] for i in range(t - k - 1)
+           if seg[0, i] != 0 and seg[0, i + k + 1] == seg[0, i]]
+    assert len(nll) == (7 - k - 1) + (6 - k - 1)
+    losses.append(np.mean(nll))
+  ours = float(out.aux_losses["mtp"])
+  print(f"deepseek_v3 mtp: {ours:.6f}, independent {np.mean(losses):.6f}")
+  assert ours == pytest.approx(np.mean(losses), rel=1e-5)
+
+
+def test_mla_dims_the_cudnn_kernel_cannot_take_are_one_line():
+  """The family's check (validation runs it after the backend's own, which refuses cudnn off a GPU first): the
+  padded head dim max(qk_nope + qk_rope, v) past cuDNN's 256 or not a multiple of 8 names model.attention."""
+  from jaxtrain.errors import ConfigError
+  from jaxtrain.models import deepseek_v3
+  m = models.defaults("deepseek_v3")
+  m.update(attention="cudnn", qk_nope_head_dim=250)
+  with pytest.raises(ConfigError, match=r"model.attention: 'cudnn' needs a head dim that is a multiple of 8 up to "
+                     r"256 and MLA's is 258"):
+    deepseek_v3.validate(m)
+  m.update(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)  # DeepSeek-V3's: 192
+  deepseek_v3.validate(m)
