@@ -99,7 +99,7 @@ def estimate(config, devices: int, slices: int = 1, platform: str = "tpu") -> di
   # The optimizer's state for the full params (its shapes may depend on the full shapes: Adafactor factors dims
   # >= 128), laid out by the training run's own rule (train/state.py) on an abstract mesh of these sizes.
   # (LoRA: the adapters' state only; Muon: the logical axes tell an expert kernel's experts from its matrix)
-  tx = optim.make(config.optim, config.train.steps, model.trainable_mask(), model.logical_specs)
+  tx = optim.make(config.optim, config.train.steps, model.trainable_mask(), model.logical_specs, model.balance())
   layout = state_lib.shardings(model, tx, jax.sharding.AbstractMesh(tuple(mesh.values()), tuple(mesh)), rules)
   optimizer = sharding.shard_bytes(jax.eval_shape(tx.init, model.abstract_params), layout.opt_state)
   grads = params

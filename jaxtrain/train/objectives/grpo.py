@@ -255,7 +255,7 @@ class GRPO(Objective):
     updates = c.rl.updates_per_batch
     tx, schedule = run.tx, run.lr_schedule
     if updates > 1:  # the schedule counts updates (the same optimizer state's structure)
-      tx = optim.make(c.optim, c.train.steps * updates, model.trainable_mask())
+      tx = optim.make(c.optim, c.train.steps * updates, model.trainable_mask(), model.logical_specs, model.balance())
       schedule = optim.schedule(c.optim, c.train.steps * updates)
     _, update_shardings = step_lib.trained_shardings_of(model, run.state_shardings)
     eps, beta = c.rl.clip_epsilon, c.rl.kl_weight
