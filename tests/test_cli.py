@@ -45,8 +45,9 @@ ERRORS = [
                                                                           "mesh.fsdp=8"),
     ([TINY, "--config.model.num_kv_heads=3"], "model.num_kv_heads: 3 does not divide model.num_heads=4"),
     ([TINY, "--config.train.microbatches=3"], "train.microbatches: 3 does not divide"),
-    ([TINY, "--config.model.name=gpt9"], "model.name: 'gpt9' is not a registered model; use one of gemma2, gemma3, "
-                                         "gpt_oss, llama, mistral, moe, olmoe, qwen2, qwen3, qwen3_moe, or register"),
+    ([TINY, "--config.model.name=gpt9"], "model.name: 'gpt9' is not a registered model; use one of deepseek_v3, "
+                                         "gemma2, gemma3, gpt_oss, llama, mistral, moe, olmoe, qwen2, qwen3, qwen3_moe, "
+                                         "or register"),
     ([TINY, "--config.model.remat=everything"],
      "model.remat: 'everything' is not a registered remat policy; use one of full, minimal, none, offload_dots, "
      "offload_full, offload_minimal, save_dots, save_out_proj, save_qkv_proj"),
