@@ -95,20 +95,12 @@ def _define_flags():
 
 
 def _fail(message: str) -> None:
-  print(f"evaluate: error: {message}", file=sys.stderr)
-  sys.exit(2)
+  generate.fail("evaluate", message)
 
 
 def _parse(argv: list[str]) -> list[str]:
   FLAGS = _define_flags()
-  argv = [argv[0]] + [f"--set={a[len('--config.'):]}" if a.startswith("--config.") else a for a in argv[1:]]
-  try:
-    rest = FLAGS(argv)
-  except Exception as e:  # absl: unknown flag, a value of the wrong type
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    _fail(lines[0] if lines else type(e).__name__)
-  if len(rest) > 1:
-    _fail(f"unexpected argument {rest[1]!r}")
+  rest = generate.parse_flags("evaluate", FLAGS, argv)
   for name in ("checkpoint", "tasks"):
     if not FLAGS[name].value:
       _fail(f"--{name}: is required")

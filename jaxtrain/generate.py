@@ -184,21 +184,33 @@ def _define_flags():
   return flags.FLAGS
 
 
-def _fail(message: str) -> None:
-  print(f"generate: error: {message}", file=sys.stderr)
+def fail(tool: str, message: str) -> None:
+  """A user mistake in a checkpoint tool's command line (``tool``: its name): one line, exit code 2."""
+  print(f"{tool}: error: {message}", file=sys.stderr)
   sys.exit(2)
 
 
-def _parse(argv: list[str]) -> list[str]:
-  FLAGS = _define_flags()
+def _fail(message: str) -> None:
+  fail("generate", message)
+
+
+def parse_flags(tool: str, FLAGS, argv: list[str], positional_hint: str = "") -> list[str]:
+  """``FLAGS(argv)`` for a checkpoint tool (this one, jaxtrain.evaluate), ``--config.KEY=VALUE`` read as
+  ``--set=KEY=VALUE``; an unknown flag, a value of the wrong type or a positional argument is one line, exit 2."""
   argv = [argv[0]] + [f"--set={a[len('--config.'):]}" if a.startswith("--config.") else a for a in argv[1:]]
   try:
     rest = FLAGS(argv)
   except Exception as e:  # absl: unknown flag, a value of the wrong type
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    _fail(lines[0] if lines else type(e).__name__)
+    fail(tool, lines[0] if lines else type(e).__name__)
   if len(rest) > 1:
-    _fail(f"unexpected argument {rest[1]!r}; pass prompts as --prompt=TEXT")
+    fail(tool, f"unexpected argument {rest[1]!r}{positional_hint}")
+  return rest
+
+
+def _parse(argv: list[str]) -> list[str]:
+  FLAGS = _define_flags()
+  rest = parse_flags("generate", FLAGS, argv, "; pass prompts as --prompt=TEXT")
   if not FLAGS.checkpoint:
     _fail("--checkpoint: is required; pass a run's workdir, its checkpoints folder or a step folder")
   if FLAGS.max_new_tokens < 1:
