@@ -10,6 +10,7 @@ adding a choice is one ``register`` call, from inside the package or outside it.
 
 from __future__ import annotations
 
+import importlib
 from typing import Generic, TypeVar
 
 from jaxtrain.errors import ConfigError, value
@@ -58,3 +59,23 @@ class Registry(Generic[T]):
 
   def items(self) -> list[tuple[str, T]]:
     return sorted(self._entries.items())
+
+
+def by_import_path(path: str, key: str, kind: str, example: str, wanted: str):
+  """The callable that ``path`` (``"package.module:name"``) names, for the config key ``key``: a user's part given
+  by import path (a loop hook's factory, a reward function). ConfigError (one line naming ``key`` and the path) if
+  it is not of that form (``kind``: what its ``name`` is; ``example``: a path of the right form), cannot be imported,
+  is not there or is not callable (``wanted``: what it should name)."""
+  module, _, name = path.partition(":")
+  if not module or not name:
+    raise ConfigError(key, f"'{path}' is not 'module.path:{kind}'", f"e.g. '{example}'")
+  try:
+    found = getattr(importlib.import_module(module), name)
+  except ImportError as e:
+    raise ConfigError(key, f"'{path}': module {module} cannot be imported ({type(e).__name__}: {e})",
+                      "put its folder on PYTHONPATH or install it") from None
+  except AttributeError:
+    raise ConfigError(key, f"'{path}': module {module} has no {name}", f"name {wanted}") from None
+  if not callable(found):
+    raise ConfigError(key, f"'{path}' is not callable", f"name {wanted}")
+  return found

@@ -19,7 +19,6 @@ next step donates), ``last`` (the newest fetched step's metrics), ``counts`` (:c
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import json
 import os
@@ -35,6 +34,7 @@ from jax.experimental import multihost_utils
 
 from jaxtrain import goodput as goodput_lib
 from jaxtrain import monitor
+from jaxtrain import registry
 from jaxtrain.errors import ConfigError
 
 
@@ -320,20 +320,8 @@ def standard(run, evaluate: Callable | None, sample: Callable | None, recorder: 
 def load(path: str) -> Callable[[Any], Hook]:
   """The factory that ``path`` (``"package.module:name"``) names; ConfigError (one line, naming ``train.hooks`` and
   the path) if it cannot be imported or is not there."""
-  module, _, name = path.partition(":")
-  if not module or not name:
-    raise ConfigError("train.hooks", f"'{path}' is not 'module.path:factory'", "e.g. 'my_hooks:loss_printer'")
-  try:
-    factory = getattr(importlib.import_module(module), name)
-  except ImportError as e:
-    raise ConfigError("train.hooks", f"'{path}': module {module} cannot be imported ({type(e).__name__}: {e})",
-                      "put its folder on PYTHONPATH or install it") from None
-  except AttributeError:
-    raise ConfigError("train.hooks", f"'{path}': module {module} has no {name}",
-                      "name a function or class of that module that returns a hook") from None
-  if not callable(factory):
-    raise ConfigError("train.hooks", f"'{path}' is not callable", "name a function or class that returns a hook")
-  return factory
+  return registry.by_import_path(path, "train.hooks", "factory", "my_hooks:loss_printer",
+                                 "a function or class of that module that returns a hook")
 
 
 def validate(config) -> None:

@@ -24,7 +24,6 @@ Built in:
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import re
 from typing import Callable, Sequence
@@ -32,6 +31,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from jaxtrain.errors import ConfigError, UserError
+from jaxtrain import registry
 from jaxtrain.registry import Registry
 
 RewardFn = Callable[[list[str], list[dict]], Sequence[float]]
@@ -105,20 +105,8 @@ def parse(spec) -> list[tuple[str, float]]:
 
 
 def _import(path: str) -> RewardFn:
-  module, _, name = path.partition(":")
-  if not module or not name:
-    raise ConfigError("rl.rewards", f"'{path}' is not 'module.path:function'", "e.g. 'my_rewards:brevity'")
-  try:
-    fn = getattr(importlib.import_module(module), name)
-  except ImportError as e:
-    raise ConfigError("rl.rewards", f"'{path}': module {module} cannot be imported ({type(e).__name__}: {e})",
-                      "put its folder on PYTHONPATH or install it") from None
-  except AttributeError:
-    raise ConfigError("rl.rewards", f"'{path}': module {module} has no {name}",
-                      "name a function (completions, records) -> one float per completion") from None
-  if not callable(fn):
-    raise ConfigError("rl.rewards", f"'{path}' is not callable", "name a function (completions, records) -> floats")
-  return fn
+  return registry.by_import_path(path, "rl.rewards", "function", "my_rewards:brevity",
+                                 "a function (completions, records) -> one float per completion")
 
 
 def load(rl) -> list[Reward]:
