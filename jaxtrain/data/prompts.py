@@ -31,7 +31,7 @@ from etils import epath
 from jaxtrain import paths
 from jaxtrain.data import chat as chat_lib
 from jaxtrain.data import tokenizers
-from jaxtrain.data.source import SOURCES, Source
+from jaxtrain.data.source import SOURCES, Source, StepPosition
 from jaxtrain.errors import ConfigError, DataError
 
 
@@ -139,7 +139,7 @@ def record_indices(batch) -> np.ndarray:
   return np.asarray(batch["targets"])[:, 0]
 
 
-class PromptStream:
+class PromptStream(StepPosition):
   """This process's rows of the prompt stream (see the module docstring); its position is the global step."""
 
   def __init__(self, prompts: PromptSet, width: int, global_rows: int, group_size: int, seed: int,
@@ -170,20 +170,6 @@ class PromptStream:
     indices = np.repeat(self.indices(self.step), self.group)[self.rows]
     self.step += 1
     return rows(self.prompts.ids, indices, self.width)
-
-  def get_state(self) -> dict:
-    return {"step": self.step}
-
-  def set_state(self, state: dict) -> None:
-    self.step = int(state["step"])
-
-  def resplit(self, saved_states: list[dict]) -> dict:
-    """Every process is at the same global step: any process's position is this one's."""
-    steps = sorted({int(s["step"]) for s in saved_states})
-    if len(steps) != 1:
-      raise DataError("data position", f"the processes that saved it were at different steps ({steps})",
-                      "resume with the number of processes that saved it")
-    return {"step": steps[0]}
 
 
 def open_train(config) -> PromptStream:

@@ -16,9 +16,30 @@ from typing import Any, Callable, Iterator
 
 import ml_collections
 
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, DataError
 from jaxtrain.registry import Registry
 
+
+
+class StepPosition:
+  """The data position of a stream whose batches are a function of the global step alone (``self.step``: batches
+  taken), the same on every process: checkpointed as the step, and restored onto any number of processes."""
+
+  step: int
+
+  def get_state(self) -> dict:
+    return {"step": self.step}
+
+  def set_state(self, state: dict) -> None:
+    self.step = int(state["step"])
+
+  def resplit(self, saved_states: list[dict]) -> dict:
+    """Every process of a run is at the same global step, so any process's position is this one's."""
+    steps = sorted({int(s["step"]) for s in saved_states})
+    if len(steps) != 1:
+      raise DataError("data position", f"the processes that saved it were at different steps ({steps})",
+                      "resume with the number of processes that saved it")
+    return {"step": steps[0]}
 
 @dataclasses.dataclass
 class Folder:

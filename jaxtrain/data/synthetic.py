@@ -12,11 +12,10 @@ import jax
 import numpy as np
 
 from jaxtrain.data import batch as batch_lib
-from jaxtrain.data.source import SOURCES, Source
-from jaxtrain.errors import DataError
+from jaxtrain.data.source import SOURCES, Source, StepPosition
 
 
-class SyntheticSource:
+class SyntheticSource(StepPosition):
   """This process's rows of the synthetic stream. Its position (``get_state``: the global step count) is a
   :class:`jaxtrain.checkpoint.DataPosition`, so checkpoints store it and a resumed run goes on with the very
   batches it would have read, on any number of processes."""
@@ -41,20 +40,6 @@ class SyntheticSource:
     tokens = (start + stride * np.arange(self.seq_len + 1)) % self.vocab
     self.step += 1
     return batch_lib.from_tokens(tokens[self.rows])
-
-  def get_state(self) -> dict:
-    return {"step": self.step}
-
-  def set_state(self, state: dict) -> None:
-    self.step = int(state["step"])
-
-  def resplit(self, saved_states: list[dict]) -> dict:
-    """Every process of a run is at the same global step, so any process's position is this one's."""
-    steps = sorted({int(s["step"]) for s in saved_states})
-    if len(steps) != 1:
-      raise DataError("data position", f"the processes that saved it were at different steps ({steps})",
-                      "resume with the number of processes that saved it")
-    return {"step": steps[0]}
 
 
 def _open(c, seed: int) -> SyntheticSource:
