@@ -9,6 +9,10 @@ JSON line.
   cuDNN's packed call without the fallback, which must be wrong there (else the case tests nothing).
 - ``auto``: what ``model.attention=auto`` chooses here for bf16 and float32.
 - ``losses``: a 2-layer Llama in bf16, 4 train steps with cudnn and with xla on the same batches.
+- ``families``: configs/tiny_family.py's DeepSeek-V3 (multi-head latent attention: its padded head dims and explicit
+  softmax scale) with cudnn and with xla, and GPT-OSS (attention sinks, which no kernel has) with blockwise (sinks
+  rescaled from its log-sum-exp) and with xla (written out), 4 bf16 train steps each on the same batches, and the
+  backend ``auto`` chooses for each.
 """
 
 import json
@@ -76,37 +80,60 @@ def cases() -> list[dict]:
   return out
 
 
-def losses(backends=("cudnn", "xla")) -> dict:
+def _train(c, steps: int = 4) -> list[float]:
+  """``steps`` losses of config ``c`` on synthetic batches (the same for every backend)."""
   from jaxtrain import data as data_lib
-  from jaxtrain.config import base_config, validate_values
+  from jaxtrain.config import validate_values
   from jaxtrain.data.synthetic import SyntheticSource
   from jaxtrain.train import trainer
+  c.workdir = "/tmp/gpu_worker"
+  c.data.source = "synthetic"
+  c.mesh.update(data=1, fsdp=1, tensor=1)
+  validate_values(c)
+  run = trainer.build(c)
+  step, state = trainer.compile_step(run), trainer.init_state(run)
+  source = SyntheticSource(c.data.seq_len, c.model.vocab_size, c.train.global_batch_size, 0)
+  values = []
+  for _ in range(steps):
+    state, metrics = step(state, data_lib.to_global(next(source), run.batch_sharding), np.bool_(False))
+    values.append(float(metrics["loss"]))
+  return values
+
+
+def losses(backends=("cudnn", "xla")) -> dict:
+  from jaxtrain.config import base_config
   result = {}
   for name in backends:
     c = base_config()
-    c.workdir = "/tmp/gpu_worker"
     c.model.update(num_layers=2, d_model=256, num_heads=8, num_kv_heads=4, head_dim=32, mlp_dim=512,
                    vocab_size=512, dtype="bfloat16", attention=name)
-    c.data.update(seq_len=512, source="synthetic")
-    c.train.update(global_batch_size=4)
+    c.data.seq_len = 512
+    c.train.global_batch_size = 4
     c.optim.update(lr=3e-3, warmup_steps=1)
-    c.mesh.update(data=1, fsdp=1, tensor=1)
-    validate_values(c)
-    run = trainer.build(c)
-    step, state = trainer.compile_step(run), trainer.init_state(run)
-    source = SyntheticSource(512, 512, 4, 0)
-    values = []
-    for _ in range(4):
-      state, metrics = step(state, data_lib.to_global(next(source), run.batch_sharding), np.bool_(False))
-      values.append(float(metrics["loss"]))
-    result[name] = values
+    result[name] = _train(c)
+  return result
+
+
+def families() -> dict:
+  from jaxtrain.config import load_file
+  result = {}
+  for family, backends in (("deepseek_v3", ("cudnn", "xla")), ("gpt_oss", ("blockwise", "xla"))):
+    row = {}
+    for name in backends:
+      c = load_file(f"configs/tiny_family.py:{family}", [f"model.attention={name}", "model.dtype=bfloat16",
+                                                          "train.global_batch_size=4", "optim.warmup_steps=1"])
+      if name == "xla":
+        row["auto is"] = attention.choose(jax.default_backend(), c.data.seq_len, dtype=c.model.dtype,
+                                          sinks=bool(c.model.get("attention_sinks")))
+      row[name] = _train(c)
+    result[family] = row
   return result
 
 
 def main():
   auto = {dtype: attention.choose(jax.default_backend(), 8192, dtype=dtype) for dtype in ("bfloat16", "float32")}
   print(json.dumps({"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                    "auto": auto, "cases": cases(), "losses": losses()}))
+                    "auto": auto, "cases": cases(), "losses": losses(), "families": families()}))
 
 
 if __name__ == "__main__":

@@ -52,3 +52,20 @@ def test_a_model_trains_with_cudnn_as_with_xla(gpu):
   assert cudnn[-1] < cudnn[0] - 0.03  # it learns (xla on CPU: 6.278 -> 6.228)
   for a, b in zip(cudnn, xla):
     assert a == pytest.approx(b, rel=1e-3)  # measured on an H200: 2.4e-5 at most
+
+
+def test_latent_attention_trains_with_cudnn_as_with_xla(gpu):
+  """DeepSeek-V3's multi-head latent attention (head dims padded to one width, an explicit softmax scale) through the
+  cuDNN kernel."""
+  row = gpu["families"]["deepseek_v3"]
+  for a, b in zip(row["cudnn"], row["xla"]):
+    assert a == pytest.approx(b, rel=1e-3)
+
+
+def test_attention_sinks_train_with_blockwise_as_with_xla_and_auto_takes_no_kernel(gpu):
+  """GPT-OSS's sinks: blockwise's rescaling from its log-sum-exp trains as xla's written-out softmax does, and
+  ``auto`` takes no kernel (none has sinks)."""
+  row = gpu["families"]["gpt_oss"]
+  assert row["auto is"] in ("xla", "blockwise")
+  for a, b in zip(row["blockwise"], row["xla"]):
+    assert a == pytest.approx(b, rel=1e-3)
