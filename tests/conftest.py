@@ -44,8 +44,8 @@ def count_dispatched_steps(monkeypatch) -> list[int]:
   from jaxtrain.train import trainer
   dispatched, compile_step = [0], trainer.compile_step
 
-  def counting(run, train_step=None):
-    step_fn = compile_step(run, train_step)
+  def counting(run, train_step=None, extra=()):
+    step_fn = compile_step(run, train_step, extra)
 
     def counted(*args):
       dispatched[0] += 1
