@@ -199,3 +199,15 @@ def test_a_worker_killed_inside_a_task_is_replaced_and_its_work_redone(cluster, 
   assert redone and redone[0] != victim  # the engine ran the lost task again, in a live worker
   cluster.client.wait_for_workers(2, timeout=120)  # the nanny started a new worker process
   assert victim not in _worker_pids(cluster.client)
+
+
+def test_an_unreachable_scheduler_is_one_line_and_nothing_written(corpus, tmp_path):
+  folder, _ = corpus
+  address = f"tcp://127.0.0.1:{portpicker.pick_unused_port()}"  # nothing listens there
+  r = subprocess.run([sys.executable, "tools/prepare_data.py", f"--input={folder}", f"--output={tmp_path / 'out'}",
+                      "--runner=DaskRunner", "--", f"--dask_client_address={address}", "--dask_connection_timeout=2"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=120)
+  errors = [line for line in r.stderr.splitlines() if line.startswith("prepare_data: error:")]
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert len(errors) == 1 and f"--dask_client_address: no Dask scheduler answers at {address}" in errors[0]
+  assert os.listdir(tmp_path) == []  # no output, no temporary folder

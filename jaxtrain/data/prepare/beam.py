@@ -114,7 +114,14 @@ def run(plan) -> list[dict]:
   errors = records | "Errors" >> beam.Filter(_is_error)
   _ = ((entries, errors) | "Results" >> beam.Flatten() | "OneKey" >> beam.Map(lambda r: (0, r))
        | "Together" >> beam.GroupByKey() | "Write" >> beam.Map(_write_results, str(results)))
-  result = p.run()
+  try:
+    result = p.run()
+  except OSError as e:  # DaskRunner connects to its scheduler here: nothing else in run() does I/O
+    address = next((a.split("=", 1)[1] for a in args if a.startswith("--dask_client_address=")), None)
+    if address is None or runner_name(plan.opts.runner) != _RUNNERS["dask"]:
+      raise
+    raise DataError("--dask_client_address", f"no Dask scheduler answers at {address} ({str(e)[:120]})",
+                    "start one (dask scheduler) or fix the address") from None
   try:
     result.wait_until_finish()
   finally:
