@@ -97,7 +97,7 @@ class DaskCluster:
   def __enter__(self):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     start = [("scheduler", ["distributed.cli.dask_scheduler", "--host=127.0.0.1",
-                            f"--port={self.address.rsplit(':', 1)[1]}", "--no-dashboard"])]
+                            f"--port={self.address.rsplit(':', 1)[1]}", "--no-dashboard", "--idle-timeout=300s"])]
     start += [(f"worker{i}", ["distributed.cli.dask_worker", self.address, "--host=127.0.0.1", "--nworkers=1",
                               "--nthreads=1", "--no-dashboard", "--death-timeout=60"]) for i in range(self.workers)]
     try:

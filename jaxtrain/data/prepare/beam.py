@@ -95,11 +95,12 @@ def run(plan) -> list[dict]:
   kind and are selected by FlatMaps, not tagged outputs), no side inputs, and one sink (entries and errors
   grouped under one key, written as one file). Beam's DaskRunner needs all three: it computes only the last
   step it visits and hands a tagged output's consumers the step's untagged output."""
+  dask = runner_name(plan.opts.runner) == _RUNNERS["dask"]
   args = [f"--runner={runner_name(plan.opts.runner)}", *plan.opts.pipeline_options]
   if plan.opts.workers > 1 and not any(a.startswith("--direct_") for a in args):
     args += [f"--direct_num_workers={plan.opts.workers}", "--direct_running_mode=multi_processing"]
-  if not any(a.startswith(("--dask_npartitions", "--dask_partition_size")) for a in args):
-    args.append("--dask_partition_size=1")  # DaskRunner: one input file per task (its default is 128 files)
+  if dask and not any(a.startswith(("--dask_npartitions", "--dask_partition_size")) for a in args):
+    args.append("--dask_partition_size=1")  # one input file per task (DaskRunner's default: 128 files)
   if not any(a.startswith("--default_sdk_harness_log_level") for a in args):
     args.append("--default_sdk_harness_log_level=WARNING")  # the workers' INFO lines are per bundle: noise
   results = epath.Path(plan.work) / "results.json"
@@ -118,7 +119,7 @@ def run(plan) -> list[dict]:
     result = p.run()
   except OSError as e:  # DaskRunner connects to its scheduler here: nothing else in run() does I/O
     address = next((a.split("=", 1)[1] for a in args if a.startswith("--dask_client_address=")), None)
-    if address is None or runner_name(plan.opts.runner) != _RUNNERS["dask"]:
+    if not dask or address is None:
       raise
     raise DataError("--dask_client_address", f"no Dask scheduler answers at {address} ({str(e)[:120]})",
                     "start one (dask scheduler) or fix the address") from None
