@@ -93,8 +93,9 @@ def run(plan) -> list[dict]:
 
   The pipeline keeps to what every runner executes alike: one output per step (the scatter's records carry their
   kind and are selected by FlatMaps, not tagged outputs), no side inputs, and one sink (entries and errors
-  grouped under one key, written as one file). Beam's DaskRunner needs all three: it computes only the last
-  step it visits and hands a tagged output's consumers the step's untagged output."""
+  grouped under one key, written as one file). Beam's DaskRunner needs that: it computes only the last step it
+  visits (a second sink never runs), hands the consumers of a tagged output the step's whole output, and serves a
+  side input (``ToList``'s global combine has one) by computing its bag inside the consuming task."""
   dask = runner_name(plan.opts.runner) == _RUNNERS["dask"]
   args = [f"--runner={runner_name(plan.opts.runner)}", *plan.opts.pipeline_options]
   if plan.opts.workers > 1 and not any(a.startswith("--direct_") for a in args):
