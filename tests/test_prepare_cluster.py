@@ -15,6 +15,7 @@ import types
 import pytest
 
 from jaxtrain.data import prepare
+from jaxtrain.errors import DataError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -201,13 +202,14 @@ def test_a_worker_killed_inside_a_task_is_replaced_and_its_work_redone(cluster, 
   assert victim not in _worker_pids(cluster.client)
 
 
-def test_an_unreachable_scheduler_is_one_line_and_nothing_written(corpus, tmp_path):
+def test_an_unreachable_scheduler_is_named_and_nothing_written(corpus, tmp_path):
+  """The user's mistake, in process (the command line prints a DataError as one line, exit 2: test_cli)."""
   folder, _ = corpus
   address = f"tcp://127.0.0.1:{portpicker.pick_unused_port()}"  # nothing listens there
-  r = subprocess.run([sys.executable, "tools/prepare_data.py", f"--input={folder}", f"--output={tmp_path / 'out'}",
-                      "--runner=DaskRunner", "--", f"--dask_client_address={address}", "--dask_connection_timeout=2"],
-                     cwd=ROOT, capture_output=True, text=True, timeout=120)
-  errors = [line for line in r.stderr.splitlines() if line.startswith("prepare_data: error:")]
-  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
-  assert len(errors) == 1 and f"--dask_client_address: no Dask scheduler answers at {address}" in errors[0]
+  with pytest.raises(DataError) as e:
+    prepare.prepare(prepare.Options(inputs=[os.fspath(folder)], output=os.fspath(tmp_path / "out"), progress=False,
+                                    runner="DaskRunner", pipeline_options=(f"--dask_client_address={address}",
+                                                                           "--dask_connection_timeout=1")))
+  assert str(e.value).startswith(f"--dask_client_address: no Dask scheduler answers at {address} (")
+  assert str(e.value).endswith("; start one (dask scheduler) or fix the address")
   assert os.listdir(tmp_path) == []  # no output, no temporary folder
