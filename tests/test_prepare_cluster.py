@@ -187,6 +187,8 @@ def test_a_worker_killed_inside_a_task_is_replaced_and_its_work_redone(cluster, 
                         lambda: (s := _started(cluster.hold)) and len({pid for _, pid in s}) == 2 and s, proc)
     index, victim = started[0]
     assert victim in workers
+    lost = cluster.client.processing([workers[victim]])[workers[victim]]  # the scheduler's view of its tasks
+    seen = len(cluster.client.get_task_stream())
     os.kill(victim, signal.SIGKILL)  # inside the scatter of file `index`
     _wait_for("the scheduler to lose the worker",
               lambda: workers[victim] not in cluster.client.scheduler_info()["workers"], proc)
@@ -196,8 +198,11 @@ def test_a_worker_killed_inside_a_task_is_replaced_and_its_work_redone(cluster, 
     raise
   _finish(proc)
   assert _files(tmp_path / "out") == want
-  # The engine ran the lost task again, in a live worker process.
+  # The engine ran the lost work again: file `index` scattered in another worker process, and by the scheduler's
+  # task stream every task it had on the killed worker finished on another worker.
   assert [pid for i, pid in _started(cluster.hold) if i == index and pid != victim]
+  finished = {t["key"]: t["worker"] for t in cluster.client.get_task_stream()[seen:]}
+  assert lost and all(finished.get(key) not in (None, workers[victim]) for key in lost), (lost, finished)
   cluster.client.wait_for_workers(2, timeout=120)  # the nanny started a new worker process
   assert victim not in _worker_pids(cluster.client)
 
