@@ -90,6 +90,13 @@ NOT_RUN = {
                   "(test_ci_runs_the_readme_test_command)",
     "--config.workdir=gs://bucket/run1": "needs a Cloud Storage bucket and the memory of an 8B model",
     "--runner=DataflowRunner": "needs a Google Cloud project and bucket",
+    "dask scheduler --port=8786": "starts a Dask scheduler that would outlive the test (tests/test_prepare_cluster.py "
+                                  "starts one, and two workers, on a free port and stops them)",
+    "dask worker tcp://SCHEDULER": "needs the Dask scheduler above (tests/test_prepare_cluster.py starts workers)",
+    "--runner=DaskRunner": "needs a Dask scheduler at SCHEDULER and storage its workers share (tests/"
+                           "test_prepare_cluster.py runs this command on a scheduler and two workers it starts)",
+    "--runner=FlinkRunner": "needs a Flink cluster and a container image with jaxtrain",
+    "--runner=SparkRunner": "needs a Spark cluster and a container image with jaxtrain",
     "gcloud storage cp -r imported/my-llama": "needs a Cloud Storage bucket",
     "gcloud storage cp -r data/llama_chats": "needs a Cloud Storage bucket",
     "gcloud compute tpus tpu-vm scp": "needs a TPU VM slice",

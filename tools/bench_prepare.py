@@ -1,28 +1,35 @@
 """Data preparation benchmark: throughput and peak memory against the input's size, per executor and worker count.
 
   python tools/bench_prepare.py [--sizes_mb=25,100,400] [--shard_mib=32] [--out=benchmarks/results/prepare.json]
+  python tools/bench_prepare.py --sizes_mb=5,25 --runs=local:1,DirectRunner:1,DaskRunner:2 \
+      --out=benchmarks/results/prepare_dask.json
 
 Generates JSONL corpora of growing size (the bundled corpus's paragraphs, copy k prefixed with k so documents
 differ, every 20th document a repeat of an earlier one; 16 files) and prepares each with
 ``tools/prepare_data.py`` (byte tokenizer) in a fresh process per run: in process with 1 and 2 workers, and as an
-Apache Beam pipeline (FnApiRunner, the local runner; 1 and 2 worker processes); ``--baseline=GIT_REV`` adds the
-tool as it was at that revision (e.g. the in-memory path before the Beam work). Reported: wall seconds, documents/s
-and tokens/s, and peak resident memory of the whole process tree (driver + workers, sampled every 50 ms), of the
-driver and of the largest worker; and whether every run of one size wrote the same bytes.
+Apache Beam pipeline (FnApiRunner, the local runner; 1 and 2 worker processes); ``DaskRunner:N`` runs it on a Dask
+cluster on this machine, a ``dask scheduler`` and N single-thread worker processes started before the run (not
+timed: a cluster outlives its jobs) and stopped after it; ``--baseline=GIT_REV`` adds the tool as it was at that
+revision (e.g. the in-memory path before the Beam work). Reported: wall seconds, documents/s and tokens/s, and peak
+resident memory of the whole process tree (driver + workers, and the Dask scheduler and workers, sampled every
+50 ms), of the driver and of the largest worker; and whether every run of one size wrote the same bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 
+import portpicker
 import psutil
 from absl import app, flags
 
@@ -34,7 +41,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SIZES = flags.DEFINE_list("sizes_mb", ["25", "100", "400"], "Corpus sizes in MB of JSONL.")
 _SHARD = flags.DEFINE_float("shard_mib", 32.0, "--shard_mib of the runs (MiB of input per shard).")
 _RUNS = flags.DEFINE_list("runs", ["local:1", "local:2", "FnApiRunner:1", "FnApiRunner:2"],
-                          "EXECUTOR:WORKERS pairs; EXECUTOR is local or a Beam runner name.")
+                          "EXECUTOR:WORKERS pairs; EXECUTOR is local or a Beam runner name (DaskRunner: on a "
+                          "local Dask cluster of WORKERS worker processes).")
 _BASELINE = flags.DEFINE_string("baseline", "", "A git revision whose tools/prepare_data.py also runs (1 worker).")
 _WORK = flags.DEFINE_string("work", "", "Scratch folder (default: a temporary one, removed at the end).")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/prepare.json", "Where to write the JSON results.")
@@ -57,12 +65,12 @@ def write_corpus(folder: str, megabytes: float, files: int = 16) -> dict:
   return {"documents": len(lines), "bytes": size}
 
 
-def _peak_memory(proc: subprocess.Popen, stop: threading.Event, out: dict) -> None:
-  """Samples the RSS of ``proc`` and its descendants every 50 ms until ``stop``."""
-  root = psutil.Process(proc.pid)
+def _peak_memory(proc: subprocess.Popen, stop: threading.Event, out: dict, others=()) -> None:
+  """Samples the RSS of ``proc``, the processes ``others`` and their descendants every 50 ms until ``stop``."""
+  roots = [psutil.Process(proc.pid)] + [psutil.Process(p.pid) for p in others]
   while not stop.is_set():
     try:
-      procs = [root] + root.children(recursive=True)
+      procs = [q for root in roots for q in [root] + root.children(recursive=True)]
       rss = {}
       for p in procs:
         try:
@@ -78,17 +86,58 @@ def _peak_memory(proc: subprocess.Popen, stop: threading.Event, out: dict) -> No
     stop.wait(0.05)
 
 
-def run_once(tool_root: str, inputs: str, output: str, executor: str, workers: int) -> dict:
+class DaskCluster:
+  """A ``dask scheduler`` and ``workers`` single-thread ``dask worker`` processes on localhost, ready on entry (the
+  repository first on their PYTHONPATH), stopped on exit."""
+
+  def __init__(self, workers: int, logs: str):
+    self.workers, self.logs, self.procs = workers, logs, []
+    self.address = f"tcp://127.0.0.1:{portpicker.pick_unused_port()}"
+
+  def __enter__(self):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    start = [("scheduler", ["distributed.cli.dask_scheduler", "--host=127.0.0.1",
+                            f"--port={self.address.rsplit(':', 1)[1]}", "--no-dashboard", "--idle-timeout=300s"])]
+    start += [(f"worker{i}", ["distributed.cli.dask_worker", self.address, "--host=127.0.0.1", "--nworkers=1",
+                              "--nthreads=1", "--no-dashboard", "--death-timeout=60"]) for i in range(self.workers)]
+    try:
+      for name, args in start:
+        with open(os.path.join(self.logs, f"dask-{name}.log"), "w") as log:
+          self.procs.append(subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT,
+                                             env=env, cwd=ROOT, start_new_session=True))
+      import distributed
+      with distributed.Client(self.address, timeout=60) as client:
+        client.wait_for_workers(self.workers, timeout=120)
+    except BaseException:
+      self.__exit__()
+      raise
+    return self
+
+  def __exit__(self, *_):
+    for p in self.procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+    for p in self.procs:
+      try:
+        p.wait(timeout=15)
+      except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def run_once(tool_root: str, inputs: str, output: str, executor: str, workers: int, cluster=None) -> dict:
   args = [sys.executable, os.path.join(tool_root, "tools", "prepare_data.py"), f"--input={inputs}",
-          f"--output={output}", f"--workers={workers if workers > 1 else 0}", "--eval_fraction=0.01"]
+          f"--output={output}", f"--workers={workers if workers > 1 and not cluster else 0}", "--eval_fraction=0.01"]
   if tool_root == ROOT:
     args.append(f"--shard_mib={_SHARD.value}")
   if executor != "local":
     args.append(f"--runner={executor}")
+  if cluster:
+    args += ["--", f"--dask_client_address={cluster.address}"]
   memory, stop = {}, threading.Event()
   start = time.perf_counter()
   proc = subprocess.Popen(args, cwd=tool_root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  sampler = threading.Thread(target=_peak_memory, args=(proc, stop, memory))
+  sampler = threading.Thread(target=_peak_memory, args=(proc, stop, memory, cluster.procs if cluster else ()))
   sampler.start()
   out, err = proc.communicate()
   seconds = time.perf_counter() - start
@@ -131,14 +180,21 @@ def main(argv):
       for executor, workers, root in plan:
         output = os.path.join(work, "out")
         shutil.rmtree(output, ignore_errors=True)
-        r = run_once(root, folder, output, "local" if executor.startswith("baseline") else executor, workers)
-        if root == ROOT:
-          digests.add(r["shards_sha256"])
-        mem = r["peak_rss_mib"]
-        print(f"{size:>5g} {executor:>22} {workers:>7} {r['seconds']:>7.1f} {r['docs_per_s']:>9,.0f} "
-              f"{r['tokens_per_s'] / 1e6:>7.2f} {mem.get('tree', 0):>9,.0f} {mem.get('driver', 0):>7,.0f} "
-              f"{mem.get('worker', 0):>7,.0f}  {len(digests) == 1 if root == ROOT else '-'}", flush=True)
-        results.append({"size_mb": size, "corpus": corpus, "executor": executor, "workers": workers, **r})
+        dask = executor == "DaskRunner"
+        with DaskCluster(workers, work) if dask else contextlib.nullcontext() as cluster:
+          # On a cluster, a first run on fresh workers (which import jaxtrain and Beam then) and a second one.
+          for warm in (False, True) if dask else (False,):
+            shutil.rmtree(output, ignore_errors=True)
+            r = run_once(root, folder, output, "local" if executor.startswith("baseline") else executor, workers,
+                         cluster)
+            if root == ROOT:
+              digests.add(r["shards_sha256"])
+            mem, name = r["peak_rss_mib"], executor + (", warm" if warm else "")
+            print(f"{size:>5g} {name:>22} {workers:>7} {r['seconds']:>7.1f} {r['docs_per_s']:>9,.0f} "
+                  f"{r['tokens_per_s'] / 1e6:>7.2f} {mem.get('tree', 0):>9,.0f} {mem.get('driver', 0):>7,.0f} "
+                  f"{mem.get('worker', 0):>7,.0f}  {len(digests) == 1 if root == ROOT else '-'}", flush=True)
+            results.append({"size_mb": size, "corpus": corpus, "executor": executor, "workers": workers,
+                            **({"warm_cluster": warm} if dask else {}), **r})
       shutil.rmtree(folder)
   finally:
     if baseline_root:

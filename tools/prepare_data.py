@@ -4,7 +4,8 @@
       [--format=auto|text|sft|preference] [--seq_len=N] [--field=text] [--seed=N] [--eval_fraction=F]
       [--text_split=paragraph|file]
       [--workers=N] [--prompt_field=prompt] [--response_field=response] [--messages_field=messages]
-      [--chat_template=FILE] [--near_dup_threshold=0.8] [--runner=DirectRunner|DataflowRunner|... [-- BEAM_OPTIONS]]
+      [--chat_template=FILE] [--near_dup_threshold=0.8]
+      [--runner=DirectRunner|DaskRunner|DataflowRunner|... [-- BEAM_OPTIONS]]
 
 Pretraining text (--format=text): text files (documents separated by blank lines; --text_split=file for one
 per file), JSONL (field --field), Parquet (column --field), folders (recursive) and globs.
@@ -32,9 +33,13 @@ bytes for any --workers and any --runner. Memory stays bounded (a 64 MiB buffer 
 --shard_mib MiB of input) whatever the input size.
 
 Without --runner the preparation runs in this process (--workers processes). With --runner it is an Apache Beam
-pipeline (pip install -e '.[beam]'): --runner=DirectRunner --workers=N runs N local worker processes; at scale
-use DataflowRunner, FlinkRunner or SparkRunner and pass the runner's options after `--`, e.g.
+pipeline (pip install -e '.[beam]'): --runner=DirectRunner --workers=N runs N local worker processes; on a Dask
+cluster --runner=DaskRunner with the scheduler's address after `--` (one task per input file; the scheduler and
+workers need jaxtrain installed, and the input and output on storage every worker reaches); at scale also
+DataflowRunner, FlinkRunner or SparkRunner, their options after `--`, e.g.
 
+  python tools/prepare_data.py --input=/shared/raw --output=/shared/data --runner=DaskRunner \
+      -- --dask_client_address=tcp://scheduler:8786
   python tools/prepare_data.py --input=gs://b/raw/*.jsonl --output=gs://b/data --runner=DataflowRunner \
       -- --project=P --region=us-central1 --temp_location=gs://b/tmp
 
@@ -80,8 +85,9 @@ _NEAR = flags.DEFINE_float("near_dup_threshold", 0.0, "Remove near duplicates at
                            "n-grams (MinHash LSH; e.g. 0.8); 0: exact de-duplication only.")
 _NGRAM = flags.DEFINE_integer("near_dup_ngram", 5, "Words per n-gram for near-duplicate search.")
 _PERM = flags.DEFINE_integer("near_dup_perm", 128, "MinHash permutations for near-duplicate search.")
-_RUNNER = flags.DEFINE_string("runner", "", "An Apache Beam runner (DirectRunner, DataflowRunner, FlinkRunner, "
-                              "SparkRunner, ...); options for it go after `--`. Empty: prepare in this process.")
+_RUNNER = flags.DEFINE_string("runner", "", "An Apache Beam runner (DirectRunner, DaskRunner, DataflowRunner, "
+                              "FlinkRunner, SparkRunner, ...); options for it go after `--`. Empty: prepare in this "
+                              "process.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a non-empty output folder (after success).")
 
 

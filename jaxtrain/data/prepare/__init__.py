@@ -2,9 +2,10 @@
 
 One algorithm (:mod:`.algorithm`: scatter, near duplicates, gather, finalize; its docstring has the record formats
 and the manifest), two runners on it: :mod:`.local` (this process; ``workers`` processes) and :mod:`.beam` (an
-Apache Beam pipeline, ``runner``: DirectRunner locally, DataflowRunner / FlinkRunner / SparkRunner at scale). Every
-decision about a document is a function of its content and the seed, so the output is the same bytes whatever the
-runner and worker count. :func:`bundled_corpus` prepares the bundled Shakespeare once per cache folder.
+Apache Beam pipeline, ``runner``: DirectRunner locally, DaskRunner on a Dask cluster, DataflowRunner / FlinkRunner /
+SparkRunner at scale). Every decision about a document is a function of its content and the seed, so the output is
+the same bytes whatever the runner and worker count. :func:`bundled_corpus` prepares the bundled Shakespeare once
+per cache folder.
 """
 
 from __future__ import annotations
