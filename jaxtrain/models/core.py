@@ -173,6 +173,16 @@ REMAT.register("offload_dots", Remat(jax.checkpoint_policies.offload_dot_with_no
 REMAT.register("offload_full", _offloaded(LAYER_INPUT))
 
 
+def stacked(cfg, dtype, rngs: nnx.Rngs, block, count: int, axis_name: str = "layers"):
+  """``count`` instances of ``block(cfg, dtype, rngs)`` stacked on a leading axis named ``axis_name`` (the layer
+  scan's; each from its own split of ``rngs``)."""
+  @nnx.split_rngs(splits=count)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis_name})
+  def make(rngs):
+    return block(cfg, dtype, rngs)
+  return make(rngs)
+
+
 def remat_layer(fn: Callable, remat: str) -> Callable:
   """``fn(weights, x, *rest)``, one layer of a stack, rematerialized per the policy named ``remat``
   (:data:`REMAT`), with its input ``x`` tagged :data:`LAYER_INPUT` (what ``offload_full`` moves to host memory;

@@ -93,3 +93,39 @@ def refuse(model_type: str, problem: str, fix: str) -> None:
 def for_family(name: str) -> Adapter | None:
   """The adapter that exports family ``name`` (the first registered, by model_type, that reads it), or None."""
   return next((a for _, a in ADAPTERS.items() if a.family == name), None)
+
+
+def inherited(base: dict | None, *also: str) -> dict:
+  """The source's config.json keys an export keeps: all but the RoPE, dtype and version keys it writes anew (and
+  ``also``)."""
+  dropped = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "transformers_version", *also)
+  return {k: v for k, v in (base or {}).items() if k not in dropped}
+
+
+def yarn_from_hf(rope: dict, where: str, mscale: bool = False) -> dict:
+  """A Hugging Face ``rope_scaling`` / ``rope_parameters`` of type default or yarn as jaxtrain's model keys
+  (``mscale``: DeepSeek's two attention-scale keys too); one HFError line naming a missing key."""
+  if rope.get("rope_type", rope.get("type", "default")) != "yarn":
+    return {"rope_scaling": ""}
+  try:
+    keys = dict(rope_scaling="yarn", rope_scaling_factor=float(rope["factor"]),
+                rope_original_max_positions=int(rope["original_max_position_embeddings"]),
+                rope_yarn_beta_fast=float(rope.get("beta_fast") or 32.0),
+                rope_yarn_beta_slow=float(rope.get("beta_slow") or 1.0),
+                rope_yarn_truncate=bool(rope.get("truncate", True)))
+    if mscale:
+      keys.update(rope_yarn_mscale=float(rope.get("mscale") or 0.0),
+                  rope_yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0))
+  except (KeyError, TypeError) as e:
+    raise HFError(where, f"has YaRN RoPE without {e.args[0]}", "pass a complete config.json") from None
+  return keys
+
+
+def yarn_to_hf(model: Any, **extra) -> dict | None:
+  """The ``rope_scaling`` a model group with YaRN RoPE writes (plus the family's ``extra`` keys); None without."""
+  if model.get("rope_scaling") != "yarn":
+    return None
+  return {"rope_type": "yarn", "factor": model.rope_scaling_factor, "beta_fast": model.rope_yarn_beta_fast,
+          "beta_slow": model.rope_yarn_beta_slow, **extra,
+          "original_max_position_embeddings": model.rope_original_max_positions}
+

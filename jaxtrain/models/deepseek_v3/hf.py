@@ -92,25 +92,11 @@ class DeepseekV3Adapter(hf_adapter.Adapter):
              topk_groups=int(hf.get("topk_group") or 1),
              routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
              normalize_topk=bool(hf.get("norm_topk_prob", True)), load_balance_weight=0.0, router_z_weight=0.0)
-    if rope_type == "yarn":
-      try:
-        m.update(rope_scaling="yarn", rope_scaling_factor=float(rope["factor"]),
-                 rope_original_max_positions=int(rope["original_max_position_embeddings"]),
-                 rope_yarn_beta_fast=float(rope.get("beta_fast") or 32.0),
-                 rope_yarn_beta_slow=float(rope.get("beta_slow") or 1.0),
-                 rope_yarn_truncate=bool(rope.get("truncate", True)),
-                 rope_yarn_mscale=float(rope.get("mscale") or 0.0),
-                 rope_yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0))
-      except (KeyError, TypeError) as e:
-        raise HFError(where, f"has YaRN RoPE without {e.args[0]}", "pass a complete config.json") from None
-    else:
-      m.update(rope_scaling="")
+    m.update(hf_adapter.yarn_from_hf(rope, where, mscale=True))
     return m
 
   def hf_config(self, model: Any, base: dict | None, dtype: str) -> dict:
-    out = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "rope_scaling", "rope_theta",
-                                                              "torch_dtype", "dtype", "transformers_version",
-                                                              "quantization_config")}
+    out = hf_adapter.inherited(base, "quantization_config")
     out.update(architectures=[self.architecture], model_type=self.model_type, vocab_size=model.vocab_size,
                hidden_size=model.d_model, intermediate_size=model.mlp_dim, num_hidden_layers=model.num_layers,
                num_attention_heads=model.num_heads, num_key_value_heads=model.num_heads,
@@ -124,12 +110,9 @@ class DeepseekV3Adapter(hf_adapter.Adapter):
                topk_group=model.topk_groups, routed_scaling_factor=model.routed_scaling_factor,
                norm_topk_prob=bool(model.normalize_topk), torch_dtype=dtype, rope_theta=model.rope_theta)
     yarn = model.rope_scaling == "yarn"
-    out["rope_scaling"] = ({"rope_type": "yarn", "factor": model.rope_scaling_factor,
-                            "beta_fast": model.rope_yarn_beta_fast, "beta_slow": model.rope_yarn_beta_slow,
-                            "mscale": model.rope_yarn_mscale or None,
-                            "mscale_all_dim": model.rope_yarn_mscale_all_dim or None,
-                            "original_max_position_embeddings": model.rope_original_max_positions,
-                            **({} if model.rope_yarn_truncate else {"truncate": False})} if yarn else None)
+    out["rope_scaling"] = hf_adapter.yarn_to_hf(model, mscale=model.rope_yarn_mscale or None,
+                                                mscale_all_dim=model.rope_yarn_mscale_all_dim or None,
+                                                **({} if model.rope_yarn_truncate else {"truncate": False}))
     out.setdefault("max_position_embeddings", int(model.rope_original_max_positions * (
         model.rope_scaling_factor if yarn else 1)))
     out.setdefault("initializer_range", 0.02)

@@ -46,7 +46,7 @@ from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
 from jaxtrain.errors import ConfigError, check_positive
-from jaxtrain.models import attention, core, quantization, scans
+from jaxtrain.models import attention, core, quantization
 from jaxtrain.models.attention import KVCache, attend, attend_cached, write_kv
 from jaxtrain.models.llama import model as llama
 from jaxtrain.models.moe import model as moe
@@ -392,9 +392,9 @@ class DeepseekV3(moe.MoeLM):
     dtype = jnp.dtype(cfg.dtype)
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
                            embedding_init=_param(("vocab", "embed")), rngs=rngs)
-    self.dense_layers = (moe._stack(cfg, dtype, rngs, _dense_block, cfg.first_dense_layers, "dense_layers")
+    self.dense_layers = (core.stacked(cfg, dtype, rngs, _dense_block, cfg.first_dense_layers, "dense_layers")
                          if cfg.first_dense_layers else None)
-    self.layers = moe._stack(cfg, dtype, rngs, Block, cfg.num_layers - cfg.first_dense_layers, "layers")
+    self.layers = core.stacked(cfg, dtype, rngs, Block, cfg.num_layers - cfg.first_dense_layers, "layers")
     self.final_norm = llama.norm(cfg, dtype)
     self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
         cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
@@ -402,25 +402,14 @@ class DeepseekV3(moe.MoeLM):
     self.remat = cfg.remat
     self.moe_layers = cfg.num_layers - cfg.first_dense_layers
     # Stacked like the layers, its leading axis ``mtp_layers`` (no rule shards it); run one module at a time.
-    self.mtp = moe._stack(cfg, dtype, rngs, MTPModule, cfg.mtp_depth, "mtp_layers") if cfg.mtp_depth else None
+    self.mtp = core.stacked(cfg, dtype, rngs, MTPModule, cfg.mtp_depth, "mtp_layers") if cfg.mtp_depth else None
 
   def __call__(self, tokens, positions, segment_ids, cache: KVCache | None = None):
     """The ``moe`` family's forward; with ``mtp_depth`` also the aux loss ``mtp``: the mean over the modules of
     their mean token cross-entropy (:func:`mtp_targets`). Decoding never runs the modules."""
     if cache is not None or self.mtp is None:
       return super().__call__(tokens, positions, segment_ids, cache)
-    x = self.embed_tokens(tokens, positions, segment_ids)
-    side = (positions, segment_ids)
-    zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                        jax.eval_shape(lambda w, h: self.apply_layer(w, h, side)[1],
-                                       jax.tree.map(lambda a: a[0], nnx.state(self.layers)), x))
-
-    def body(carry, w):
-      h, extras = carry
-      h, new = self.apply_layer(w, h, side)
-      return (h, jax.tree.map(jnp.add, extras, new)), None
-
-    (x, extras), _ = jax.lax.scan(body, (x, zero), nnx.state(self.layers), unroll=scans.unroll())
+    x, extras = self.stack(tokens, positions, segment_ids)
     return core.Output(self.head(x), {**extras["aux_losses"], "mtp": self.mtp_loss(x, tokens, positions,
                                                                                      segment_ids)},
                        extras["metrics"])

@@ -88,23 +88,11 @@ class GptOssAdapter(hf_adapter.Adapter):
              expert_mlp_dim=hf["intermediate_size"], swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
              swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
              load_balance_weight=float(hf.get("router_aux_loss_coef", 0.0)) * k)
-    if rope_type == "yarn":
-      try:
-        m.update(rope_scaling="yarn", rope_scaling_factor=float(rope["factor"]),
-                 rope_original_max_positions=int(rope["original_max_position_embeddings"]),
-                 rope_yarn_beta_fast=float(rope.get("beta_fast") or 32.0),
-                 rope_yarn_beta_slow=float(rope.get("beta_slow") or 1.0),
-                 rope_yarn_truncate=bool(rope.get("truncate", True)))
-      except KeyError as e:
-        raise HFError(where, f"has YaRN RoPE without {e.args[0]}", "pass a complete config.json") from None
-    else:
-      m.update(rope_scaling="")
+    m.update(hf_adapter.yarn_from_hf(rope, where))
     return m
 
   def hf_config(self, model: Any, base: dict | None, dtype: str) -> dict:
-    out = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "rope_scaling", "rope_theta",
-                                                              "torch_dtype", "dtype", "transformers_version",
-                                                              "quantization_config")}
+    out = hf_adapter.inherited(base, "quantization_config")
     out.update(architectures=[self.architecture], model_type=self.model_type, vocab_size=model.vocab_size,
                hidden_size=model.d_model, intermediate_size=model.expert_mlp_dim,
                num_hidden_layers=model.num_layers, num_attention_heads=model.num_heads,
@@ -117,11 +105,7 @@ class GptOssAdapter(hf_adapter.Adapter):
                layer_types=["sliding_attention" if w else "full_attention" for w in attention.layer_windows(model)])
     if "experts_per_token" in out:  # the hub's own copy of k
       out["experts_per_token"] = model.experts_per_token
-    out["rope_scaling"] = ({"rope_type": "yarn", "factor": model.rope_scaling_factor,
-                            "beta_fast": model.rope_yarn_beta_fast, "beta_slow": model.rope_yarn_beta_slow,
-                            "truncate": bool(model.rope_yarn_truncate),
-                            "original_max_position_embeddings": model.rope_original_max_positions}
-                           if model.rope_scaling == "yarn" else None)
+    out["rope_scaling"] = hf_adapter.yarn_to_hf(model, truncate=bool(model.rope_yarn_truncate))
     out.setdefault("max_position_embeddings", int(model.rope_original_max_positions * (
         model.rope_scaling_factor if model.rope_scaling == "yarn" else 1)))
     out.setdefault("initializer_range", 0.02)

@@ -179,11 +179,7 @@ class MoE(nnx.Module):
     bias = jnp.einsum("bte,ed->btd", chosen, self.down_bias[...])
     y = constrain(y + bias.astype(y.dtype), ("batch", "length", "embed"))
     aux, load = moe.router_losses(logits, probs, ids, valid)
-    num_experts = load.shape[0]
-    metrics = {**{f"moe/load/e{i:02d}": load[i] for i in range(num_experts)},
-               "moe/load_max": num_experts * jnp.max(load),
-               "moe/dropped": dropped.astype(jnp.float32) / (jnp.maximum(jnp.sum(valid), 1) * ids.shape[-1])}
-    return y, aux, metrics
+    return y, aux, moe.load_metrics(load, dropped, ids, valid)
 
 
 class Block(nnx.Module):
@@ -214,13 +210,7 @@ class GptOss(nnx.Module):
     dtype = jnp.dtype(cfg.dtype)
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
                            embedding_init=_param(("vocab", "embed")), rngs=rngs)
-
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def make_layers(rngs):
-      return Block(cfg, dtype, rngs)
-
-    self.layers = make_layers(rngs)
+    self.layers = core.stacked(cfg, dtype, rngs, Block, cfg.num_layers)
     self.final_norm = llama.norm(cfg, dtype)
     self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
         cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=jnp.float32,

@@ -161,8 +161,7 @@ class LlamaShaped(hf_adapter.Adapter):
   def hf_config(self, model: Any, base: dict | None, dtype: str) -> dict:
     """RoPE is written as ``rope_theta`` + ``rope_scaling`` (read by transformers 4.45+ and 5), so that token ids and
     context length of the source survive."""
-    out = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "rope_scaling", "rope_theta",
-                                                              "torch_dtype", "dtype", "transformers_version")}
+    out = hf_adapter.inherited(base)
     out.update(architectures=[self.architecture], model_type=self.model_type, vocab_size=model.vocab_size,
                hidden_size=model.d_model, intermediate_size=model.mlp_dim, num_hidden_layers=model.num_layers,
                num_attention_heads=model.num_heads, num_key_value_heads=model.num_kv_heads, head_dim=model.head_dim,

@@ -525,13 +525,7 @@ class Llama(nnx.Module):
     dtype = jnp.dtype(cfg.dtype)
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
                            embedding_init=_param(("vocab", "embed")), rngs=rngs)
-
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def make_layers(rngs):
-      return Block(cfg, dtype, rngs)
-
-    self.layers = make_layers(rngs)
+    self.layers = core.stacked(cfg, dtype, rngs, Block, cfg.num_layers)
     self.final_norm = norm(cfg, dtype)
     self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
         cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=jnp.float32,

@@ -138,6 +138,14 @@ def router_losses(logits, probs, ids, valid) -> tuple[dict, jax.Array]:
   return {"load_balance": num_experts * jnp.sum(load * importance), "router_z": z}, load
 
 
+def load_metrics(load, dropped, ids, valid) -> dict:
+  """A MoE layer's metrics: each expert's share of the routed tokens (``moe/load/eNN``), the largest share times the
+  expert count (``moe/load_max``, 1 when balanced) and the share of assignments dropped over capacity."""
+  num_experts = load.shape[0]
+  return {**{f"moe/load/e{i:02d}": load[i] for i in range(num_experts)}, "moe/load_max": num_experts * jnp.max(load),
+          "moe/dropped": dropped.astype(jnp.float32) / (jnp.maximum(jnp.sum(valid), 1) * ids.shape[-1])}
+
+
 class MoE(nnx.Module):
   """Router + E routed SwiGLU experts (+ shared experts)."""
 
@@ -177,11 +185,7 @@ class MoE(nnx.Module):
     if self.shared is not None:
       y = y + self.shared(x)
     aux, load = router_losses(logits, probs, ids, valid)
-    num_experts = load.shape[0]
-    metrics = {**{f"moe/load/e{i:02d}": load[i] for i in range(num_experts)},
-               "moe/load_max": num_experts * jnp.max(load),
-               "moe/dropped": dropped.astype(jnp.float32) / (jnp.maximum(jnp.sum(valid), 1) * ids.shape[-1])}
-    return y, aux, metrics
+    return y, aux, load_metrics(load, dropped, ids, valid)
 
 
 class Block(nnx.Module):
@@ -203,14 +207,6 @@ class Block(nnx.Module):
     return constrain(x + y, ("batch", "length", "embed")), aux, metrics
 
 
-def _stack(cfg, dtype, rngs, block, count: int, axis_name: str):
-  @nnx.split_rngs(splits=count)
-  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis_name})
-  def make(rngs):
-    return block(cfg, dtype, rngs)
-  return make(rngs)
-
-
 class MoeLM(nnx.Module):
   """Embedding, ``first_dense_layers`` Llama blocks (run by :meth:`embed_tokens`, before any pipeline stage), the
   stacked MoE blocks ``layers`` (the pipeline splits these), final norm and head."""
@@ -220,9 +216,9 @@ class MoeLM(nnx.Module):
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
                            embedding_init=_param(("vocab", "embed")), rngs=rngs)
     # The dense stack's leading axis is named ``dense_layers``: no rule shards it (not over pipeline stages).
-    self.dense_layers = (_stack(cfg, dtype, rngs, llama.Block, cfg.first_dense_layers, "dense_layers")
+    self.dense_layers = (core.stacked(cfg, dtype, rngs, llama.Block, cfg.first_dense_layers, "dense_layers")
                          if cfg.first_dense_layers else None)
-    self.layers = _stack(cfg, dtype, rngs, Block, cfg.num_layers - cfg.first_dense_layers, "layers")
+    self.layers = core.stacked(cfg, dtype, rngs, Block, cfg.num_layers - cfg.first_dense_layers, "layers")
     self.final_norm = llama.norm(cfg, dtype)
     self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
         cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
@@ -265,6 +261,12 @@ class MoeLM(nnx.Module):
     ``(logits, cache)``."""
     if cache is not None:
       return self._decode(tokens, positions, segment_ids, cache)
+    x, extras = self.stack(tokens, positions, segment_ids)
+    return core.Output(self.head(x), extras["aux_losses"], extras["metrics"])
+
+  def stack(self, tokens, positions, segment_ids):
+    """The embedded tokens through every layer: ``(x before the final norm, {aux_losses, metrics} summed over the
+    layers)``."""
     x = self.embed_tokens(tokens, positions, segment_ids)
     side = (positions, segment_ids)
     zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
@@ -277,7 +279,7 @@ class MoeLM(nnx.Module):
       return (h, jax.tree.map(jnp.add, extras, new)), None
 
     (x, extras), _ = jax.lax.scan(body, (x, zero), nnx.state(self.layers), unroll=scans.unroll())
-    return core.Output(self.head(x), extras["aux_losses"], extras["metrics"])
+    return x, extras
 
 
   @classmethod
