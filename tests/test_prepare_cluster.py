@@ -1,7 +1,8 @@
 """Data preparation on a cluster engine (tools/prepare_data.py --runner=DaskRunner): a real Dask scheduler and two
 worker processes on localhost, started here. The shards and manifest are the bytes of the in-process run; the work
 runs in the workers, by the scheduler's own account; a worker killed inside a pipeline task is replaced, its work
-redone by the engine, and the output is still the same bytes."""
+redone by the engine, and the output is still the same bytes. The first run reads its input from and writes its
+output to an S3 store on localhost (tests/object_store.py), as a cluster's workers share a bucket."""
 
 import json
 import os
@@ -13,9 +14,11 @@ import time
 import types
 
 import pytest
+from etils import epath
 
 from jaxtrain.data import prepare
 from jaxtrain.errors import DataError
+from tests import object_store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,7 +61,9 @@ def corpus(tmp_path_factory):
 
 
 def _files(folder) -> dict:
-  return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))}
+  """Every file of ``folder`` (local or on a store) by name."""
+  folder = epath.Path(folder)
+  return {p.name: p.read_bytes() for p in sorted(folder.iterdir(), key=lambda p: p.name)}
 
 
 def _stop(procs) -> None:
@@ -75,9 +80,17 @@ def _stop(procs) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def store():
+  """An S3 server on localhost, its endpoint and keys in the environment the cluster's processes start with."""
+  with object_store.serve("s3") as s3:
+    yield s3
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, store):
   """``dask scheduler`` and two ``dask worker`` processes (one process, one thread each, under a nanny that
-  restarts a worker process that dies) on localhost, their logs in files; the workers preload tests/dask_hold.py."""
+  restarts a worker process that dies) on localhost, their logs in files; the workers preload tests/dask_hold.py
+  and reach ``store``."""
   folder = tmp_path_factory.mktemp("dask")
   hold = folder / "hold"
   hold.mkdir()
@@ -154,20 +167,23 @@ def _worker_pids(client) -> dict:
 
 
 @pytest.mark.slow
-def test_the_workers_prepare_the_bytes_of_the_in_process_run(cluster, corpus, tmp_path):
+def test_the_workers_prepare_the_bytes_of_the_in_process_run_from_and_to_a_store(cluster, corpus, store):
   folder, want = corpus
+  raw, out = epath.Path(store.url("prepare/raw")), store.url("prepare/out")
+  for f in folder.iterdir():
+    (raw / f.name).write_bytes(f.read_bytes())
   workers = _worker_pids(cluster.client)
   scheduler = cluster.client.run_on_scheduler(os.getpid)
   assert len(workers) == 2 and not set(workers) & {os.getpid(), scheduler}  # processes of their own
   seen = len(cluster.client.get_task_stream())  # installs the scheduler's task stream plugin
   _arm(cluster.hold)
-  proc = _prepare_on(cluster, folder, tmp_path / "out")
+  proc = _prepare_on(cluster, store.url("prepare/raw"), out)
   # Both workers inside a scatter at once: the scheduler spread the files over them.
   _wait_for("scatter in each worker", lambda: len({pid for _, pid in _started(cluster.hold)}) == 2, proc)
   (cluster.hold / "release").touch()
   _finish(proc)
-  assert _files(tmp_path / "out") == want  # shards and manifest, byte for byte
-  assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temporary folder left
+  assert _files(out) == want  # shards and manifest, byte for byte
+  assert sorted(p.name for p in epath.Path(store.url("prepare")).iterdir()) == ["out", "raw"]  # no temporary folder
   started = _started(cluster.hold)
   assert sorted(i for i, _ in started) == list(range(_FILES))  # every file scattered once
   assert {pid for _, pid in started} == set(workers)  # in the worker processes, both of them

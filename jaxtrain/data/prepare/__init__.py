@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import uuid
 
 from etils import epath
@@ -53,14 +52,25 @@ def prepare(opts: Options) -> dict:
     _move_into_place(work, output, opts.overwrite)
   finally:
     if work.exists():
-      shutil.rmtree(work, ignore_errors=True)
+      _remove(work)
   return manifest
+
+
+def _remove(folder: epath.Path) -> None:
+  """Deletes ``folder`` and what it holds, local or on a store, as far as it can."""
+  try:
+    folder.rmtree(missing_ok=True)
+  except OSError:
+    pass
 
 
 def _move_into_place(new: epath.Path, target: epath.Path, overwrite: bool) -> None:
   """Renames the finished ``new`` folder to ``target``. Without ``overwrite`` the rename fails rather than
   replace a non-empty ``target`` (another process may have just finished the same work); with it, the old
-  ``target`` is moved aside first and deleted only once the new one is in place."""
+  ``target`` is moved aside first and deleted only once the new one is in place. On an object store, where a
+  folder's rename is a copy of each object, see :func:`_copy_into_place`."""
+  if "://" in os.fspath(target):
+    return _copy_into_place(new, target, overwrite)
   old = None
   if overwrite and target.exists():
     old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
@@ -72,7 +82,23 @@ def _move_into_place(new: epath.Path, target: epath.Path, overwrite: bool) -> No
       old.rename(target)
     raise
   if old is not None:
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
+
+
+def _copy_into_place(new: epath.Path, target: epath.Path, overwrite: bool) -> None:
+  """``new``'s files copied into ``target`` on an object store, the manifest last: a reader that finds the
+  manifest finds every shard it names (an interrupted copy leaves no manifest, so the folder reads as unprepared).
+  Without ``overwrite`` a ``target`` that has a manifest is refused, as a local rename onto a full folder is; with
+  it, the old manifest goes first, then the old files."""
+  if (target / MANIFEST).exists():
+    if not overwrite:
+      raise FileExistsError(f"{target} holds a prepared dataset")
+    (target / MANIFEST).unlink()
+    _remove(target)
+  target.mkdir(parents=True, exist_ok=True)
+  for f in sorted(new.iterdir(), key=lambda p: (p.name == MANIFEST, p.name)):
+    f.copy(target / f.name, overwrite=True)
+  _remove(new)
 
 
 def bundled_corpus(cache_dir: str) -> epath.Path:

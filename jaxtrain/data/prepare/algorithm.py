@@ -42,6 +42,7 @@ exact and near duplicates removed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -52,6 +53,7 @@ import math
 import os
 import shutil
 import struct
+import tempfile
 import uuid
 from typing import Iterator, Sequence
 
@@ -138,13 +140,23 @@ def _expand_remote(spec: str) -> list[str]:
     return found
   path = epath.Path(spec)
   if path.is_dir():
-    found = sorted(os.fspath(p) for p in path.rglob("*") if p.name.endswith(_SUFFIXES) and p.is_file())
+    found = sorted(os.fspath(p) for p in _files_under(path) if p.name.endswith(_SUFFIXES))
     if not found:
       raise DataError(spec, "the folder holds no input files", f"put {', '.join(_SUFFIXES)} files in it")
     return found
   if path.exists():
     return [spec]
   raise DataError(spec, "no such file or folder", "check the --input path")
+
+
+def _files_under(folder: epath.Path) -> Iterator[epath.Path]:
+  """Every file below ``folder`` on a store, listed folder by folder (etils refuses ``rglob`` on object stores, and
+  its ``walk`` passes s3fs an option it does not take)."""
+  for p in folder.iterdir():
+    if p.is_dir():
+      yield from _files_under(p)
+    else:
+      yield p
 
 
 def _lines(path: str) -> Iterator[tuple[int, str]]:
@@ -442,13 +454,34 @@ def gather(plan: Plan, split: str, bucket: int, parts, dropped) -> dict:
   return entry
 
 
+@contextlib.contextmanager
+def _as_local_file(path: epath.Path, write: bool) -> Iterator[str]:
+  """``path`` as a local file name, for ArrayRecord, whose C++ reader and writer open local files only: the path
+  itself on a local disk; for an object store's URL a temporary local file, downloaded first (``write`` False) or
+  uploaded after (``write`` True)."""
+  if "://" not in os.fspath(path):
+    yield os.fspath(path)
+    return
+  with tempfile.TemporaryDirectory(prefix="jaxtrain-shard-") as folder:
+    local = os.path.join(folder, path.name)
+    if not write:
+      with path.open("rb") as src, open(local, "wb") as dst:
+        shutil.copyfileobj(src, dst, 16 << 20)
+    yield local
+    if write:
+      with open(local, "rb") as src, path.open("wb") as dst:
+        shutil.copyfileobj(src, dst, 16 << 20)
+
+
 def _write_shard(path: epath.Path, records: list[bytes], entry: dict) -> dict:
   from array_record.python.array_record_module import ArrayRecordWriter
-  writer = ArrayRecordWriter(os.fspath(path), "group_size:1")
-  for r in records:
-    writer.write(r)
-  writer.close()
-  data = path.read_bytes()
+  with _as_local_file(path, write=True) as local:
+    writer = ArrayRecordWriter(local, "group_size:1")
+    for r in records:
+      writer.write(r)
+    writer.close()
+    with open(local, "rb") as f:
+      data = f.read()
   return {**entry, "file": path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
@@ -462,9 +495,10 @@ def _hold_out_one(plan: Plan, entries: list[dict]) -> list[dict]:
     return entries
   from array_record.python.array_record_module import ArrayRecordReader
   first, work, sft = train[0], epath.Path(plan.work), plan.opts.format in MASKED
-  reader = ArrayRecordReader(os.fspath(work / first["file"]))
-  records = reader.read_all()
-  reader.close()
+  with _as_local_file(work / first["file"], write=False) as local:
+    reader = ArrayRecordReader(local)
+    records = reader.read_all()
+    reader.close()
   (work / first["file"]).unlink()
   width = np.dtype(plan.dtype).itemsize + sft
 
@@ -529,6 +563,6 @@ def finalize(plan: Plan, entries: list[dict]) -> dict:
   else:
     manifest.update(text_split=opts.text_split, field=opts.field)
   if (work / "scatter").exists():
-    shutil.rmtree(work / "scatter")
+    (work / "scatter").rmtree()
   (work / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
   return manifest
