@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import tempfile
 import uuid
 
 from etils import epath
@@ -75,15 +76,32 @@ def _move_into_place(new: epath.Path, target: epath.Path, overwrite: bool) -> No
 
 
 def bundled_corpus(cache_dir: str) -> epath.Path:
-  """The bundled Shakespeare corpus, prepared (byte tokens, seed 0) on first use into ``cache_dir``."""
+  """The bundled Shakespeare corpus, prepared (byte tokens, seed 0) on first use into ``cache_dir``. A cache on an
+  object store (``gs://``, ``s3://``) is prepared in a local temporary folder and uploaded, the manifest last (its
+  presence marks the folder complete)."""
   digest = hashlib.sha256(BUNDLED.read_bytes()).hexdigest()[:12]
   target = epath.Path(os.path.expanduser(cache_dir)) / f"tinyshakespeare-{digest}"
   if not (target / MANIFEST).exists():
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
-      prepare(Options(inputs=[os.fspath(BUNDLED)], output=os.fspath(target), eval_fraction=0.05,
-                      progress=False))
+      if "://" in os.fspath(target):
+        _prepare_and_upload(target)
+      else:
+        prepare(Options(inputs=[os.fspath(BUNDLED)], output=os.fspath(target), eval_fraction=0.05,
+                        progress=False))
     except (DataError, OSError):
       if not (target / MANIFEST).exists():  # another process on this host may have won the race
         raise
   return target
+
+
+def _prepare_and_upload(target: epath.Path) -> None:
+  """The bundled corpus prepared locally, then copied to ``target`` on an object store, manifest last. Processes
+  that race write the same bytes (the output is a function of the input and the seed)."""
+  with tempfile.TemporaryDirectory(prefix="jaxtrain-corpus-") as tmp:
+    local = os.path.join(tmp, target.name)
+    prepare(Options(inputs=[os.fspath(BUNDLED)], output=local, eval_fraction=0.05, progress=False))
+    names = sorted(os.listdir(local), key=lambda name: name == MANIFEST)
+    target.mkdir(parents=True, exist_ok=True)
+    for name in names:
+      (target / name).write_bytes(epath.Path(local, name).read_bytes())
