@@ -66,7 +66,11 @@ class Store:
     return Held(content if isinstance(content, dict) else {}, str(version))
 
   def create(self, data: bytes) -> None:
-    """Writes the object if there is none, else raises :class:`Conflict`."""
+    """Writes the object if there is none, else raises :class:`Conflict`. Looked for first as well, so that a store
+    ignoring the precondition never overwrites a lease that is there to be seen."""
+    self.fs.invalidate_cache(self.path)
+    if self.fs.exists(self.path):
+      raise Conflict(self.url)
     try:
       self.fs.pipe_file(self.path, data, mode="create")
     except FileExistsError:
