@@ -68,8 +68,9 @@ class Store:
     if self.scheme == "s3":
       cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
     else:
-      cmd = [sys.executable, "-m", "gcp_storage_emulator", "start", "--host=127.0.0.1", f"--port={self.port}",
-             f"--default-bucket={BUCKET}"]
+      # The emulator with the generation header and ifGenerationMatch that TensorStore needs (tests/gcs_emulator.py)
+      cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gcs_emulator.py"), "start",
+             "--host=127.0.0.1", f"--port={self.port}", f"--default-bucket={BUCKET}"]
     log = open(os.path.join(self.folder, f"server-{self.scheme}.log"), "ab")
     self.proc = subprocess.Popen(cmd, cwd=self.folder, stdout=log, stderr=subprocess.STDOUT,
                                  env={**os.environ, **self.env}, start_new_session=True)

@@ -96,9 +96,9 @@ def test_lease_refuses_a_live_holder_and_is_taken_over_once_expired(servers, sch
     holder._stop.set()
 
 
-def test_conditional_writes_let_exactly_one_contender_win(servers):
-  """S3 (moto honours If-None-Match and If-Match; the GCS emulator ignores preconditions, so this runs on s3)."""
-  store = lease_lib.Store(_url(servers, "s3", "cas") + "/run.lock")
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_conditional_writes_let_exactly_one_contender_win(servers, scheme):
+  store = lease_lib.Store(_url(servers, scheme, "cas") + "/run.lock")
   store.create(b'{"token": "a"}')
   with pytest.raises(lease_lib.Conflict):
     store.create(b'{"token": "b"}')
@@ -108,7 +108,7 @@ def test_conditional_writes_let_exactly_one_contender_win(servers):
     store.replace(b'{"token": "d"}', version)  # ... the second, holding the same version, loses
   assert store.read().content == {"token": "c"}
   # Two runs starting at the same moment on an empty workdir: one holds it, the other is refused.
-  workdir = _url(servers, "s3", "race")
+  workdir = _url(servers, scheme, "race")
   results, go = [], threading.Barrier(2)
 
   def contend():
@@ -247,3 +247,162 @@ def test_the_bundled_corpus_cache_on_a_store(servers, scheme, tmp_path, monkeypa
   _same_stream_and_resume(_config(cache_dir=os.fspath(tmp_path / "local")), _config(cache_dir=cache))
   fs, _ = fsspec.core.url_to_fs(cache)
   assert [p.rsplit("/", 1)[1] for p in fs.glob(cache + "/tinyshakespeare-*/manifest.json")] == ["manifest.json"]
+
+
+# -- runs: python -m jaxtrain.main with its workdir (and checkpoints) on the store
+
+
+def _start(workdir, *args):
+  """``python -m jaxtrain.main`` with BASE (forked: tests/forked.py), its environment this process's (the
+  servers' settings)."""
+  return forked.popen(["-m", "jaxtrain.main", *BASE, f"--config.workdir={workdir}", *args])
+
+
+def _run(workdir, *args, timeout=300):
+  p = _start(workdir, *args)
+  _, err = p.communicate(timeout=timeout)
+  assert p.returncode == 0, err[-3000:]
+  return err
+
+
+def _fs(url):
+  fs, _ = fsspec.core.url_to_fs(url)
+  fs.invalidate_cache()  # a listing cached in this process would hide what the run wrote since
+  return fs
+
+
+def _records(workdir):
+  _fs(workdir)
+  return metrics_lib.read_records(workdir)
+
+
+def _losses(workdir):
+  return {r["step"]: r["loss"] for r in _records(workdir)}  # a re-run step keeps its last value
+
+
+def _committed(checkpoints):
+  """The steps whose checkpoint is committed (Orbax on an object store marks it with commit_success.txt)."""
+  if "://" not in os.fspath(checkpoints):
+    root = pathlib.Path(checkpoints)
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.exists() else []
+  fs = _fs(checkpoints)
+  return sorted(int(p.rstrip("/").split("/")[-2]) for p in fs.glob(checkpoints + "/*/commit_success.txt")
+                if p.rstrip("/").split("/")[-2].isdigit())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  """The reference: 20 steps on a local disk."""
+  workdir = tmp_path_factory.mktemp("uninterrupted")
+  _run(workdir, "--config.train.steps=20")
+  return {r["step"]: r["loss"] for r in metrics_lib.read_records(workdir)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["gs", pytest.param("s3", marks=NEEDS_TS_S3)])
+def test_quick_start_with_its_workdir_on_a_store(servers, scheme, uninterrupted, tmp_path):
+  """The README's quick start with --config.workdir on the store: trains, checkpoints, resumes on the second
+  start; the end line, metrics, goodput, TensorBoard and config.json as on a local disk; the tools read them."""
+  workdir = _url(servers, scheme, "runs/tiny")
+  err = _run(workdir, "--config.train.steps=6", "--config.checkpoint.every_steps=3")
+  assert f"done: step 6/6, loss {uninterrupted[6]:.4f}" in err and f"checkpoint {workdir}/checkpoints/6" in err
+  assert f"goodput" in err and f"over 1 run(s)" in err, err[-2000:]
+  err = _run(workdir, "--config.train.steps=10", "--config.checkpoint.every_steps=3")
+  assert "resumed from checkpoint step 6" in err, err[-3000:]
+  end = next(line for line in err.splitlines() if "done: step 10/10" in line)
+  assert (f"checkpoint {workdir}/checkpoints/10, metrics {workdir}/metrics.jsonl, TensorBoard {workdir}/tensorboard; "
+          "goodput " in end and f"over 2 run(s)" in end and f"({workdir}/goodput.json)" in end), end
+  assert _losses(workdir) == {s: uninterrupted[s] for s in range(1, 11)}  # bitwise the local run's
+  fs = _fs(workdir)
+  summary = json.loads(fs.cat_file(workdir + "/goodput.json"))
+  assert summary["runs"] == 2 and 0 < summary["goodput"] < 1
+  assert json.loads(fs.cat_file(workdir + "/config.json"))["workdir"] == workdir
+  assert fs.glob(workdir + "/tensorboard/events.out.tfevents.*")
+  assert not fs.exists(workdir + "/run.lock")  # released at the end
+  env = forked.run_env()
+  out = subprocess.run([sys.executable, "tools/goodput.py", workdir, f"--json={tmp_path / 'g.json'}"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and json.loads((tmp_path / "g.json").read_text())["runs"] == 2, out.stderr[-2000:]
+  out = subprocess.run([sys.executable, "tools/plot_metrics.py", workdir, f"--out={tmp_path / 'm.png'}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and (tmp_path / "m.png").stat().st_size > 1000, out.stderr[-2000:]
+
+
+def _wait_logged(workdir, process, steps, timeout=300):
+  deadline = time.monotonic() + timeout
+  while len(_records(workdir)) < steps:
+    if process.poll() is not None:
+      pytest.fail(f"the run ended ({process.returncode}) early: {process.err_path.read_text()[-3000:]}")
+    assert time.monotonic() < deadline, f"{steps} steps not logged within {timeout}s"
+    time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_second_run_is_refused_and_a_killed_runs_lease_is_taken_over(servers, scheme, tmp_path):
+  """The workdir's lock on the store: refused in one line (exit 2) while the first run renews its lease; after a
+  SIGKILL, the next start takes the lease over once it has expired and resumes. (Checkpoints on a local disk here:
+  this is about the workdir; the other tests checkpoint on the store.)"""
+  workdir = _url(servers, scheme, "lock")
+  args = ["--config.workdir_lease_s=4", "--config.checkpoint.every_steps=2", f"--config.checkpoint.dir={tmp_path}"]
+  first = _start(workdir, "--config.train.steps=500", *args)
+  try:
+    _wait_logged(workdir, first, 3)
+    held = json.loads(_fs(workdir).cat_file(workdir + "/run.lock"))
+    second = forked.run(["-m", "jaxtrain.main", *BASE, f"--config.workdir={workdir}", "--config.train.steps=500",
+                         *args])
+    errors = [line for line in second.stderr.splitlines() if line.startswith("jaxtrain: error:")]
+    assert second.returncode == 2 and len(errors) == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
+    assert errors[0].startswith(f"jaxtrain: error: {workdir}: another run is using this workdir (host "
+                                f"{held['host']}, PID {first.pid}, since {held['since']}); its lease (run.lock) is "
+                                "renewed; wait for it to finish"), errors[0]
+    assert first.poll() is None  # untouched
+  finally:
+    first.send_signal(signal.SIGKILL)
+    first.communicate(timeout=60)
+  killed = time.monotonic()
+  saved = _committed(tmp_path)
+  target = (saved[-1] if saved else 0) + 2
+  err = _run(workdir, f"--config.train.steps={target}", *args)
+  assert "expired; taking over" in err, err[-3000:]
+  assert time.monotonic() - killed > 3.0  # not before the lease ran out
+  if saved:
+    assert f"resumed from checkpoint step {saved[-1]}" in err
+  assert not _fs(workdir).exists(workdir + "/run.lock")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["gs", pytest.param("s3", marks=NEEDS_TS_S3)])
+def test_kills_at_ten_random_moments_resume_exactly(servers, scheme, uninterrupted):
+  """SIGKILL after a random 1-3 new steps (plus jitter) nine times, and once while an async save to the store is in
+  flight; every start resumes from the newest committed checkpoint on the store (after the killed run's lease
+  expires) and the final loss is bitwise the uninterrupted local run's."""
+  from tests.test_checkpoint import _KILL_IN_SAVE_MAIN
+  workdir = _url(servers, scheme, "kills")
+  checkpoints = workdir + "/checkpoints"
+  rng = random.Random(0)
+  args = ["--config.train.steps=20", "--config.checkpoint.every_steps=2", "--config.workdir_lease_s=2"]
+  for kill in range(10):
+    before, logged = _committed(checkpoints), len(_records(workdir))
+    if kill == 4:  # killed inside the save of the next even step
+      in_save = max(before, default=0) + 2
+      p = forked.popen(["-c", _KILL_IN_SAVE_MAIN, str(in_save), *BASE, f"--config.workdir={workdir}", *args])
+      _, err = p.communicate(timeout=300)
+      assert p.returncode == -signal.SIGKILL, err[-2000:]
+      assert in_save not in _committed(checkpoints)
+    else:
+      wait_steps, jitter = rng.randint(1, 3), rng.uniform(0, 0.3)
+      p = _start(workdir, *args)
+      _wait_logged(workdir, p, logged + wait_steps)
+      time.sleep(jitter)
+      assert p.poll() is None, "the run finished before it could be killed"
+      p.send_signal(signal.SIGKILL)
+      _, err = p.communicate(timeout=60)
+    if before:  # the run resumed from the newest committed step there was when it started
+      assert f"resumed from checkpoint step {before[-1]}" in err, err[-2000:]
+  newest = _committed(checkpoints)
+  err = _run(workdir, *args)
+  if newest:
+    assert f"resumed from checkpoint step {newest[-1]}" in err
+  assert _committed(checkpoints)[-1] == 20
+  assert _losses(workdir)[20] == uninterrupted[20]
