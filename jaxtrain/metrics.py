@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import jax
 from absl import logging
@@ -71,7 +72,14 @@ def read_records(path) -> list[dict]:
   live run (or cut by a kill) is left out. Steps logged again after a resume appear again, the last one latest."""
   path = epath.Path(path)
   path = path / "metrics.jsonl" if path.is_dir() else path
-  text = path.read_text() if path.exists() else ""
+  for attempt in range(5):
+    try:
+      text = path.read_text() if path.exists() else ""
+      break
+    except OSError:  # on an object store, a live run replaced the object while it was read: read the new one
+      if attempt == 4 or not paths.is_url(os.fspath(path)):
+        raise
+      time.sleep(0.1)
   return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
 
 
