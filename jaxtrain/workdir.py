@@ -258,6 +258,18 @@ class WorkdirLock:
     self.release()
 
 
+def append(path, text: str) -> None:
+  """``text`` added at the end of the workdir file ``path`` (JSON Lines that a run adds to now and then: samples,
+  bad batches). An object store cannot append (gcsfs's mode 'a' silently overwrites): there the object is read and
+  written back whole with ``text`` added, which the store makes visible whole."""
+  path = epath.Path(path)
+  if not paths.is_url(os.fspath(path)):
+    with path.open("a") as f:
+      f.write(text)
+    return
+  path.write_text((path.read_text() if path.exists() else "") + text)
+
+
 def log_path(workdir: str) -> str | None:
   """Where this process's log lines go besides the console: ``<workdir>/train.log`` for process 0 of a run
   with a local workdir, else None."""

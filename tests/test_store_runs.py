@@ -151,6 +151,16 @@ def test_metrics_on_a_store_are_whole_objects_that_a_resumed_run_extends(servers
                                                                                  (3, 1.5)]
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_workdir_files_that_runs_add_to_keep_every_line(servers, scheme):
+  """samples.jsonl and bad_batches.jsonl grow a few lines at a time: on a store (gcsfs's append mode silently
+  overwrites) every line stays."""
+  path = _url(servers, scheme, "append") + "/samples.jsonl"
+  for i in range(3):
+    workdir_lib.append(path, f'{{"step": {i}}}\n')
+  assert [r["step"] for r in metrics_lib.read_records(path)] == [0, 1, 2]
+
+
 # -- data
 
 
