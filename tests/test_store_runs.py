@@ -416,3 +416,41 @@ def test_kills_at_ten_random_moments_resume_exactly(servers, scheme, uninterrupt
     assert f"resumed from checkpoint step {newest[-1]}" in err
   assert _committed(checkpoints)[-1] == 20
   assert _losses(workdir)[20] == uninterrupted[20]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["gs", pytest.param("s3", marks=NEEDS_TS_S3)])
+def test_a_two_process_job_on_the_store_restarted_after_a_kill_gives_the_uninterrupted_losses(servers, scheme,
+                                                                                              prepared, tmp_path):
+  """2 processes x 4 devices, the workdir, the persistent checkpoint tier and the data on the store, the local tier
+  on disk: process 1 is killed, process 0 exits restartably (75), the job started again resumes, and every loss is
+  bitwise that of the same job run uninterrupted on a local disk."""
+  from tests import multiprocess
+  end = 12
+  common = ["--config=configs/tiny.py", "--config.train.log_every=1", "--config.optim.decay_steps=40",
+            "--config.train.global_batch_size=8", "--config.data.seq_len=64", "--config.checkpoint.every_steps=4",
+            f"--config.train.steps={end}"]
+
+  def job(*args):
+    procs = multiprocess.start_main([*common, *args], local_devices=4)
+    return procs, multiprocess.wait_all(procs, 300)
+
+  reference = tmp_path / "reference"
+  procs, codes = job(f"--config.workdir={reference}", f"--config.data.path={prepared}")
+  assert codes == [0, 0], procs[0].err_path.read_text()[-3000:]
+  workdir = _url(servers, scheme, "two-processes")
+  data = _upload(prepared, _url(servers, scheme, "two-processes-data"))
+  run = [f"--config.workdir={workdir}", f"--config.data.path={data}", "--config.workdir_lease_s=3",
+         f"--config.checkpoint.local_dir={tmp_path / 'local'}", "--config.checkpoint.local_every_steps=1"]
+  procs = multiprocess.start_main([*common, *run], local_devices=4)
+  deadline = time.monotonic() + 300
+  while not _committed(workdir + "/checkpoints") or len(_records(workdir)) < 6:
+    assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
+        procs[0].err_path.read_text()[-3000:]
+    time.sleep(0.2)
+  procs[1].send_signal(signal.SIGKILL)  # a host lost
+  assert multiprocess.wait_all(procs, 120) == [75, -9], procs[0].err_path.read_text()[-3000:]
+  procs, codes = job(*run)  # the scheduler starts the job again on exit 75
+  err = procs[0].err_path.read_text()
+  assert codes == [0, 0] and "resumed from checkpoint step" in err, err[-3000:]
+  assert _losses(workdir) == {r["step"]: r["loss"] for r in metrics_lib.read_records(reference)}
