@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -336,6 +337,10 @@ def test_quick_start_with_its_workdir_on_a_store(servers, scheme, uninterrupted,
   out = subprocess.run([sys.executable, "tools/plot_metrics.py", workdir, f"--out={tmp_path / 'm.png'}"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert out.returncode == 0 and (tmp_path / "m.png").stat().st_size > 1000, out.stderr[-2000:]
+  # The command the end line prints: the plot next to the metrics, on the store.
+  plot = re.search(r"plot: python (tools/plot_metrics.py \S+ --out=\S+)", end).group(1).split()
+  out = subprocess.run([sys.executable, *plot], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and _fs(workdir).size(workdir + "/metrics.png") > 1000, out.stderr[-2000:]
 
 
 def _wait_logged(workdir, process, steps, timeout=300):
