@@ -168,7 +168,12 @@ class WorkdirLock:
             f"since {held.get('since', '?')})")
 
   def _take_lease(self) -> None:
-    held = self._lease.acquire()
+    try:
+      held = self._lease.acquire()
+    except Exception as e:  # noqa: BLE001 - each store's client raises its own (no bucket, no credentials, offline)
+      raise UserError(os.fspath(self.dir), f"the workdir's lease ({LOCK_FILE}) cannot be read or written "
+                      f"({type(e).__name__}: {e})", "check the URL, and the store's endpoint and credentials "
+                      "(docs/operations.md)") from None
     if held is None:
       return
     if "taken_over" in held:
@@ -219,8 +224,9 @@ class WorkdirLock:
       if self._lease is not None:
         try:
           taken = self._lease.renew()
-        except OSError as e:  # the store unreachable: the next renewal tries again (the lease lasts lease_s)
-          logging.warning("could not renew the lease %s: %s", self.path, e)
+        except Exception as e:  # noqa: BLE001 - the store unreachable: the next renewal tries again
+          logging.warning("could not renew the lease %s (it lasts %.0fs from its last renewal): %s", self.path,
+                          self._lease.lease_s, e)
           continue
         if taken is not None:
           logging.error("%s was taken over by another run (host %s, PID %s): two runs may now share this workdir",
@@ -246,7 +252,7 @@ class WorkdirLock:
       if self._lease is not None:
         try:
           self._lease.release()
-        except OSError as e:  # the store unreachable: the lease expires by itself
+        except Exception as e:  # noqa: BLE001 - the store unreachable: the lease expires by itself
           logging.warning("could not release the lease %s: %s", self.path, e)
       elif (self._read() or {}).get("token") == self._token:
         self.path.unlink(missing_ok=True)

@@ -23,7 +23,7 @@ from jaxtrain import lease as lease_lib
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import workdir as workdir_lib
 from jaxtrain.config import base_config
-from jaxtrain.errors import DataError
+from jaxtrain.errors import DataError, UserError
 from jaxtrain.data import batch as batch_lib
 from jaxtrain.data import prepare, shard_cache
 from tests import forked, object_store
@@ -127,6 +127,13 @@ def test_conditional_writes_let_exactly_one_contender_win(servers, scheme):
   held = [r for r in results if isinstance(r, workdir_lib.WorkdirLock)]
   assert len(held) == 1 and len(results) == 2, results
   held[0].release()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_workdir_in_a_bucket_that_does_not_exist_is_one_line(servers, scheme):
+  with pytest.raises(UserError, match=rf"^{scheme}://no-such-bucket-jt/run: the workdir's lease \(run.lock\) cannot "
+                     "be read or written .*; check the URL, and the store's endpoint and credentials"):
+    workdir_lib.WorkdirLock(f"{scheme}://no-such-bucket-jt/run").acquire()
 
 
 # -- metrics
