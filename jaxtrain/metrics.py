@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
+import fsspec
 import jax
 from absl import logging
 from etils import epath
@@ -70,17 +70,27 @@ def device_memory_bytes() -> int | None:
 def read_records(path) -> list[dict]:
   """The complete records of a ``metrics.jsonl`` (or of the one in a workdir): a line still being appended by a
   live run (or cut by a kill) is left out. Steps logged again after a resume appear again, the last one latest."""
-  path = epath.Path(path)
-  path = path / "metrics.jsonl" if path.is_dir() else path
-  for attempt in range(5):
-    try:
-      text = path.read_text() if path.exists() else ""
-      break
-    except OSError:  # on an object store, a live run replaced the object while it was read: read the new one
-      if attempt == 4 or not paths.is_url(os.fspath(path)):
-        raise
-      time.sleep(0.1)
+  if paths.is_url(os.fspath(path)):
+    text = _read_object(os.fspath(path))
+  else:
+    path = epath.Path(path)
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    text = path.read_text() if path.exists() else ""
   return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+
+
+def _read_object(url: str) -> str:
+  """``metrics.jsonl`` on an object store (``url`` it, or its workdir), as it is now: one fresh read, not through the
+  client's cached listing or a file object tied to the version it first saw (a live run replaces the object at every
+  record)."""
+  fs, path = fsspec.core.url_to_fs(url)
+  fs.invalidate_cache()
+  for name in (path, path.rstrip("/") + "/metrics.jsonl"):
+    try:
+      return fs.cat_file(name).decode()
+    except (FileNotFoundError, IsADirectoryError):
+      continue
+  return ""
 
 
 def _drop_torn_line(path: epath.Path) -> None:
