@@ -172,7 +172,7 @@ class Lease:
 
   def renew(self) -> dict | None:
     """Pushes the expiry ahead; None when renewed, else the content of the run that took the lease over (the
-    lease is then lost). Store errors (OSError) propagate: the caller retries at the next renewal."""
+    lease is then lost). A store's errors propagate: the caller retries at the next renewal."""
     self.beat += 1
     try:
       self.store.replace(self._content(), self.version)
