@@ -51,6 +51,9 @@ def base_config(model: str = "llama") -> ml_collections.ConfigDict:
   line swaps in family F's group (see jaxtrain.main)."""
   c = ml_collections.ConfigDict()
   c.workdir = "runs/default"  # run directory: resolved config, metrics, checkpoints
+  # A workdir on an object store (gs://, s3://) is locked by a lease the run renews; a killed run's lease is taken
+  # over this many seconds after its last renewal (the restart of a crashed run waits at most this long).
+  c.workdir_lease_s = 120.0
   c.dry_run = False  # build the mesh, compile the step, print per-device memory and FLOPs, then exit
   # With dry_run: compile for this TPU topology instead of the local devices, on any host (needs libtpu:
   # pip install -e '.[tpu]'), e.g. v5e:2x2, v5p:4x4x4, v6e:8x8; the memory is the TPU compiler's.
@@ -172,7 +175,7 @@ def validate_values(cfg: ml_collections.ConfigDict) -> None:
   objectives.check_loss_scaling(cfg)
   for module in [module for _, module in COMPONENTS] + list(CROSS_CHECKS):
     module.validate(cfg)
-  check_positive(cfg, ["train.steps", "train.global_batch_size", "train.log_every"])
+  check_positive(cfg, ["train.steps", "train.global_batch_size", "train.log_every", "workdir_lease_s"])
   check_positive(cfg, ["train.microbatches", "train.max_rows_per_device", "eval.every_steps", "eval.max_batches"],
                  allow_zero=True)
   check_positive(cfg, ["train.sample_every", "train.z_loss_weight"], allow_zero=True)

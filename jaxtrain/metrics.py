@@ -8,12 +8,15 @@ decoders use PaLM's ``6 N + 12 layers heads head_dim seq_len``, see jaxtrain.mod
 from __future__ import annotations
 
 import json
+import os
 import sys
 
+import fsspec
 import jax
 from absl import logging
 from etils import epath
 import ml_collections
+from jaxtrain import paths
 from jaxtrain.errors import check_choice, check_positive
 
 
@@ -67,10 +70,27 @@ def device_memory_bytes() -> int | None:
 def read_records(path) -> list[dict]:
   """The complete records of a ``metrics.jsonl`` (or of the one in a workdir): a line still being appended by a
   live run (or cut by a kill) is left out. Steps logged again after a resume appear again, the last one latest."""
-  path = epath.Path(path)
-  path = path / "metrics.jsonl" if path.is_dir() else path
-  text = path.read_text() if path.exists() else ""
+  if paths.is_url(os.fspath(path)):
+    text = _read_object(os.fspath(path))
+  else:
+    path = epath.Path(path)
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    text = path.read_text() if path.exists() else ""
   return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+
+
+def _read_object(url: str) -> str:
+  """``metrics.jsonl`` on an object store (``url`` it, or its workdir), as it is now: one fresh read, not through the
+  client's cached listing or a file object tied to the version it first saw (a live run replaces the object at every
+  record)."""
+  fs, path = fsspec.core.url_to_fs(url)
+  fs.invalidate_cache()
+  for name in (path, path.rstrip("/") + "/metrics.jsonl"):
+    try:
+      return fs.cat_file(name).decode()
+    except (FileNotFoundError, IsADirectoryError):
+      continue
+  return ""
 
 
 def _drop_torn_line(path: epath.Path) -> None:
@@ -101,16 +121,29 @@ def _summary_writer_class():
 
 
 class MetricWriter:
-  """Console (a tqdm bar on a TTY, plain log lines otherwise), ``metrics.jsonl``, TensorBoard and W&B."""
+  """Console (a tqdm bar on a TTY, plain log lines otherwise), ``metrics.jsonl``, TensorBoard and W&B.
+
+  Each record is in ``metrics.jsonl`` when :meth:`write` returns. A local file is appended to. An object store
+  (``gs://``, ``s3://``) cannot append: there the writer keeps the file's text (read once at start) and writes it
+  whole as the object at each record, which the store makes visible whole or not at all; a kill loses nothing
+  written before, and a write that fails (the store unreachable) is warned about and made good by the next one.
+  TensorBoard's event files are tensorboardX's: it writes them to ``gs://`` and ``s3://`` itself, whole at each
+  flush."""
 
   def __init__(self, workdir: str, total_steps: int, start_step: int, metrics_cfg, config_dict: dict):
     self.enabled = jax.process_index() == 0
     self.total_steps = total_steps
     self.path = epath.Path(workdir) / "metrics.jsonl"
     self.tb = self.wandb = self.bar = None
+    self.text: str | None = None  # an object store's metrics.jsonl as written so far (None: a local file)
+    self.unwritten = False  # the last write to the store failed
     if not self.enabled:
       return
-    _drop_torn_line(self.path)
+    if paths.is_url(os.fspath(workdir)):
+      self.text = self.path.read_text() if self.path.exists() else ""
+      self.text = self.text[:self.text.rfind("\n") + 1]  # never torn (a whole object), but written by anything
+    else:
+      _drop_torn_line(self.path)
     if metrics_cfg.tensorboard:
       SummaryWriter = _summary_writer_class()
       # A resumed run re-logs the steps after its checkpoint: TensorBoard hides the earlier run's copies.
@@ -132,8 +165,12 @@ class MetricWriter:
     if not self.enabled:
       return
     record = {"step": step, **{k: float(v) for k, v in metrics.items() if v is not None}}
-    with self.path.open("a") as f:
-      f.write(json.dumps(record) + "\n")
+    if self.text is None:
+      with self.path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    else:
+      self.text += json.dumps(record) + "\n"
+      self._flush()
     for k, v in record.items():
       if k != "step" and self.tb is not None:
         self.tb.add_scalar(k, v, step)
@@ -154,7 +191,21 @@ class MetricWriter:
     else:
       logging.info("step %d/%d | %s", step, self.total_steps, line)
 
+  def _flush(self) -> None:
+    """Writes the object store's ``metrics.jsonl`` whole (a failure is warned about and retried at the next
+    record)."""
+    try:
+      self.path.write_text(self.text)
+    except Exception as e:  # noqa: BLE001 - each store's client raises its own
+      if not self.unwritten:
+        logging.warning("could not write %s (%s); the next record tries again", self.path, e)
+      self.unwritten = True
+    else:
+      self.unwritten = False
+
   def close(self) -> None:
+    if self.text is not None and self.unwritten:
+      self._flush()
     if self.bar is not None:
       self.bar.close()
     if self.tb is not None:

@@ -11,9 +11,10 @@ or a lost host resumes without manual cleanup. Whether the holder is alive:
   proves the holder alive, one that does not means it is gone. No clocks are compared across hosts.
 
 Creating the lock is atomic on local disks (``O_CREAT | O_EXCL``) and taking over a stale one is a rename that
-only one contender wins. On object stores (``gs://``) neither exists in etils.epath, so there the lock is
-written and read back (a contender that starts within the same second may race; a scheduler restarts one job
-at a time, which is the case this protects).
+only one contender wins. An object store (``gs://``, ``s3://``) has neither, nor PIDs to look at: there the lock is
+a lease (:mod:`jaxtrain.lease`), written with the store's conditional writes so that one contender wins, renewed
+by the holder's thread, refused to a second run while it is renewed, and taken over once it has expired
+(``workdir_lease_s`` after the holder's last renewal: a crashed run's successor waits at most that long).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from jaxtrain import exits
+from jaxtrain import lease as lease_lib
 from jaxtrain import paths
 from jaxtrain.errors import UserError
 
@@ -73,7 +75,7 @@ def _pid_alive(pid: int, start: str | None) -> bool:
 class WorkdirLock:
   """``with WorkdirLock(workdir): ...`` holds the workdir for the block. Only process 0 should take it."""
 
-  def __init__(self, workdir: str, renew_s: float = 10.0):
+  def __init__(self, workdir: str, renew_s: float = 10.0, lease_s: float = 120.0):
     self.dir = epath.Path(workdir)
     self.path = self.dir / LOCK_FILE
     self.renew_s = renew_s
@@ -81,6 +83,11 @@ class WorkdirLock:
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self._beat = 0
+    self._lease = None
+    if paths.is_url(os.fspath(workdir)):  # renewed often enough that a renewal or two may fail without losing it
+      self.renew_s = min(renew_s, lease_s / 4)
+      self._lease = lease_lib.Lease(paths.join(os.fspath(workdir), LOCK_FILE), lease_s, self.renew_s, self._token,
+                                    {"since": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
 
   # -- reading and judging an existing lock
 
@@ -103,8 +110,7 @@ class WorkdirLock:
         if now:
           return self._holder_alive(now)
       return False
-    if held.get("host") == socket.gethostname() and isinstance(held.get("pid"), int) and not paths.is_url(
-        os.fspath(self.dir)):
+    if held.get("host") == socket.gethostname() and isinstance(held.get("pid"), int):
       return _pid_alive(held["pid"], held.get("pid_start"))
     # Another host: alive if its beat moves while we watch (the holder renews every renew_s).
     wait = 3 * float(held.get("renew_s", self.renew_s))
@@ -129,11 +135,6 @@ class WorkdirLock:
 
   def _create(self) -> bool:
     """Writes the lock if there is none; False if someone else has one."""
-    if paths.is_url(os.fspath(self.path)):
-      if self.path.exists():
-        return False
-      self.path.write_text(self._content())
-      return (self._read() or {}).get("token") == self._token
     try:
       fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
@@ -144,18 +145,12 @@ class WorkdirLock:
 
   def _rewrite(self) -> None:
     """Renewal: the new content replaces the old atomically (local: write aside, then rename)."""
-    if paths.is_url(os.fspath(self.path)):
-      self.path.write_text(self._content())
-      return
     aside = self.dir / f".{LOCK_FILE}.{self._token}"
     aside.write_text(self._content())
     os.replace(aside, self.path)
 
   def _take_over(self, stale: dict) -> bool:
     """Moves a stale lock out of the way; False if it changed meanwhile (another contender took it)."""
-    if paths.is_url(os.fspath(self.path)):
-      self.path.unlink(missing_ok=True)
-      return True
     aside = self.dir / f".{LOCK_FILE}.stale-{self._token}"
     try:
       os.rename(self.path, aside)
@@ -172,7 +167,28 @@ class WorkdirLock:
     return (f"another run is using this workdir (host {held.get('host', '?')}, PID {held.get('pid', '?')}, "
             f"since {held.get('since', '?')})")
 
+  def _take_lease(self) -> None:
+    try:
+      held = self._lease.acquire()
+    except Exception as e:  # noqa: BLE001 - each store's client raises its own (no bucket, no credentials, offline)
+      raise UserError(os.fspath(self.dir), f"the workdir's lease ({LOCK_FILE}) cannot be read or written "
+                      f"({type(e).__name__}: {e})", "check the URL, and the store's endpoint and credentials "
+                      "(docs/operations.md)") from None
+    if held is None:
+      return
+    if "taken_over" in held:
+      held = held["taken_over"]
+      logging.warning("%s: the lease of the run that held it (host %s, PID %s, since %s) expired; taking over",
+                      self.path, held.get("host"), held.get("pid"), held.get("since"))
+      return
+    raise WorkdirBusy(os.fspath(self.dir), self._describe(held) + f"; its lease ({LOCK_FILE}) is renewed",
+                      "wait for it to finish or stop it, or use another --config.workdir; the lease of a run that "
+                      f"was killed expires {held.get('lease_s', '?')}s after its last renewal (workdir_lease_s) and "
+                      "is then taken over automatically")
+
   def _take(self) -> None:
+    if self._lease is not None:
+      return self._take_lease()
     self.dir.mkdir(parents=True, exist_ok=True)
     for _ in range(3):  # a contender may create or take over between our look and our write
       if self._create():
@@ -205,6 +221,18 @@ class WorkdirLock:
 
   def _renew(self) -> None:
     while not self._stop.wait(self.renew_s):
+      if self._lease is not None:
+        try:
+          taken = self._lease.renew()
+        except Exception as e:  # noqa: BLE001 - the store unreachable: the next renewal tries again
+          logging.warning("could not renew the lease %s (it lasts %.0fs from its last renewal): %s", self.path,
+                          self._lease.lease_s, e)
+          continue
+        if taken is not None:
+          logging.error("%s was taken over by another run (host %s, PID %s): two runs may now share this workdir",
+                        self.path, taken.get("host"), taken.get("pid"))
+          return
+        continue
       held = self._read()
       if held is not None and held.get("token") != self._token:
         logging.error("%s was taken over by another run (host %s, PID %s): two runs may now share this workdir",
@@ -221,7 +249,12 @@ class WorkdirLock:
     if self._thread is not None:
       self._thread.join(timeout=30)
       self._thread = None
-      if (self._read() or {}).get("token") == self._token:
+      if self._lease is not None:
+        try:
+          self._lease.release()
+        except Exception as e:  # noqa: BLE001 - the store unreachable: the lease expires by itself
+          logging.warning("could not release the lease %s: %s", self.path, e)
+      elif (self._read() or {}).get("token") == self._token:
         self.path.unlink(missing_ok=True)
 
   def __enter__(self) -> "WorkdirLock":
@@ -229,6 +262,18 @@ class WorkdirLock:
 
   def __exit__(self, *exc) -> None:
     self.release()
+
+
+def append(path, text: str) -> None:
+  """``text`` added at the end of the workdir file ``path`` (JSON Lines that a run adds to now and then: samples,
+  bad batches). An object store cannot append (gcsfs's mode 'a' silently overwrites): there the object is read and
+  written back whole with ``text`` added, which the store makes visible whole."""
+  path = epath.Path(path)
+  if not paths.is_url(os.fspath(path)):
+    with path.open("a") as f:
+      f.write(text)
+    return
+  path.write_text((path.read_text() if path.exists() else "") + text)
 
 
 def log_path(workdir: str) -> str | None:
@@ -270,13 +315,14 @@ class LogFile:
 
 
 @contextlib.contextmanager
-def hold(workdir: str, renew_s: float = 10.0) -> Iterator[None]:
+def hold(workdir: str, renew_s: float = 10.0, lease_s: float = 120.0) -> Iterator[None]:
   """The workdir for one run: process 0 takes the lock (every process fails with WorkdirBusy if it cannot)
-  and writes ``train.log``; both are released when the block ends, whatever ends it."""
+  and writes ``train.log``; both are released when the block ends, whatever ends it. ``lease_s``: the lock's lease
+  on an object store (:class:`WorkdirLock`)."""
   lock, refused = None, None
   if jax.process_index() == 0:
     try:
-      lock = WorkdirLock(workdir, renew_s).acquire()
+      lock = WorkdirLock(workdir, renew_s, lease_s).acquire()
     except UserError as e:  # busy, or not writable: every process stops with one line
       refused = e
   if jax.process_count() > 1:

@@ -10,6 +10,10 @@ written once to ``--raw_dir`` or a temporary folder; byte tokenizer; results to 
 ``--source=mixture`` compares the loader of one prepared folder (the bundled corpus) with that of a 3-component
 mixture (``data.mixture``: the corpus's paragraphs dealt into three prepared folders, weights 0.6 / 0.3 / 0.1) in
 alternated rounds of ``--mixture_batches`` batches, 0 workers (results to benchmarks/results/data_mixture.json).
+``--source=store`` compares the loader reading from local disk with the same data on an S3 server (moto) and a GCS
+server (the emulator) on localhost (tests/object_store.py; the test extra): the prepared corpus (read from this
+host's copy of the shards: its first open includes the copy) and the raw JSONL corpus (streamed from the store), in
+alternated rounds of ``--mixture_batches`` batches, 0 workers (results to benchmarks/results/data_store.json).
 1. Loader alone: tokens/s with 0 and 2 worker processes, against the tokens/s the train step consumes.
 2. Stall: pairs of rounds of K steps, one fed by the real pipeline and one by synthetic batches (which goes
    first alternates), through the same compiled step and the trainer's loop body (next batch -> global
@@ -29,6 +33,7 @@ import os  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
@@ -44,9 +49,10 @@ _CONFIGS = flags.DEFINE_list("configs", ["tiny", "cpu_50m"], "Config modules und
 _ROUNDS = flags.DEFINE_string("pairs", "tiny=30,cpu_50m=4", "Real / synthetic round pairs, per config.")
 _STEPS = flags.DEFINE_string("steps_per_round", "tiny=5,cpu_50m=2", "Steps per round, per config.")
 _BATCH = flags.DEFINE_integer("batch", 16, "Global batch size.")
-_SOURCE = flags.DEFINE_enum("source", "arrayrecord", ["arrayrecord", "raw", "mixture"], "arrayrecord: the prepared "
-                            "bundled corpus. raw: data.source=raw on a generated JSONL corpus. mixture: one folder "
-                            "against a 3-component mixture, loader only.")
+_SOURCE = flags.DEFINE_enum("source", "arrayrecord", ["arrayrecord", "raw", "mixture", "store"], "arrayrecord: the "
+                            "prepared bundled corpus. raw: data.source=raw on a generated JSONL corpus. mixture: one "
+                            "folder against a 3-component mixture, loader only. store: local disk against s3:// and "
+                            "gs:// servers on localhost, loader only.")
 _MIX_ROUNDS = flags.DEFINE_integer("mixture_rounds", 10, "--source=mixture: alternated round pairs.")
 _MIX_BATCHES = flags.DEFINE_integer("mixture_batches", 100, "--source=mixture: batches per round.")
 _RAW_DIR = flags.DEFINE_string("raw_dir", "", "--source=raw: where the JSONL corpus is written (reused if there); "
@@ -207,10 +213,77 @@ def main_mixture() -> None:
   print(f"wrote {_bench.write_json(out, {'source': 'mixture', 'results': results})}")
 
 
+def bench_store(name: str, sources: dict[str, str], kind: str, cache: str) -> dict:
+  """Loader tokens/s of the same data at each of ``sources`` (where -> path or URL), in alternated rounds; the
+  first batch's time (opening, and for prepared data the copy of the shards to a fresh local cache) apart."""
+  from jaxtrain.data import shard_cache
+  iterators, first = {}, {}
+  for where, path in sources.items():
+    config = importlib.import_module(f"configs.{name}").get_config()
+    config.train.global_batch_size = _BATCH.value
+    config.data.update(source=kind, path=path, tokenizer="byte", num_workers=0)
+    os.environ[shard_cache.ENV] = os.path.join(cache, where)
+    t = time.perf_counter()
+    iterators[where] = data_lib.open_train(config)
+    next(iterators[where])
+    first[where] = time.perf_counter() - t
+  rows = _BATCH.value * config.data.seq_len
+  rates = {where: [] for where in sources}
+  names = list(sources)
+  for r in range(_MIX_ROUNDS.value):
+    for where in names[r % len(names):] + names[:r % len(names)]:
+      t = time.perf_counter()
+      for _ in range(_MIX_BATCHES.value):
+        next(iterators[where])
+      rates[where].append(_MIX_BATCHES.value * rows / (time.perf_counter() - t))
+  for it in iterators.values():
+    data_lib.close(it)
+  return {"config": name, "source": kind, "global_batch": _BATCH.value, "seq_len": config.data.seq_len,
+          "tokens_per_sec_median": {w: statistics.median(v) for w, v in rates.items()},
+          "vs_local_paired_median": {w: statistics.median(a / b for a, b in zip(v, rates["local"]))
+                                     for w, v in rates.items()},
+          "first_batch_s": first, "rounds": rates}
+
+
+def main_store() -> None:
+  import fsspec
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+  from tests import object_store
+  from jaxtrain.data import prepare
+  folder = tempfile.mkdtemp(prefix="bench_data_store_")
+  try:
+    prepared = os.fspath(prepare.bundled_corpus(os.path.join(folder, "cache")))
+    raw = write_raw_corpus(os.path.join(folder, "raw"), _RAW_MB.value)["path"]
+    results = []
+    with object_store.serve("s3") as s3, object_store.serve("gs") as gs:
+      for kind, local in (("arrayrecord", prepared), ("raw", raw)):
+        sources = {"local": local}
+        for store in (s3, gs):
+          url = store.url(kind)
+          fs, path = fsspec.core.url_to_fs(url)
+          fs.put(local.rstrip("/") + "/", path, recursive=True)
+          sources[store.scheme] = url
+        for name in _CONFIGS.value:
+          results.append(bench_store(name, sources, kind, os.path.join(folder, f"shards-{kind}-{name}")))
+  finally:
+    shutil.rmtree(folder, ignore_errors=True)
+  header = f"{'config':<9}{'data':<13}{'where':<7}{'tokens/s':>12}{'vs local':>10}{'first batch s':>15}"
+  print(header)
+  print("-" * len(header))
+  for r in results:
+    for where, rate in r["tokens_per_sec_median"].items():
+      print(f"{r['config']:<9}{r['source']:<13}{where:<7}{rate:>12,.0f}{r['vs_local_paired_median'][where]:>10.3f}"
+            f"{r['first_batch_s'][where]:>15.2f}")
+  out = _OUT.value or "benchmarks/results/data_store.json"
+  print(f"wrote {_bench.write_json(out, {'source': 'store', 'raw_mb': _RAW_MB.value, 'results': results})}")
+
+
 def main(argv):
   del argv
   if _SOURCE.value == "mixture":
     return main_mixture()
+  if _SOURCE.value == "store":
+    return main_store()
   raw, tmp = {}, None
   if _SOURCE.value == "raw":
     folder = _RAW_DIR.value or (tmp := tempfile.mkdtemp(prefix="bench_data_raw_"))

@@ -10,6 +10,7 @@ also for ``eval.sets``).
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 
@@ -89,7 +90,12 @@ def figure(runs: list[tuple[str, list[dict]]]):
 def plot(runs: list[tuple[str, list[dict]]], out: str) -> None:
   import matplotlib.pyplot as plt
   fig = figure(runs)
-  fig.savefig(out, dpi=100)
+  if paths.is_url(out):  # matplotlib writes local files: the PNG is made in memory and written as the object
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    epath.Path(out).write_bytes(png.getvalue())
+  else:
+    fig.savefig(out, dpi=100)
   plt.close(fig)
 
 

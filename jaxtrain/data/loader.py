@@ -24,8 +24,10 @@ from absl import flags
 from etils import epath
 
 from jaxtrain.data import batch as batch_lib
+from jaxtrain import paths
 from jaxtrain.data import packing as packing_lib
 from jaxtrain.data import prepare
+from jaxtrain.data import shard_cache
 from jaxtrain.data import tokenizers
 from jaxtrain.errors import DataError
 
@@ -62,7 +64,9 @@ def load_manifest(path: str, verify_checksums: bool = True, formats: tuple[str, 
     if size != shard["bytes"]:
       raise DataError(os.fspath(f), f"shard is truncated or changed ({size} bytes, manifest says "
                       f"{shard['bytes']})", "re-run tools/prepare_data.py")
-    if verify_checksums and hashlib.sha256(f.read_bytes()).hexdigest() != shard["sha256"]:
+    if verify_checksums and paths.is_url(os.fspath(f)):
+      shard_cache.local_copy(os.fspath(f), shard)  # checked as it is copied (the copy is what is read)
+    elif verify_checksums and hashlib.sha256(f.read_bytes()).hexdigest() != shard["sha256"]:
       raise DataError(os.fspath(f), "shard checksum does not match the manifest (corrupt file)",
                       "re-run tools/prepare_data.py (or set data.verify_checksums=False to skip this check)")
   return manifest
@@ -96,7 +100,9 @@ class TokenSource(grain.sources.RandomAccessDataSource):
     if not files:
       raise DataError(root, f"no '{split or 'any'}' shards in the manifest", "prepare the data with that split")
     self._files, self._ends = files, np.cumsum([s["documents"] for s in shards])
-    self._source = grain.sources.ArrayRecordDataSource(files)
+    # ArrayRecord reads local files only: a store's shards are read from this host's copies (shard_cache).
+    self._source = grain.sources.ArrayRecordDataSource(
+        [shard_cache.local_copy(f, s) if paths.is_url(f) else f for f, s in zip(files, shards)])
     self._dtype = np.dtype(manifest["dtype"])
     self.masked = bool(manifest.get("loss_mask", False))
 

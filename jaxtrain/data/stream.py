@@ -39,6 +39,7 @@ import os
 import re
 import sys
 
+import fsspec
 import jax
 import numpy as np
 from etils import epath
@@ -127,6 +128,18 @@ class _File:
   @property
   def count(self) -> int:
     return int(self.row_groups[-1]) if self.kind == "parquet" else len(self.starts)
+
+
+def _open_url(url: str):
+  """A file on an object store, for the lanes' reads: each lane reads its own stretch of a file forward, so the reads
+  of one batch jump between up to ``global_batch`` places. An LRU of blocks keeps each lane's current block (a
+  readahead cache of one block, the clients' default, refetches at every jump: gcsfs streamed 100x slower than from
+  local disk)."""
+  fs, path = fsspec.core.url_to_fs(url)
+  return fs.open(path, "rb", block_size=_BLOCK, cache_type="blockcache", cache_options={"maxblocks": _BLOCKS})
+
+
+_BLOCK, _BLOCKS = 2 << 20, 32  # per open file: at most 64 MB cached
 
 
 def _parquet(path: str):
@@ -279,7 +292,7 @@ class RawSource:
     handle = self._maps.get(f)
     if handle is None:
       if paths.is_url(file.path):
-        handle = epath.Path(file.path).open("rb")
+        handle = _open_url(file.path)
       else:
         with open(file.path, "rb") as fd:
           handle = mmap.mmap(fd.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(fd.fileno()).st_size else b""

@@ -35,6 +35,7 @@ from jax.experimental import multihost_utils
 from jaxtrain import goodput as goodput_lib
 from jaxtrain import monitor
 from jaxtrain import registry
+from jaxtrain import workdir as workdir_lib
 from jaxtrain.errors import ConfigError
 
 
@@ -141,9 +142,8 @@ def write_samples(workdir: str, step: int, samples: list[dict[str, str]], writer
     return
   for s in samples:
     logging.info("step %d sample: %r -> %r", step, s["prompt"], s["completion"])
-  with (epath.Path(workdir) / "samples.jsonl").open("a") as f:
-    for s in samples:
-      f.write(json.dumps({"step": step, **s}, ensure_ascii=False) + "\n")
+  workdir_lib.append(epath.Path(workdir) / "samples.jsonl",
+                     "".join(json.dumps({"step": step, **s}, ensure_ascii=False) + "\n" for s in samples))
   tb = getattr(writer, "tb", None)
   if tb is not None:
     tb.add_text("samples", "\n\n".join(f"**{s['prompt']}**{s['completion']}" for s in samples), step)

@@ -454,5 +454,4 @@ def report_bad_batch(run: Run, step: int, recent_doc_ids, why: str) -> None:
   logging.warning("step %d (%s): batch %s", step, why, json.dumps({k: v for k, v in entry.items()
                                                                    if k != "shards"})[:500])
   name = "bad_batches.jsonl" if jax.process_count() == 1 else f"bad_batches.p{jax.process_index()}.jsonl"
-  with (epath.Path(c.workdir) / name).open("a") as f:
-    f.write(json.dumps(entry) + "\n")
+  workdir_lib.append(epath.Path(c.workdir) / name, json.dumps(entry) + "\n")

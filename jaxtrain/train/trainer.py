@@ -160,7 +160,8 @@ def train(config: ml_collections.ConfigDict, devices=None, data: Iterator[dict] 
   config = run.config
   data = data if data is not None else objectives.of(config).open_train(config)
   try:
-    with workdir_lib.hold(config.workdir):  # nothing in the workdir is touched before this
+    # Nothing in the workdir is touched before this.
+    with workdir_lib.hold(config.workdir, lease_s=config.workdir_lease_s):
       checkpointer = make_checkpointer(config)
       try:
         if _already_done(run, checkpointer):

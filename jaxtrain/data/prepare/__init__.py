@@ -102,14 +102,14 @@ def _copy_into_place(new: epath.Path, target: epath.Path, overwrite: bool) -> No
 
 
 def bundled_corpus(cache_dir: str) -> epath.Path:
-  """The bundled Shakespeare corpus, prepared (byte tokens, seed 0) on first use into ``cache_dir``."""
+  """The bundled Shakespeare corpus, prepared (byte tokens, seed 0) on first use into ``cache_dir``, local or on an
+  object store (where the manifest is written last: its presence marks the folder complete)."""
   digest = hashlib.sha256(BUNDLED.read_bytes()).hexdigest()[:12]
   target = epath.Path(os.path.expanduser(cache_dir)) / f"tinyshakespeare-{digest}"
   if not (target / MANIFEST).exists():
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
-      prepare(Options(inputs=[os.fspath(BUNDLED)], output=os.fspath(target), eval_fraction=0.05,
-                      progress=False))
+      prepare(Options(inputs=[os.fspath(BUNDLED)], output=os.fspath(target), eval_fraction=0.05, progress=False))
     except (DataError, OSError):
       if not (target / MANIFEST).exists():  # another process on this host may have won the race
         raise
