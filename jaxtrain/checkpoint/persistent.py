@@ -1,10 +1,14 @@
-"""The persistent tier: Orbax checkpoints in ``checkpoint.dir`` (local or ``gs://``), every process's shards of
-one step in one folder that every process reads; async multi-host saves, retention, restore onto any mesh.
+"""The persistent tier: Orbax checkpoints in ``checkpoint.dir`` (local, ``gs://`` or ``s3://``), every process's
+shards of one step in one folder that every process reads; async multi-host saves, retention, restore onto any mesh.
 
 Each checkpoint step holds four items: ``state`` (the train state pytree: params, optimizer state, step),
 ``data`` (every process's data position, one JSON file per process), ``meta`` (JSON: jaxtrain version, mesh,
 loss, tokens seen, wall time, seed) and ``config`` (the resolved config). Saves are written into
-``<step>.orbax-checkpoint-tmp`` and committed by rename, so a killed save is never mistaken for a checkpoint.
+``<step>.orbax-checkpoint-tmp`` and committed by rename, so a killed save is never mistaken for a checkpoint; on an
+object store, which has no rename, into ``<step>`` and committed by writing ``<step>/commit_success.txt`` last
+(Orbax's commit file: a step without it is not listed). A store that does not answer (stopped, unreachable) fails a
+save, a listing or a restore within a bounded time (:mod:`jaxtrain.stores`) and ends the run restartable
+(:class:`StoreUnreachable`, exit 75), never as a corrupt step.
 This module knows nothing of the trainer: it saves the pytree it is given and restores against the abstract
 pytree (ShapeDtypeStructs with the *current* shardings) it is handed, which is what makes restoring onto
 another mesh work. Before reading a step it compares the saved tensor shapes with that pytree: another model
@@ -30,10 +34,12 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
+from jaxtrain import _compat
 from jaxtrain import integrity
 from jaxtrain import paths
-from jaxtrain.checkpoint.errors import (CheckpointError, CorruptCheckpoint, NonFiniteState, SaveFailed, describe,
-                                        storage_error, storage_reason)
+from jaxtrain import stores
+from jaxtrain.checkpoint.errors import (CheckpointError, CorruptCheckpoint, NonFiniteState, SaveFailed,
+                                        StoreUnreachable, describe, storage_error, storage_reason)
 from jaxtrain.checkpoint.tier import TIERS, DataPosition
 
 
@@ -140,11 +146,19 @@ class PersistentTier:
     process count is re-split by the iterator (:meth:`DataPosition.resplit`). Installs :func:`quiet_libraries`."""
     quiet_libraries()
     self.verify = verify
-    self.directory = epath.Path(paths.resolve(os.fspath(directory)))  # Orbax wants absolute paths
-    self.where = os.fspath(self.directory)
+    self.where = paths.resolve(os.fspath(directory))  # Orbax wants absolute paths
+    self.on_store = stores.is_store(self.where)
+    if self.on_store:
+      stores.check_client(self.where, "checkpoint.dir")
+      _compat.orbax_object_stores()
+    self.directory = epath.Path(self.where)
     save_policy, keep_policy = _policies(every_steps, every_minutes, keep_last, keep_every)
+    # Object stores have no rename: a step is committed by its commit file (Orbax's default on gs://, asked for here
+    # on s3://, where Orbax would otherwise copy every object of the step to "rename" it, and not atomically).
+    atomicity = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE) if self.on_store else None
     options = ocp.CheckpointManagerOptions(save_decision_policy=save_policy, preservation_policy=keep_policy,
-                                           enable_async_checkpointing=async_save, create=True)
+                                           enable_async_checkpointing=async_save, create=True,
+                                           atomicity_options=atomicity)
     # state, meta and config get Orbax's handlers for their args; data gets this process's own file.
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     positions = _position_handler(jax.process_index(), jax.process_count())
@@ -152,14 +166,29 @@ class PersistentTier:
     registry.add("data", ocp.args.JsonRestore, positions)
     try:
       self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
-    except OSError as e:
+    except Exception as e:
+      self._raise_if_unreachable(e, "opening the checkpoint folder")
+      if not isinstance(e, OSError):
+        raise
       raise CheckpointError(os.fspath(directory), f"cannot use the checkpoint folder ({e.strerror or e})",
                             "set checkpoint.dir to a writable folder") from None
     self.last_save_blocked_s = 0.0
     self._warned_data = False
 
   def steps(self) -> list[int]:
-    return sorted(self.manager.all_steps())
+    try:
+      return sorted(self.manager.all_steps())
+    except Exception as e:
+      self._raise_if_unreachable(e, "listing the checkpoints")
+      raise
+
+  def _raise_if_unreachable(self, e: BaseException, doing: str) -> None:
+    """Raises :class:`StoreUnreachable` when ``e`` says that the object store holding the checkpoints did not
+    answer."""
+    cause = stores.unreachable(e) if self.on_store else None
+    if cause is not None:
+      raise StoreUnreachable(f"{doing} in {self.where} failed: the object store did not answer ({describe(cause)}); "
+                             "earlier checkpoints are intact") from e
 
   def should_save(self, step: int) -> bool:
     return self.manager.should_save(step)
@@ -190,6 +219,7 @@ class PersistentTier:
     try:
       saved = self.manager.save(step, args=args, force=force)
     except Exception as e:  # an earlier async write failed, or this one could not start
+      self._raise_if_unreachable(e, "saving a checkpoint")
       raise self._write_error(e) from e
     self.last_save_blocked_s = time.perf_counter() - t
     return saved
@@ -199,6 +229,7 @@ class PersistentTier:
     try:
       self.manager.wait_until_finished()
     except Exception as e:
+      self._raise_if_unreachable(e, "saving a checkpoint")
       raise self._write_error(e) from e
 
   def _write_error(self, e: Exception) -> Exception:
@@ -224,12 +255,18 @@ class PersistentTier:
     ``data_iterator`` moved to its position. A step written for another model or optimizer raises
     CheckpointError before any tensor is read; a data position that does not fit this run (another global
     batch), the iterator's UserError."""
-    self.check_compatible(step, abstract_state)
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-    if self.verify:
-      verify(restored["state"], restored["meta"])
-    self._restore_data_position(step, data_iterator, restored["meta"])
+    try:
+      self.check_compatible(step, abstract_state)
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+      if self.verify:
+        verify(restored["state"], restored["meta"])
+      self._restore_data_position(step, data_iterator, restored["meta"])
+    except CorruptCheckpoint:
+      raise
+    except Exception as e:  # a store that does not answer is no reason to set a step aside
+      self._raise_if_unreachable(e, f"restoring checkpoint step {step}")
+      raise
     return restored["state"], dict(restored["meta"])
 
   def check_compatible(self, step: int, abstract_state: Any) -> None:
