@@ -88,6 +88,19 @@ def tensorstore_kvstore(url: str) -> dict:
   return spec
 
 
+def move_folder(src: str, dst: str) -> None:
+  """Moves the objects under ``src`` to ``dst`` on the same store: an object store has no rename, so each object is
+  copied, then all are deleted (etils.epath's rename does not take a folder on S3)."""
+  import fsspec  # pylint: disable=import-outside-toplevel  (installed with gcsfs and s3fs)
+  fs, source = fsspec.core.url_to_fs(src)
+  target = fsspec.core.url_to_fs(dst)[1]
+  fs.invalidate_cache()  # listings another client (etils.epath, Orbax) changed since
+  files = fs.find(source)
+  for f in files:
+    fs.copy(f, target + f[len(source):])
+  fs.rm(files)
+
+
 # What a store that does not answer (stopped, unreachable, overloaded) says through each client: TensorStore's
 # status codes and curl's messages, aiohttp's and botocore's connection errors, HTTP 5xx answers.
 _UNREACHABLE = re.compile(

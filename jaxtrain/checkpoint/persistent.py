@@ -53,6 +53,9 @@ from jaxtrain.checkpoint.tier import TIERS, DataPosition
 # them to DataPosition.resplit. Checkpoints older than that record hold nothing but the n position files.
 _DATA_PROCESSES = "data_processes"
 
+# The file whose presence commits a step on an object store (Orbax's CommitFileTemporaryPath writes it last).
+_COMMIT_FILE = "commit_success.txt"
+
 
 def _position_file(process_index: int, process_count: int) -> str:
   return f"process_{process_index}-of-{process_count}.json"
@@ -294,14 +297,19 @@ class PersistentTier:
     data_iterator.set_state(position)
 
   def set_aside(self, step: int, error: Exception) -> None:
-    """Renames a bad step to ``corrupt-<step>-<time>``, so that it is neither restored nor overwritten, and keeps
-    it for inspection."""
+    """Renames a bad step to ``corrupt-<step>-<time>`` (on an object store: moves its objects there), so that it is
+    neither restored nor overwritten, and keeps it for inspection."""
     logging.warning("checkpoint step %d in %s cannot be restored (%s); set aside, falling back to the previous "
                     "one", step, self.directory, describe(error))
     if jax.process_index() == 0:
-      src = self.directory / str(step)
-      if src.exists():
-        src.rename(self.directory / f"corrupt-{step}-{int(time.time())}")
+      src, dst = self.directory / str(step), self.directory / f"corrupt-{step}-{int(time.time())}"
+      if src.exists() and self.on_store:
+        # Uncommitted first (Orbax's commit file, see the module's docstring), so that a move cut short leaves no
+        # listed step behind; then its objects are moved one by one.
+        (src / _COMMIT_FILE).unlink(missing_ok=True)
+        stores.move_folder(os.fspath(src), os.fspath(dst))
+      elif src.exists():
+        src.rename(dst)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"jaxtrain_set_aside_{step}")
     self.manager.reload()
