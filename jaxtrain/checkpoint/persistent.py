@@ -75,15 +75,21 @@ def _saved_position(data_iterator: DataPosition) -> dict:
     raise TypeError(f"{type(data_iterator).__name__}.get_state() returned a position that is not JSON ({e})") from e
 
 
+# The object stores' Python clients (etils.epath's fsspec filesystems), which log each request they gave up on with
+# its traceback (gcsfs) before raising it.
+_STORE_CLIENT_LOGGERS = ("gcsfs", "s3fs")
+
+
 class _QuietLibraries(std_logging.Filter):
   """Orbax logs every save phase at INFO; keep its warnings and errors, drop the rest. A failed background write
-  (disk full, permissions) is logged with whole tracebacks by Orbax and by asyncio (for Orbax's other write
-  tasks) and then raised again to us, where it becomes jaxtrain's one-line error: keep their lines, fold each
-  traceback into the exception's type and message."""
+  (disk full, permissions, an object store that does not answer) is logged with whole tracebacks by Orbax, by
+  asyncio (for Orbax's other write tasks) and by the stores' clients, and then raised again to us, where it becomes
+  jaxtrain's one-line error: keep their lines, fold each traceback into the exception's type and message."""
 
   def filter(self, record: std_logging.LogRecord) -> bool:
     from_orbax = "/orbax/" in record.pathname
-    if ((from_orbax or record.name == "asyncio") and record.levelno >= std_logging.ERROR and record.exc_info
+    folded = from_orbax or record.name == "asyncio" or record.name.split(".")[0] in _STORE_CLIENT_LOGGERS
+    if (folded and record.levelno >= std_logging.ERROR and record.exc_info
         and record.exc_info[1] is not None):
       first = record.getMessage().splitlines()[0]
       record.msg, record.args = f"{first}: {describe(record.exc_info[1])}", None
@@ -116,9 +122,11 @@ def quiet_libraries() -> None:
   idempotent. The filters sit on the loggers, not on a handler, so they hold whatever handlers are attached
   (absl's, pytest's, a notebook's). ``sys.unraisablehook`` is wrapped, not replaced: whatever hook is installed
   still gets every other unraisable exception (it is wrapped again if someone installs another one later)."""
-  # Orbax logs through absl's logger, a few of its modules through the root logger itself; asyncio through its own.
+  # Orbax logs through absl's logger, a few of its modules through the root logger itself; asyncio and the stores'
+  # clients through their own.
   # A logger's filters see only the records logged to it, not those its children pass up.
-  for logger in (logging.get_absl_logger(), std_logging.getLogger(), std_logging.getLogger("asyncio")):
+  for logger in (logging.get_absl_logger(), std_logging.getLogger(), std_logging.getLogger("asyncio"),
+                 *map(std_logging.getLogger, _STORE_CLIENT_LOGGERS)):
     logger.addFilter(LIBRARY_LOG_FILTER)  # a no-op when it is there already
   if not getattr(sys.unraisablehook, "drops_closed_loop_noise", False):
     sys.unraisablehook = _drop_closed_loop_noise(sys.unraisablehook)
