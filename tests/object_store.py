@@ -16,6 +16,9 @@ extra) and start in about a second.
       path = store.url("runs/tiny")                   # 's3://jaxtrain-test/runs/tiny'
       subprocess.run([...], env={**os.environ, **store.env})
       store.stop(); store.start()                     # unreachable, then back with the same objects (gs only)
+
+A :class:`Proxy` in front of a store makes it unreachable and back without stopping the server (moto's S3 server
+loses its objects when it stops).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import portpicker
@@ -123,3 +127,60 @@ def serve(scheme: str, set_environ: bool = True):
           os.environ.pop(k, None)
         else:
           os.environ[k] = v
+
+
+class Proxy:
+  """A TCP proxy on its own localhost port in front of ``store``: :meth:`stop` closes it and every connection
+  through it (the store is unreachable: connections are refused), :meth:`start` opens it again on the same port.
+  ``env``: the store's settings with the proxy as the endpoint."""
+
+  def __init__(self, store: Store):
+    self.store, self.port = store, portpicker.pick_unused_port()
+    self.endpoint = f"http://127.0.0.1:{self.port}"
+    self.env = {**store.env, **{k: self.endpoint for k in ("AWS_ENDPOINT_URL", "STORAGE_EMULATOR_HOST",
+                                                            "TENSORSTORE_GCS_HTTP_URL") if k in store.env}}
+    self._listener: socket.socket | None = None
+    self._open: set[socket.socket] = set()
+    self._lock = threading.Lock()
+
+  def start(self):
+    self._listener = socket.create_server(("127.0.0.1", self.port), reuse_port=False)
+    threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
+    return self
+
+  def stop(self):
+    listener, self._listener = self._listener, None
+    if listener is not None:
+      with contextlib.suppress(OSError):
+        listener.shutdown(socket.SHUT_RDWR)
+      listener.close()
+    with self._lock:
+      for s in self._open:
+        with contextlib.suppress(OSError):
+          s.shutdown(socket.SHUT_RDWR)
+        s.close()
+      self._open.clear()
+
+  def _accept(self, listener: socket.socket):
+    while True:
+      try:
+        client, _ = listener.accept()
+      except OSError:
+        return  # stopped
+      try:
+        upstream = socket.create_connection(("127.0.0.1", self.store.port), 5)
+      except OSError:
+        client.close()
+        continue
+      with self._lock:
+        self._open.update((client, upstream))
+      for a, b in ((client, upstream), (upstream, client)):
+        threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+  @staticmethod
+  def _pipe(a: socket.socket, b: socket.socket):
+    with contextlib.suppress(OSError):
+      while data := a.recv(1 << 16):
+        b.sendall(data)
+    with contextlib.suppress(OSError):
+      b.shutdown(socket.SHUT_WR)

@@ -139,31 +139,43 @@ def test_local_tier_on_disk_and_persistent_tier_on_the_store(s3, tmp_path, unint
   assert {h["step"]: h["loss"] for h in history} == {s: uninterrupted[s] for s in (10, 11, 12)}
 
 
-# Runs jaxtrain.main with the store's server stopped right after the save of step argv[1] committed (argv[2]: the
-# server's pid): the next save finds no store.
-_STOP_STORE_MAIN = ("import os, runpy, signal, socket, sys, time; from jaxtrain import checkpoint as c\n"
-                    "save, stop_after, pid, port = c.PersistentTier.save, *map(int, sys.argv[1:4])\n"
-                    "def save_then_stop(self, step, *a, **k):\n"
-                    "  started = save(self, step, *a, **k)\n"
-                    "  if step == stop_after:\n"
-                    "    self.wait(); os.killpg(pid, signal.SIGKILL); end = time.time() + 30\n"
-                    "    while time.time() < end:\n"
-                    "      try: socket.create_connection(('127.0.0.1', port), 0.2).close(); time.sleep(0.05)\n"
-                    "      except OSError: break\n"
-                    "  return started\n"
-                    "c.PersistentTier.save = save_then_stop; sys.argv[0:4] = ['jaxtrain.main']\n"
-                    "runpy.run_module('jaxtrain.main', run_name='__main__')")
+# Runs jaxtrain.main; right after the save of step argv[1] committed it creates the file argv[2] and waits (at most
+# 30 s) until the store's port argv[3] refuses connections (the test stops the store when the file appears): the
+# next save finds no store.
+_STORE_GOES_AWAY_MAIN = ("import os, runpy, socket, sys, time; from jaxtrain import checkpoint as c\n"
+                         "save, stop_after, marker, port = c.PersistentTier.save, int(sys.argv[1]), *sys.argv[2:4]\n"
+                         "def save_then_lose_the_store(self, step, *a, **k):\n"
+                         "  started = save(self, step, *a, **k)\n"
+                         "  if step == stop_after:\n"
+                         "    self.wait(); open(marker, 'w').close(); end = time.time() + 30\n"
+                         "    while time.time() < end:\n"
+                         "      try: socket.create_connection(('127.0.0.1', int(port)), 0.2).close()\n"
+                         "      except OSError: break\n"
+                         "      time.sleep(0.05)\n"
+                         "  return started\n"
+                         "c.PersistentTier.save = save_then_lose_the_store; sys.argv[0:4] = ['jaxtrain.main']\n"
+                         "runpy.run_module('jaxtrain.main', run_name='__main__')")
 
 
 @pytest.mark.slow
-def test_store_down_mid_run_exits_restartable_in_one_line_and_resumes_with_nothing_lost(gs, tmp_path):
-  """gs: the emulator keeps its objects across a stop and a start (moto's S3 server does not)."""
-  url = gs.url("down")
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_store_down_mid_run_exits_restartable_in_one_line_and_resumes_with_nothing_lost(store_of, monkeypatch,
+                                                                                       tmp_path, scheme):
+  """gs: the server itself is stopped and started (it keeps its objects); s3: a proxy in front of it is (moto's
+  server loses its objects when it stops)."""
+  store = store_of(scheme)
+  away = object_store.Proxy(store).start() if scheme == "s3" else store
+  _use(away, monkeypatch)
+  url = store.url("down")
   args = ["--config=configs/tiny.py", "--config.data.source=synthetic", "--config.train.log_every=1",
           "--config.train.global_batch_size=8", "--config.data.seq_len=64", "--config.train.steps=12",
           "--config.checkpoint.every_steps=4", f"--config.workdir={tmp_path}", f"--config.checkpoint.dir={url}"]
+  marker = tmp_path / "committed"
   start = time.time()
-  p = forked.popen(["-c", _STOP_STORE_MAIN, "4", str(gs.proc.pid), str(gs.port), *args])
+  p = forked.popen(["-c", _STORE_GOES_AWAY_MAIN, "4", str(marker), str(away.port), *args])
+  while p.poll() is None and not marker.exists() and time.time() - start < 300:
+    time.sleep(0.05)
+  away.stop()
   _, err = p.communicate(timeout=300)
   took = time.time() - start
   assert p.returncode == exits.RESTART, err[-3000:]
@@ -173,14 +185,15 @@ def test_store_down_mid_run_exits_restartable_in_one_line_and_resumes_with_nothi
   assert "Traceback" not in err and took < 150, (took, err[-3000:])
   first = {r["step"]: r["loss"] for r in read_records(tmp_path)}
   assert max(first) >= 8  # it trained on to the save that failed
-  gs.stop()  # reaped
-  gs.start()
+  away.start()  # the store back, with its objects
   r = forked.run(["-m", "jaxtrain.main", *args], timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "resumed from checkpoint step 4" in r.stderr
   second = {r["step"]: r["loss"] for r in read_records(tmp_path)}
   assert [second[s] for s in range(5, max(first) + 1)] == [first[s] for s in range(5, max(first) + 1)]
   assert _steps(url) == [4, 8, 12]
+  if away is not store:
+    away.stop()
 
 
 def test_missing_client_library_is_one_line_naming_the_extra(monkeypatch, tmp_path):
