@@ -222,3 +222,38 @@ def test_missing_client_library_exits_2_from_the_command_line(tmp_path):
                                                "package, which is not installed; pip install -e '.[gcs]' (or pip "
                                                "install gcsfs)")
   assert not (tmp_path / "run").exists()
+
+
+def test_tensorstore_reaches_the_store_the_environment_names_with_bounded_retries(monkeypatch):
+  for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID",
+            "TENSORSTORE_GCS_BACKEND"):
+    monkeypatch.delenv(k, raising=False)
+  retries = {"max_retries": 5, "initial_delay": "0.5s", "max_delay": "8s"}
+  assert stores.tensorstore_kvstore("s3://b/runs/x") == {"driver": "s3", "bucket": "b", "path": "runs/x",
+                                                          "s3_request_retries": retries}  # Amazon's, found by AWS
+  monkeypatch.setenv("AWS_ENDPOINT_URL", "http://generic:9000")
+  monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://minio:9000")  # the S3-specific one wins, as in boto3
+  monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+  spec = stores.tensorstore_kvstore("s3://b/runs/x")
+  assert (spec["endpoint"], spec["aws_region"], spec["aws_credentials"]) == (
+      "http://minio:9000", "us-east-1", {"type": "environment"})
+  monkeypatch.setenv("AWS_REGION", "auto")
+  assert stores.tensorstore_kvstore("s3://b/x")["aws_region"] == "auto"
+  assert stores.tensorstore_kvstore("gs://b/runs/x") == {"driver": "gcs", "bucket": "b", "path": "runs/x",
+                                                          "gcs_request_retries": retries}
+
+
+def test_a_store_that_does_not_answer_is_told_apart_from_other_failures():
+  refused = ConnectionRefusedError(111, "Connection refused")
+  try:
+    try:
+      raise refused
+    except OSError as e:
+      raise ValueError("writing the state failed") from e
+  except ValueError as e:
+    chained = e
+  assert stores.unreachable(chained) is refused
+  assert stores.unreachable(ValueError('UNAVAILABLE: Error writing "x": HTTP response code: 503')) is not None
+  for other in (PermissionError(13, "Permission denied"), ValueError("Checkpoint path should be absolute"),
+                OSError(28, "No space left on device")):
+    assert stores.unreachable(other) is None, other
