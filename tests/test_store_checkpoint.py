@@ -135,7 +135,7 @@ def test_local_tier_on_disk_and_persistent_tier_on_the_store(s3, tmp_path, unint
   c.train.steps = STEPS
   with caplog.at_level("INFO"):
     _, history = trainer.train(c)
-  assert f"resumed from checkpoint step 9 ({local}" in caplog.text, caplog.text[-2000:]
+  assert f"resumed from checkpoint step 9 (local tier, {local}" in caplog.text, caplog.text[-2000:]
   assert {h["step"]: h["loss"] for h in history} == {s: uninterrupted[s] for s in (10, 11, 12)}
 
 
