@@ -2,6 +2,7 @@
 Orbax's async saves and their commit, resume bitwise as from local disk, the corrupt-step fallback, restore onto
 another mesh, the two tiers (local disk -> store), a store that goes away mid-run, a missing client library."""
 
+import json
 import subprocess
 import sys
 import time
@@ -11,11 +12,13 @@ import jax
 import numpy as np
 import pytest
 
+from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
 from jaxtrain import errors
 from jaxtrain import exits
 from jaxtrain import stores
 from jaxtrain.metrics import read_records
+from jaxtrain.train import state as state_lib
 from jaxtrain.train import trainer
 from tests import forked, object_store
 from tests.conftest import small_config
@@ -137,6 +140,30 @@ def test_local_tier_on_disk_and_persistent_tier_on_the_store(s3, tmp_path, unint
     _, history = trainer.train(c)
   assert f"resumed from checkpoint step 9 (local tier, {local}" in caplog.text, caplog.text[-2000:]
   assert {h["step"]: h["loss"] for h in history} == {s: uninterrupted[s] for s in (10, 11, 12)}
+
+
+def test_tools_and_restore_from_read_only_committed_steps_on_the_store(s3, tmp_path):
+  """A step folder without its commit file (a save killed on the store) is not a checkpoint to the tools,
+  checkpoint.restore_from or the run."""
+  url = s3.url("tools")
+  trainer.train(_config(tmp_path, url, 5))
+  fs, root = fsspec.core.url_to_fs(url)
+  for f in fs.find(f"{root}/5"):  # step 7: every object of a step but its commit file
+    if not f.endswith("/5/commit_success.txt"):
+      fs.copy(f, f.replace("/5/", "/7/", 1))
+  assert checkpoint_lib.committed_steps(url) == [5]
+  step_dir = checkpoint_lib.step_dir(url)
+  assert step_dir == f"{url}/5" and checkpoint_lib.saved_config(step_dir)["train"]["steps"] == 5
+  with pytest.raises(checkpoint_lib.CheckpointError, match=r"has no step 7 \(it has 5\)"):
+    checkpoint_lib.step_dir(url, 7)
+  run = trainer.build(_config(tmp_path, url, 5))
+  _, step = checkpoint_lib.restore_from(url, state_lib.abstract(run.model, run.tx, run.state_shardings), True)
+  assert step == 5
+  r = forked.run(["tools/inspect_checkpoint.py", url, "--json"], timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+  info = json.loads(r.stdout)
+  assert info["steps"] == [5] and "params/lm_head/kernel" in {t["name"] for t in info["tensors"]}
+  assert "7" in info["not_committed_or_set_aside"]
 
 
 # Runs jaxtrain.main; right after the save of step argv[1] committed it creates the file argv[2] and waits (at most

@@ -35,7 +35,7 @@ def describe(path: str, step: int | None = None) -> dict:
     root = _root(path)
     if not root.exists():
       raise FileNotFoundError(f"{path}: no such folder")
-    steps = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / "state").exists())
+    steps = [s for s in checkpoint_lib.committed_steps(root) if (root / str(s) / "state").exists()]
     if not steps:
       raise FileNotFoundError(f"{root}: no committed checkpoints")
     step = steps[-1] if step is None else step
@@ -48,7 +48,8 @@ def describe(path: str, step: int | None = None) -> dict:
     dtype = np.dtype(leaf.dtype)
     tensors.append({"name": path_, "shape": list(shape), "dtype": dtype.name,
                     "bytes": math.prod(shape) * dtype.itemsize})
-  others = sorted(p.name for p in root.iterdir() if not p.name.isdigit())
+  committed = {str(s) for s in checkpoint_lib.committed_steps(root)}
+  others = sorted(p.name for p in root.iterdir() if p.name not in committed)
   return {"directory": str(root), "steps": steps, "step": step, "meta": meta, "tensors": tensors,
           "total_bytes": sum(t["bytes"] for t in tensors), "not_committed_or_set_aside": others}
 

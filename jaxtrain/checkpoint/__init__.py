@@ -5,7 +5,7 @@ checkpoint or a step folder a tool is given (:mod:`.read`).
 
   tier.py          the Tier and DataPosition protocols, the TIERS registry
   checkpointer.py  Checkpointer: which tier saves a step, the restore agreed across tiers, rollback, fallback
-  persistent.py    the persistent tier (Orbax), fingerprints checked on restore
+  persistent.py    the persistent tier (Orbax), fingerprints checked on restore; committed_steps of a folder
   local.py         the node-local tier (each process's shards on its own disk)
   read.py          restore_from (checkpoint.restore_from), step_dir, saved_config, side_files_dir
   errors.py        CheckpointError, SaveFailed, StoreUnreachable, CorruptCheckpoint, NonFiniteState; storage
@@ -23,15 +23,15 @@ from jaxtrain.checkpoint.checkpointer import Checkpointer, checkpoint_due
 from jaxtrain.checkpoint.errors import (CheckpointError, CorruptCheckpoint, NonFiniteState, SaveFailed,
                                         StoreUnreachable, describe, storage_error, storage_reason)
 from jaxtrain.checkpoint.local import LocalTier
-from jaxtrain.checkpoint.persistent import (LIBRARY_LOG_FILTER, PersistentTier, quiet_libraries, saved_tensors,
-                                            verify)
+from jaxtrain.checkpoint.persistent import (LIBRARY_LOG_FILTER, PersistentTier, committed_steps, quiet_libraries,
+                                            saved_tensors, verify)
 from jaxtrain.checkpoint.read import restore_from, saved_config, side_files_dir, step_dir
 from jaxtrain.checkpoint.tier import TIERS, DataPosition, Tier
 from jaxtrain.errors import ConfigError, check_choice, check_positive
 
 __all__ = ["Checkpointer", "checkpoint_due", "CheckpointError", "CorruptCheckpoint", "NonFiniteState", "SaveFailed",
            "StoreUnreachable", "describe", "storage_error", "storage_reason", "LocalTier", "LIBRARY_LOG_FILTER",
-           "PersistentTier", "quiet_libraries", "saved_tensors", "verify", "restore_from", "saved_config",
+           "PersistentTier", "committed_steps", "quiet_libraries", "saved_tensors", "verify", "restore_from", "saved_config",
            "side_files_dir", "step_dir", "TIERS", "DataPosition", "Tier", "defaults", "validate"]
 
 

@@ -161,7 +161,7 @@ class PersistentTier:
     self.on_store = stores.is_store(self.where)
     if self.on_store:
       stores.check_client(self.where, "checkpoint.dir")
-      _compat.orbax_object_stores()
+    reach(self.where)
     self.directory = epath.Path(self.where)
     save_policy, keep_policy = _policies(every_steps, every_minutes, keep_last, keep_every)
     # Object stores have no rename: a step is committed by its commit file (Orbax's default on gs://, asked for here
@@ -363,9 +363,30 @@ def _some(names: list[str]) -> str:
   return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
 
 
+def reach(path: str) -> None:
+  """Readies Orbax for checkpoints under ``path``: on an object store, its client library is checked and Orbax's
+  TensorStore reads and writes are pointed at it (:func:`jaxtrain._compat.orbax_object_stores`)."""
+  if stores.is_store(path):
+    stores.check_client(path, path)
+    _compat.orbax_object_stores()
+
+
+def committed_steps(root) -> list[int]:
+  """The committed steps in the checkpoints folder ``root`` (local or on an object store), ascending. Orbax's
+  unfinished saves are ``<step>.orbax-checkpoint-tmp`` folders on a local disk; on an object store they are
+  ``<step>`` folders without their commit file."""
+  root = epath.Path(root)
+  if not root.exists():
+    return []
+  on_store = stores.is_store(os.fspath(root))
+  return sorted(int(p.name) for p in root.iterdir()
+                if p.name.isdigit() and (not on_store or (p / _COMMIT_FILE).exists()))
+
+
 def saved_tensors(state_dir) -> dict[str, Any]:
   """``'params/layers/mlp/up/kernel' -> ArrayMetadata`` (shape, dtype) of a saved train state, from its
   metadata alone (no tensor data is read)."""
+  reach(os.fspath(state_dir))
   tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(state_dir)).tree
   return integrity.named(tree)
 
