@@ -164,6 +164,10 @@ def test_tools_and_restore_from_read_only_committed_steps_on_the_store(s3, tmp_p
   info = json.loads(r.stdout)
   assert info["steps"] == [5] and "params/lm_head/kernel" in {t["name"] for t in info["tensors"]}
   assert "7" in info["not_committed_or_set_aside"]
+  r = forked.run(["tools/convert_hf.py", "export", f"--checkpoint={url}", f"--output={tmp_path / 'hf'}"],
+                 timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert (tmp_path / "hf" / "model.safetensors").exists() and f"{url}/5" in r.stdout
 
 
 # Runs jaxtrain.main; right after the save of step argv[1] committed it creates the file argv[2] and waits (at most
