@@ -157,12 +157,10 @@ class PersistentTier:
     process count is re-split by the iterator (:meth:`DataPosition.resplit`). Installs :func:`quiet_libraries`."""
     quiet_libraries()
     self.verify = verify
-    self.where = paths.resolve(os.fspath(directory))  # Orbax wants absolute paths
+    self.directory = epath.Path(paths.resolve(os.fspath(directory), "checkpoint.dir"))  # Orbax wants absolute paths
+    self.where = os.fspath(self.directory)
     self.on_store = stores.is_store(self.where)
-    if self.on_store:
-      stores.check_client(self.where, "checkpoint.dir")
     reach(self.where)
-    self.directory = epath.Path(self.where)
     save_policy, keep_policy = _policies(every_steps, every_minutes, keep_last, keep_every)
     # Object stores have no rename: a step is committed by its commit file (Orbax's default on gs://, asked for here
     # on s3://, where Orbax would otherwise copy every object of the step to "rename" it, and not atomically).
