@@ -18,6 +18,7 @@ from etils import epath
 
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import paths
+from jaxtrain.errors import UserError
 
 _STEP = flags.DEFINE_integer("step", None, "Step to detail (default: the newest).")
 _JSON = flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
@@ -61,7 +62,7 @@ def main(argv):
     sys.exit(2)
   try:
     info = describe(argv[1], _STEP.value)
-  except (FileNotFoundError, ValueError) as e:
+  except (FileNotFoundError, ValueError, UserError) as e:  # UserError: a store URL whose client is not installed
     print(f"inspect_checkpoint: error: {e}", file=sys.stderr)
     sys.exit(2)
   if _JSON.value:
