@@ -14,7 +14,9 @@ application-default login``, a VM's service account) and, for an emulator, ``STO
 
 Every wait on a store is bounded. TensorStore retries a failed request 32 times over up to ~15 minutes by default;
 here :data:`RETRIES` (5 retries, 0.5 s doubling to 8 s: ~16 s of back-off per request). s3fs gives up on a store
-that refuses connections after ~10 s, gcsfs after ~35 s (their own retries, measured on localhost).
+that refuses connections after ~10 s, gcsfs after ~35 s (their own retries, measured on localhost). A store that
+accepts connections and never answers costs TensorStore 5 tries of its 60 s low-speed window (~6 minutes,
+``TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS``).
 """
 
 from __future__ import annotations
