@@ -16,7 +16,8 @@ Every wait on a store is bounded. TensorStore retries a failed request 32 times 
 here :data:`RETRIES` (5 retries, 0.5 s doubling to 8 s: ~16 s of back-off per request). s3fs gives up on a store
 that refuses connections after ~10 s, gcsfs after ~35 s (their own retries, measured on localhost). A store that
 accepts connections and never answers costs TensorStore 5 tries of its 60 s low-speed window (~6 minutes,
-``TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS``).
+``TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS``), s3fs ~7 minutes, and gcsfs, which sets no request timeout, waits
+until one is set (``FSSPEC_GCS='{"requests_timeout": 60}'``): docs/object_stores.md.
 """
 
 from __future__ import annotations
