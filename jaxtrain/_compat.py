@@ -1,6 +1,6 @@
-"""The one home of what jaxtrain uses from JAX, XLA and qwix that they do not promise to keep: their private modules
-(``jax._src``, ``qwix._src``) and the names they read. Nothing else under jaxtrain/, tests/, tools/ or benchmarks/
-imports a ``_src`` module (tests/test_compat.py fails on one).
+"""The one home of what jaxtrain uses from JAX, XLA, qwix and Orbax that they do not promise to keep: their private
+modules (``jax._src``, ``qwix._src``, ``orbax.checkpoint._src``) and the names they read. Nothing else under jaxtrain/,
+tests/, tools/ or benchmarks/ imports a ``_src`` module (tests/test_compat.py fails on one).
 
 Each accessor imports what it needs when it is called, never when this module is imported, so that a private API
 that moved breaks only the feature that needs it, never every start. Each says the versions it was checked on; when
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 
 from absl import logging
 
@@ -22,6 +23,7 @@ from jaxtrain.errors import UserError
 # install bounds are jax>=0.10.2,<0.13 and qwix>=0.1.8,<0.2.
 TESTED_JAX = ("0.10.2", "0.12.0.1")
 TESTED_QWIX = ("0.1.8",)
+TESTED_ORBAX = ("0.12.8",)
 
 
 class PrivateAPIMissing(UserError):
@@ -107,6 +109,56 @@ def qwix_quantized_training():
                for name in ("dot_general_qt", "ragged_dot_qt"))
 
 
+# Orbax on object stores ---------------------------------------------------------------------------------------------
+
+
+def orbax_object_stores() -> None:
+  """Has Orbax's TensorStore writes and reads reach ``s3://`` and ``gs://`` through :mod:`jaxtrain.stores`
+  (idempotent; checked on orbax-checkpoint 0.12.8, which warns once on another release).
+
+  Why: Orbax builds every TensorStore kvstore of a checkpoint in one private function
+  (``orbax.checkpoint._src.serialization.tensorstore_utils.build_kvstore_tspec``), which knows ``gs://`` only: an
+  ``s3://`` directory is normalized to ``s3:/...`` and refused ("Checkpoint path should be absolute"), and TensorStore
+  reaching S3 by URL would not read ``AWS_ENDPOINT_URL`` anyway (an S3-compatible server needs the endpoint in the
+  spec). Orbax has no option for either, nor for TensorStore's retries (32 over ~15 minutes by default: a store that
+  is down would hang a save that long). So the function is wrapped: an ``s3://`` directory goes through Orbax's own
+  ``gs://`` path (the same OCDBT layout, no local-path checks) and every gcs kvstore in the spec it returns is
+  replaced with :func:`jaxtrain.stores.tensorstore_kvstore`'s (the s3 driver with the environment's endpoint, or the
+  gcs driver, both with bounded retries). Local paths are left alone."""
+  feature = "checkpoints on s3:// and gs://"
+  ts_utils = _attribute("orbax.checkpoint._src.serialization.tensorstore_utils", "", feature, "orbax-checkpoint",
+                        TESTED_ORBAX)
+  original = getattr(ts_utils, "build_kvstore_tspec", None)
+  if original is None:
+    raise PrivateAPIMissing(feature, "orbax.checkpoint._src.serialization.tensorstore_utils.build_kvstore_tspec",
+                            "orbax-checkpoint", TESTED_ORBAX, AttributeError("build_kvstore_tspec"))
+  if getattr(original, "jaxtrain_object_stores", False):
+    return
+  _warn_if_untested_package("orbax-checkpoint", TESTED_ORBAX)
+  from jaxtrain import stores  # pylint: disable=import-outside-toplevel
+
+  def swap(spec, s3: bool):
+    if isinstance(spec, dict):
+      if spec.get("driver") in ("gcs", "gcs_grpc") and "bucket" in spec:
+        url = f"{'s3' if s3 else 'gs'}://{spec['bucket']}/{spec.get('path', '')}"
+        return {**{k: v for k, v in spec.items() if k not in ("driver", "bucket", "path")},
+                **stores.tensorstore_kvstore(url)}
+      return {k: swap(v, s3) for k, v in spec.items()}
+    if isinstance(spec, list):
+      return [swap(v, s3) for v in spec]
+    return spec
+
+  def build_kvstore_tspec(directory, *args, **kwargs):
+    path = os.fspath(directory)
+    if not stores.is_store(path):
+      return original(directory, *args, **kwargs)
+    s3 = stores.scheme(path) == "s3"
+    return swap(original("gs://" + path.split("://", 1)[1] if s3 else path, *args, **kwargs), s3)
+
+  build_kvstore_tspec.jaxtrain_object_stores = True
+  ts_utils.build_kvstore_tspec = build_kvstore_tspec
+
+
 # Tests ------------------------------------------------------------------------------------------------------------
 
 
@@ -120,6 +172,17 @@ def jax_clusters():
 # The installed jax ------------------------------------------------------------------------------------------------
 
 _warned: list[str] = []
+_warned_packages: set[str] = set()
+
+
+def _warn_if_untested_package(package: str, tested: tuple[str, ...]) -> None:
+  """Warns once per process when ``package`` is not a release the private API above was checked on."""
+  version = installed(package)
+  if version in tested or package in _warned_packages:
+    return
+  _warned_packages.add(package)
+  logging.warning("%s %s is not a release jaxtrain was tested with (%s); the private APIs of jaxtrain/_compat.py may "
+                  "differ there (pip install -e . installs a tested one)", package, version, ", ".join(tested))
 
 
 def warn_if_untested(version: str | None = None) -> str | None:

@@ -205,7 +205,7 @@ def resolve(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     group, _, name = key.rpartition(".")
     holder = out[group] if group else out
     if key != "data.tokenizer" or holder[name] != "byte":
-      holder[name] = paths.resolve(holder[name])
+      holder[name] = paths.resolve(holder[name], key)
   data.resolve(out)
   out.checkpoint.dir = out.checkpoint.dir or paths.join(out.workdir, "checkpoints")
   horizon = out.optim.decay_steps or out.train.steps

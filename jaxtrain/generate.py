@@ -40,6 +40,7 @@ import jax
 import ml_collections
 import numpy as np
 from absl import app, flags, logging
+from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import checkpoint as checkpoint_lib
@@ -129,8 +130,8 @@ def run_config(saved: dict, overrides: Sequence[str] = ()) -> ml_collections.Con
 def find(checkpoint: str, step: int | None = None) -> tuple[str, dict]:
   """The step folder of ``checkpoint`` (the newest step unless ``step``) and its run's saved config: nothing is
   restored."""
-  checkpoint = paths.resolve(checkpoint)
-  if not os.path.exists(checkpoint):
+  checkpoint = paths.resolve(checkpoint, "--checkpoint")
+  if not epath.Path(checkpoint).exists():
     raise GenerateError(checkpoint, "does not exist", "pass --checkpoint=a run's workdir, its checkpoints folder "
                         "or a step folder")
   step_dir = checkpoint_lib.step_dir(checkpoint, step)

@@ -37,6 +37,7 @@ import jax
 import ml_collections
 import ml_dtypes
 import numpy as np
+from etils import epath
 from safetensors import SafetensorError, safe_open
 
 from jaxtrain import checkpoint as checkpoint_lib
@@ -409,14 +410,14 @@ def export_model(checkpoint: str, output: str, step: int | None = None, max_shar
     raise HFError(step_dir, f"holds a {name} model that {why}", f"only what the {exporter.model_type} "
                   "architecture computes can be exported")
   side = checkpoint_lib.side_files_dir(step_dir, config)
-  meta_file = os.path.join(step_dir, "meta", "metadata")
-  meta = json.loads(open(meta_file).read()) if os.path.exists(meta_file) else {}
+  meta_file = epath.Path(step_dir) / "meta" / "metadata"  # local or on an object store
+  meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
   if dtype == "auto":
     dtype = (meta.get("hf_import") or {}).get("dtype", "float32")
     dtype = dtype if dtype in _EXPORT_DTYPES else "float32"
   np_dtype = _bf16() if dtype == "bfloat16" else np.dtype(dtype)
-  base = json.loads(open(os.path.join(side, "config.json")).read()) if side and os.path.exists(
-      os.path.join(side, "config.json")) else None
+  base_file = epath.Path(side) / "config.json" if side else None
+  base = json.loads(base_file.read_text()) if base_file and base_file.exists() else None
   with _Staging(output) as tmp:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
     abstract = models.Model.from_config(model).abstract_params
@@ -474,6 +475,6 @@ def export_model(checkpoint: str, output: str, step: int | None = None, max_shar
       json.dump(exporter.hf_config(model, base, dtype), fh, indent=2)
     if side:
       for f in SIDE_FILES:
-        if f != "config.json" and os.path.exists(os.path.join(side, f)):
-          shutil.copy2(os.path.join(side, f), os.path.join(tmp, f))
+        if f != "config.json" and (epath.Path(side) / f).exists():
+          (epath.Path(side) / f).copy(os.path.join(tmp, f))
   return {"step_dir": step_dir, "bytes": total, "shards": len(shards), "dtype": dtype}

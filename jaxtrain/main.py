@@ -24,7 +24,7 @@ from jaxtrain import exits
 from jaxtrain import models
 from jaxtrain import paths
 from jaxtrain import restarts
-from jaxtrain.checkpoint import CheckpointError, SaveFailed, describe
+from jaxtrain.checkpoint import CheckpointError, SaveFailed, StoreUnreachable, describe
 from jaxtrain.train import trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).",
@@ -178,6 +178,8 @@ def main(argv: list[str]) -> None:
   except exits.Restart as e:
     restarts.record("preempted", str(e))
     print(f"jaxtrain: stopped: {e}; restart the same command to resume (exit {exits.RESTART})", file=sys.stderr)
+    if isinstance(e, StoreUnreachable):  # a failed async save's threads would hold up a normal exit (see _leave)
+      _leave(exits.RESTART)
     sys.exit(exits.RESTART)
   except trainer.TrainingStopped as e:
     print(f"jaxtrain: stopped: {e}", file=sys.stderr)

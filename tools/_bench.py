@@ -19,7 +19,7 @@ def setup(devices: int = 8) -> None:
 
 
 def write_json(path: str, results: dict) -> str:
-  """Writes ``results`` plus backend, jax version, device kind and count to ``path`` (local or gs://)."""
+  """Writes ``results`` plus backend, jax version, device kind and count to ``path`` (local, gs:// or s3://)."""
   import jax
   from etils import epath
 

@@ -16,6 +16,16 @@ apart (it is device work of the save step, not blocking). Restore = reading the 
 mesh (median of 3), with verification: plus recomputing and comparing the fingerprints and finiteness. The
 local tier (jaxtrain.checkpoint.local, always verified) is timed the same way into ``--dir``/local: the loop
 waits for the device-to-host copy, a thread writes the file.
+
+With ``--targets`` it compares where the persistent tier saves instead: the local disk (``--dir``) against object
+stores, each an S3 (moto) or GCS (fake-gcs-server) server on localhost that the tool starts (tests/object_store.py,
+the test extra) unless ``--s3_url`` / ``--gs_url`` name a bucket folder to use. Per target, async verified saves:
+the loop's blocking and the time from save() to commit (wait() returned), and restores; throughput = state bytes /
+seconds. The servers run on the same machine, so the figures show what the store's protocol costs (HTTP requests,
+TensorStore's object-store drivers), not a network:
+
+  python tools/bench_checkpoint.py --targets=disk,s3,gs --num_layers=4 --saves=4 \
+      --out=benchmarks/results/checkpoint_stores.json
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import _bench  # tools/ is on sys.path when a script runs
 
 _bench.setup()
 
+import contextlib  # noqa: E402
 import importlib  # noqa: E402
 import pathlib  # noqa: E402
 import shutil  # noqa: E402
@@ -49,6 +60,10 @@ _SAVES = flags.DEFINE_integer("saves", 5, "Saves per mode.")
 _TRAIN_STEPS = flags.DEFINE_integer("train_steps", 2, "Optimizer steps taken before saving (short batches).")
 _DIR = flags.DEFINE_string("dir", "/tmp/jaxtrain-bench-ckpt", "Scratch folder (deleted first).")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/checkpoint.json", "Where to write the JSON results.")
+_TARGETS = flags.DEFINE_list("targets", [], "Compare where checkpoints go: disk, s3, gs (empty: the save modes).")
+_NUM_LAYERS = flags.DEFINE_integer("num_layers", 0, "Layers of the model (0: the config's).")
+_S3_URL = flags.DEFINE_string("s3_url", "", "s3://bucket/folder to save to (default: a server on localhost).")
+_GS_URL = flags.DEFINE_string("gs_url", "", "gs://bucket/folder to save to (default: a server on localhost).")
 
 
 def timed(fn, *args, **kwargs):
@@ -62,6 +77,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   config = importlib.import_module(f"configs.{_CONFIG.value}").get_config()
   config.mesh.update(data=1, fsdp=-1, tensor=1)
+  if _NUM_LAYERS.value:
+    config.model.num_layers = _NUM_LAYERS.value
   # The batch only has to move the optimizer state off its zeros; its size does not change the state's.
   config.train.global_batch_size, config.data.seq_len = jax.device_count(), 64
   run = trainer.build(config)
@@ -75,6 +92,8 @@ def main(argv):
   state_bytes = sharding.total_bytes(abstract)
   data = SyntheticSource(8, 256, 8, 0)
   shutil.rmtree(_DIR.value, ignore_errors=True)
+  if _TARGETS.value:
+    return compare_targets(config, state, abstract, state_bytes, data)
   results = {"config": _CONFIG.value, "state_bytes": state_bytes, "devices": jax.device_count(),
              "train_steps_before_saving": _TRAIN_STEPS.value}
 
@@ -145,6 +164,52 @@ def main(argv):
   print(f"local tier blocking / persistent async save (verified) = {results['local_blocking_vs_async_verified']:.3f}")
   print(f"fingerprint + finiteness pass over the state (device work of a save step) = "
         f"{results['fingerprint_pass_s_median']:.3f} s")
+  print(f"wrote {_bench.write_json(_OUT.value, results)}")
+  shutil.rmtree(_DIR.value, ignore_errors=True)
+
+
+def compare_targets(config, state, abstract, state_bytes: int, data) -> None:
+  """The persistent tier's async verified saves and restores on each of ``--targets``."""
+  summary = integrity.summarize(state)
+  results = {"config": _CONFIG.value, "num_layers": config.model.num_layers, "state_bytes": state_bytes,
+             "devices": jax.device_count(), "train_steps_before_saving": _TRAIN_STEPS.value,
+             "mode": "async, verified", "servers": "localhost"}
+  for target in _TARGETS.value:
+    with contextlib.ExitStack() as stack:
+      url = {"s3": _S3_URL.value, "gs": _GS_URL.value}.get(target, "")
+      if target == "disk":
+        where = os.path.join(_DIR.value, "store-disk")
+      elif url:
+        where = url
+      else:
+        from tests import object_store  # pylint: disable=import-outside-toplevel  (the test extra)
+        server = stack.enter_context(object_store.serve(target))
+        where = server.url("bench")
+        results[f"{target}_server"] = "moto" if target == "s3" else "fake-gcs-server"
+      ckpt = checkpoint_lib.PersistentTier(where, keep_last=2, async_save=True, verify=True)
+      blocked, committed = [], []
+      for step in range(1, _SAVES.value + 1):
+        _, b = timed(ckpt.save, step, state, data, meta={"step": step}, config={}, force=True, summary=summary)
+        _, w = timed(ckpt.wait)
+        blocked.append(b)
+        committed.append(b + w)
+      restores = [timed(lambda: jax.block_until_ready(
+          checkpoint_lib.Checkpointer([ckpt]).restore(abstract, data)[0]))[1] for _ in range(3)]
+      ckpt.close()
+      commit, restore = statistics.median(committed[1:]), statistics.median(restores)
+      results[target] = {"where": where.split("://")[0] if "://" in where else "local disk",
+                         "first_save_blocked_s": blocked[0], "blocked_s_median": statistics.median(blocked[1:]),
+                         "commit_s_median": commit, "restore_s_median": restore,
+                         "save_mb_per_s": state_bytes / 1e6 / commit, "restore_mb_per_s": state_bytes / 1e6 / restore,
+                         "blocked_s": blocked, "commit_s": committed, "restore_s": restores}
+  print(f"{_CONFIG.value} with {config.model.num_layers} layers: params + optimizer state = "
+        f"{state_bytes / 1e6:,.0f} MB on {jax.device_count()} devices; async verified saves (median of {_SAVES.value - 1} after the first)")
+  print(f"{'target':<8}{'loop blocked s':>16}{'save to commit s':>18}{'save MB/s':>11}{'restore s':>11}"
+        f"{'restore MB/s':>14}")
+  for target in _TARGETS.value:
+    r = results[target]
+    print(f"{target:<8}{r['blocked_s_median']:>16.3f}{r['commit_s_median']:>18.3f}{r['save_mb_per_s']:>11,.0f}"
+          f"{r['restore_s_median']:>11.3f}{r['restore_mb_per_s']:>14,.0f}")
   print(f"wrote {_bench.write_json(_OUT.value, results)}")
   shutil.rmtree(_DIR.value, ignore_errors=True)
 

@@ -18,6 +18,7 @@ from etils import epath
 
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import paths
+from jaxtrain.errors import UserError
 
 _STEP = flags.DEFINE_integer("step", None, "Step to detail (default: the newest).")
 _JSON = flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
@@ -35,7 +36,7 @@ def describe(path: str, step: int | None = None) -> dict:
     root = _root(path)
     if not root.exists():
       raise FileNotFoundError(f"{path}: no such folder")
-    steps = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / "state").exists())
+    steps = [s for s in checkpoint_lib.committed_steps(root) if (root / str(s) / "state").exists()]
     if not steps:
       raise FileNotFoundError(f"{root}: no committed checkpoints")
     step = steps[-1] if step is None else step
@@ -48,7 +49,8 @@ def describe(path: str, step: int | None = None) -> dict:
     dtype = np.dtype(leaf.dtype)
     tensors.append({"name": path_, "shape": list(shape), "dtype": dtype.name,
                     "bytes": math.prod(shape) * dtype.itemsize})
-  others = sorted(p.name for p in root.iterdir() if not p.name.isdigit())
+  committed = {str(s) for s in checkpoint_lib.committed_steps(root)}
+  others = sorted(p.name for p in root.iterdir() if p.name not in committed)
   return {"directory": str(root), "steps": steps, "step": step, "meta": meta, "tensors": tensors,
           "total_bytes": sum(t["bytes"] for t in tensors), "not_committed_or_set_aside": others}
 
@@ -60,7 +62,7 @@ def main(argv):
     sys.exit(2)
   try:
     info = describe(argv[1], _STEP.value)
-  except (FileNotFoundError, ValueError) as e:
+  except (FileNotFoundError, ValueError, UserError) as e:  # UserError: a store URL whose client is not installed
     print(f"inspect_checkpoint: error: {e}", file=sys.stderr)
     sys.exit(2)
   if _JSON.value:

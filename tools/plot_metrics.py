@@ -18,6 +18,7 @@ from absl import app, flags
 from etils import epath
 
 from jaxtrain import metrics, paths
+from jaxtrain.errors import UserError
 
 _OUT = flags.DEFINE_string("out", "metrics.png", "PNG file to write.")
 PANELS = (("loss", "loss"), ("tokens_per_sec", "tokens / s"), ("grad_norm", "grad norm"), ("lr", "learning rate"))
@@ -105,10 +106,11 @@ def main(argv):
     sys.exit(2)
   try:
     runs = [read(a) for a in argv[1:]]
-  except (FileNotFoundError, json.JSONDecodeError) as e:
+    out = paths.resolve(_OUT.value, "--out")
+  except (FileNotFoundError, json.JSONDecodeError, UserError) as e:  # UserError: a store client not installed
     print(f"plot_metrics: error: {e}", file=sys.stderr)
     sys.exit(2)
-  plot(runs, paths.resolve(_OUT.value))
+  plot(runs, out)
   print(f"wrote {_OUT.value}")
 
 

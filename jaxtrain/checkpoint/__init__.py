@@ -5,10 +5,11 @@ checkpoint or a step folder a tool is given (:mod:`.read`).
 
   tier.py          the Tier and DataPosition protocols, the TIERS registry
   checkpointer.py  Checkpointer: which tier saves a step, the restore agreed across tiers, rollback, fallback
-  persistent.py    the persistent tier (Orbax), fingerprints checked on restore
+  persistent.py    the persistent tier (Orbax), fingerprints checked on restore; committed_steps of a folder
   local.py         the node-local tier (each process's shards on its own disk)
   read.py          restore_from (checkpoint.restore_from), step_dir, saved_config, side_files_dir
-  errors.py        CheckpointError, SaveFailed, CorruptCheckpoint, NonFiniteState; storage failures told apart
+  errors.py        CheckpointError, SaveFailed, StoreUnreachable, CorruptCheckpoint, NonFiniteState; storage
+                   failures told apart
 
 This module holds the ``checkpoint`` config group.
 """
@@ -19,19 +20,19 @@ import ml_collections
 
 from jaxtrain import paths
 from jaxtrain.checkpoint.checkpointer import Checkpointer, checkpoint_due
-from jaxtrain.checkpoint.errors import (CheckpointError, CorruptCheckpoint, NonFiniteState, SaveFailed, describe,
-                                        storage_error, storage_reason)
+from jaxtrain.checkpoint.errors import (CheckpointError, CorruptCheckpoint, NonFiniteState, SaveFailed,
+                                        StoreUnreachable, describe, storage_error, storage_reason)
 from jaxtrain.checkpoint.local import LocalTier
-from jaxtrain.checkpoint.persistent import (LIBRARY_LOG_FILTER, PersistentTier, quiet_libraries, saved_tensors,
-                                            verify)
+from jaxtrain.checkpoint.persistent import (LIBRARY_LOG_FILTER, PersistentTier, committed_steps, quiet_libraries,
+                                            saved_tensors, verify)
 from jaxtrain.checkpoint.read import restore_from, saved_config, side_files_dir, step_dir
 from jaxtrain.checkpoint.tier import TIERS, DataPosition, Tier
 from jaxtrain.errors import ConfigError, check_choice, check_positive
 
 __all__ = ["Checkpointer", "checkpoint_due", "CheckpointError", "CorruptCheckpoint", "NonFiniteState", "SaveFailed",
-           "describe", "storage_error", "storage_reason", "LocalTier", "LIBRARY_LOG_FILTER", "PersistentTier",
-           "quiet_libraries", "saved_tensors", "verify", "restore_from", "saved_config", "side_files_dir",
-           "step_dir", "TIERS", "DataPosition", "Tier", "defaults", "validate"]
+           "StoreUnreachable", "describe", "storage_error", "storage_reason", "LocalTier", "LIBRARY_LOG_FILTER",
+           "PersistentTier", "committed_steps", "quiet_libraries", "saved_tensors", "verify", "restore_from", "saved_config",
+           "side_files_dir", "step_dir", "TIERS", "DataPosition", "Tier", "defaults", "validate"]
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -40,7 +41,7 @@ def defaults() -> ml_collections.ConfigDict:
       # The tiers a run saves to and resumes from (jaxtrain.checkpoint.TIERS), the persistent one first. The local
       # tier is on only with local_dir; a registered tier of yours is added by its name.
       "tiers": ("persistent", "local"),
-      "dir": "",  # default: <workdir>/checkpoints; local paths and gs:// alike
+      "dir": "",  # default: <workdir>/checkpoints; a local folder, gs:// or s3://
       "every_steps": 0,  # save every N steps (0: off); the last step and preemptions always save
       "every_minutes": 0.0,  # and/or at least every T minutes (0: off)
       "keep_last": 3,  # retention: the newest K checkpoints ...

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from jaxtrain import exits
 from jaxtrain.checkpoint.tier import TIERS, Tier
 from jaxtrain.errors import UserError
 
@@ -96,11 +97,11 @@ class Checkpointer:
                            data_iterator) -> tuple[int, Any, dict, str] | None:
     """``(step, state, meta, where)`` of the first of ``offers`` (``(step, _, tier)``, in the order to try) that
     restores; each that does not read back is set aside by its tier. The user's mistakes (a checkpoint of another
-    model) are raised."""
+    model) and the failures a restart cures (an object store that does not answer) are raised."""
     for step, _, tier in offers:
       try:
         state, meta = tier.restore(step, abstract_state, data_iterator)
-      except UserError:
+      except (UserError, exits.Restart):
         raise
       except Exception as e:  # noqa: BLE001 - corrupt or truncated: fall back to the next one
         tier.set_aside(step, e)

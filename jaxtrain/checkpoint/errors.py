@@ -1,6 +1,7 @@
 """What goes wrong with a checkpoint, and how it is told: the user's to fix (:class:`CheckpointError`, one line,
-exit 2) or not (:class:`SaveFailed`); a step that reads back wrong (:class:`CorruptCheckpoint`, which the
-checkpointer falls back from); a state that must not be written (:class:`NonFiniteState`). Storage failures are
+exit 2) or not (:class:`SaveFailed`); an object store that does not answer (:class:`StoreUnreachable`: a restart
+cures it, exit 75); a step that reads back wrong (:class:`CorruptCheckpoint`, which the checkpointer falls back
+from); a state that must not be written (:class:`NonFiniteState`). Storage failures are
 recognized by their OS error or object-store status wherever they hide (:func:`storage_error`)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import errno
 import os
 import re
 
+from jaxtrain import exits
 from jaxtrain.errors import UserError
 
 
@@ -19,6 +21,12 @@ class CheckpointError(UserError):
 class SaveFailed(Exception):
   """A save failed for a reason other than the storage (not the user's to fix: a bug here or in a library).
   Its ``__cause__`` is the original error with its traceback."""
+
+
+class StoreUnreachable(exits.Restart):
+  """The object store holding the checkpoints did not answer (stopped, unreachable, overloaded) within the bounded
+  retries of :mod:`jaxtrain.stores`: the run stops restartable (exit 75) and resumes from the newest committed
+  checkpoint when the store is back."""
 
 
 class CorruptCheckpoint(Exception):

@@ -1,10 +1,14 @@
-"""The persistent tier: Orbax checkpoints in ``checkpoint.dir`` (local or ``gs://``), every process's shards of
-one step in one folder that every process reads; async multi-host saves, retention, restore onto any mesh.
+"""The persistent tier: Orbax checkpoints in ``checkpoint.dir`` (local, ``gs://`` or ``s3://``), every process's
+shards of one step in one folder that every process reads; async multi-host saves, retention, restore onto any mesh.
 
 Each checkpoint step holds four items: ``state`` (the train state pytree: params, optimizer state, step),
 ``data`` (every process's data position, one JSON file per process), ``meta`` (JSON: jaxtrain version, mesh,
 loss, tokens seen, wall time, seed) and ``config`` (the resolved config). Saves are written into
-``<step>.orbax-checkpoint-tmp`` and committed by rename, so a killed save is never mistaken for a checkpoint.
+``<step>.orbax-checkpoint-tmp`` and committed by rename, so a killed save is never mistaken for a checkpoint; on an
+object store, which has no rename, into ``<step>`` and committed by writing ``<step>/commit_success.txt`` last
+(Orbax's commit file: a step without it is not listed). A store that does not answer (stopped, unreachable) fails a
+save, a listing or a restore within a bounded time (:mod:`jaxtrain.stores`) and ends the run restartable
+(:class:`StoreUnreachable`, exit 75), never as a corrupt step.
 This module knows nothing of the trainer: it saves the pytree it is given and restores against the abstract
 pytree (ShapeDtypeStructs with the *current* shardings) it is handed, which is what makes restoring onto
 another mesh work. Before reading a step it compares the saved tensor shapes with that pytree: another model
@@ -30,10 +34,12 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
+from jaxtrain import _compat
 from jaxtrain import integrity
 from jaxtrain import paths
-from jaxtrain.checkpoint.errors import (CheckpointError, CorruptCheckpoint, NonFiniteState, SaveFailed, describe,
-                                        storage_error, storage_reason)
+from jaxtrain import stores
+from jaxtrain.checkpoint.errors import (CheckpointError, CorruptCheckpoint, NonFiniteState, SaveFailed,
+                                        StoreUnreachable, describe, storage_error, storage_reason)
 from jaxtrain.checkpoint.tier import TIERS, DataPosition
 
 
@@ -46,6 +52,9 @@ from jaxtrain.checkpoint.tier import TIERS, DataPosition
 # (``data_processes``); a run with another process count reads all n files, with Orbax's handler, and hands
 # them to DataPosition.resplit. Checkpoints older than that record hold nothing but the n position files.
 _DATA_PROCESSES = "data_processes"
+
+# The file whose presence commits a step on an object store (Orbax's CommitFileTemporaryPath writes it last).
+_COMMIT_FILE = "commit_success.txt"
 
 
 def _position_file(process_index: int, process_count: int) -> str:
@@ -66,15 +75,21 @@ def _saved_position(data_iterator: DataPosition) -> dict:
     raise TypeError(f"{type(data_iterator).__name__}.get_state() returned a position that is not JSON ({e})") from e
 
 
+# The object stores' Python clients (etils.epath's fsspec filesystems), which log each request they gave up on with
+# its traceback (gcsfs) before raising it.
+_STORE_CLIENT_LOGGERS = ("gcsfs", "s3fs")
+
+
 class _QuietLibraries(std_logging.Filter):
   """Orbax logs every save phase at INFO; keep its warnings and errors, drop the rest. A failed background write
-  (disk full, permissions) is logged with whole tracebacks by Orbax and by asyncio (for Orbax's other write
-  tasks) and then raised again to us, where it becomes jaxtrain's one-line error: keep their lines, fold each
-  traceback into the exception's type and message."""
+  (disk full, permissions, an object store that does not answer) is logged with whole tracebacks by Orbax, by
+  asyncio (for Orbax's other write tasks) and by the stores' clients, and then raised again to us, where it becomes
+  jaxtrain's one-line error: keep their lines, fold each traceback into the exception's type and message."""
 
   def filter(self, record: std_logging.LogRecord) -> bool:
     from_orbax = "/orbax/" in record.pathname
-    if ((from_orbax or record.name == "asyncio") and record.levelno >= std_logging.ERROR and record.exc_info
+    folded = from_orbax or record.name == "asyncio" or record.name.split(".")[0] in _STORE_CLIENT_LOGGERS
+    if (folded and record.levelno >= std_logging.ERROR and record.exc_info
         and record.exc_info[1] is not None):
       first = record.getMessage().splitlines()[0]
       record.msg, record.args = f"{first}: {describe(record.exc_info[1])}", None
@@ -107,9 +122,11 @@ def quiet_libraries() -> None:
   idempotent. The filters sit on the loggers, not on a handler, so they hold whatever handlers are attached
   (absl's, pytest's, a notebook's). ``sys.unraisablehook`` is wrapped, not replaced: whatever hook is installed
   still gets every other unraisable exception (it is wrapped again if someone installs another one later)."""
-  # Orbax logs through absl's logger, a few of its modules through the root logger itself; asyncio through its own.
+  # Orbax logs through absl's logger, a few of its modules through the root logger itself; asyncio and the stores'
+  # clients through their own.
   # A logger's filters see only the records logged to it, not those its children pass up.
-  for logger in (logging.get_absl_logger(), std_logging.getLogger(), std_logging.getLogger("asyncio")):
+  for logger in (logging.get_absl_logger(), std_logging.getLogger(), std_logging.getLogger("asyncio"),
+                 *map(std_logging.getLogger, _STORE_CLIENT_LOGGERS)):
     logger.addFilter(LIBRARY_LOG_FILTER)  # a no-op when it is there already
   if not getattr(sys.unraisablehook, "drops_closed_loop_noise", False):
     sys.unraisablehook = _drop_closed_loop_noise(sys.unraisablehook)
@@ -140,11 +157,17 @@ class PersistentTier:
     process count is re-split by the iterator (:meth:`DataPosition.resplit`). Installs :func:`quiet_libraries`."""
     quiet_libraries()
     self.verify = verify
-    self.directory = epath.Path(paths.resolve(os.fspath(directory)))  # Orbax wants absolute paths
+    self.directory = epath.Path(paths.resolve(os.fspath(directory), "checkpoint.dir"))  # Orbax wants absolute paths
     self.where = os.fspath(self.directory)
+    self.on_store = stores.is_store(self.where)
+    reach(self.where)
     save_policy, keep_policy = _policies(every_steps, every_minutes, keep_last, keep_every)
+    # Object stores have no rename: a step is committed by its commit file (Orbax's default on gs://, asked for here
+    # on s3://, where Orbax would otherwise copy every object of the step to "rename" it, and not atomically).
+    atomicity = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE) if self.on_store else None
     options = ocp.CheckpointManagerOptions(save_decision_policy=save_policy, preservation_policy=keep_policy,
-                                           enable_async_checkpointing=async_save, create=True)
+                                           enable_async_checkpointing=async_save, create=True,
+                                           atomicity_options=atomicity)
     # state, meta and config get Orbax's handlers for their args; data gets this process's own file.
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     positions = _position_handler(jax.process_index(), jax.process_count())
@@ -152,14 +175,29 @@ class PersistentTier:
     registry.add("data", ocp.args.JsonRestore, positions)
     try:
       self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
-    except OSError as e:
+    except Exception as e:
+      self._raise_if_unreachable(e, "opening the checkpoint folder")
+      if not isinstance(e, OSError):
+        raise
       raise CheckpointError(os.fspath(directory), f"cannot use the checkpoint folder ({e.strerror or e})",
                             "set checkpoint.dir to a writable folder") from None
     self.last_save_blocked_s = 0.0
     self._warned_data = False
 
   def steps(self) -> list[int]:
-    return sorted(self.manager.all_steps())
+    try:
+      return sorted(self.manager.all_steps())
+    except Exception as e:
+      self._raise_if_unreachable(e, "listing the checkpoints")
+      raise
+
+  def _raise_if_unreachable(self, e: BaseException, doing: str) -> None:
+    """Raises :class:`StoreUnreachable` when ``e`` says that the object store holding the checkpoints did not
+    answer."""
+    cause = stores.unreachable(e) if self.on_store else None
+    if cause is not None:
+      raise StoreUnreachable(f"{doing} in {self.where} failed: the object store did not answer ({describe(cause)}); "
+                             "earlier checkpoints are intact") from e
 
   def should_save(self, step: int) -> bool:
     return self.manager.should_save(step)
@@ -190,6 +228,7 @@ class PersistentTier:
     try:
       saved = self.manager.save(step, args=args, force=force)
     except Exception as e:  # an earlier async write failed, or this one could not start
+      self._raise_if_unreachable(e, "saving a checkpoint")
       raise self._write_error(e) from e
     self.last_save_blocked_s = time.perf_counter() - t
     return saved
@@ -199,6 +238,7 @@ class PersistentTier:
     try:
       self.manager.wait_until_finished()
     except Exception as e:
+      self._raise_if_unreachable(e, "saving a checkpoint")
       raise self._write_error(e) from e
 
   def _write_error(self, e: Exception) -> Exception:
@@ -224,12 +264,18 @@ class PersistentTier:
     ``data_iterator`` moved to its position. A step written for another model or optimizer raises
     CheckpointError before any tensor is read; a data position that does not fit this run (another global
     batch), the iterator's UserError."""
-    self.check_compatible(step, abstract_state)
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-    if self.verify:
-      verify(restored["state"], restored["meta"])
-    self._restore_data_position(step, data_iterator, restored["meta"])
+    try:
+      self.check_compatible(step, abstract_state)
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+      if self.verify:
+        verify(restored["state"], restored["meta"])
+      self._restore_data_position(step, data_iterator, restored["meta"])
+    except CorruptCheckpoint:
+      raise
+    except Exception as e:  # a store that does not answer is no reason to set a step aside
+      self._raise_if_unreachable(e, f"restoring checkpoint step {step}")
+      raise
     return restored["state"], dict(restored["meta"])
 
   def check_compatible(self, step: int, abstract_state: Any) -> None:
@@ -257,14 +303,19 @@ class PersistentTier:
     data_iterator.set_state(position)
 
   def set_aside(self, step: int, error: Exception) -> None:
-    """Renames a bad step to ``corrupt-<step>-<time>``, so that it is neither restored nor overwritten, and keeps
-    it for inspection."""
+    """Renames a bad step to ``corrupt-<step>-<time>`` (on an object store: moves its objects there), so that it is
+    neither restored nor overwritten, and keeps it for inspection."""
     logging.warning("checkpoint step %d in %s cannot be restored (%s); set aside, falling back to the previous "
                     "one", step, self.directory, describe(error))
     if jax.process_index() == 0:
-      src = self.directory / str(step)
-      if src.exists():
-        src.rename(self.directory / f"corrupt-{step}-{int(time.time())}")
+      src, dst = self.directory / str(step), self.directory / f"corrupt-{step}-{int(time.time())}"
+      if src.exists() and self.on_store:
+        # Uncommitted first (Orbax's commit file, see the module's docstring), so that a move cut short leaves no
+        # listed step behind; then its objects are moved one by one.
+        (src / _COMMIT_FILE).unlink(missing_ok=True)
+        stores.move_folder(os.fspath(src), os.fspath(dst))
+      elif src.exists():
+        src.rename(dst)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"jaxtrain_set_aside_{step}")
     self.manager.reload()
@@ -310,9 +361,30 @@ def _some(names: list[str]) -> str:
   return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
 
 
+def reach(path: str) -> None:
+  """Readies Orbax for checkpoints under ``path``: on an object store, its client library is checked and Orbax's
+  TensorStore reads and writes are pointed at it (:func:`jaxtrain._compat.orbax_object_stores`)."""
+  if stores.is_store(path):
+    stores.check_client(path, path)
+    _compat.orbax_object_stores()
+
+
+def committed_steps(root) -> list[int]:
+  """The committed steps in the checkpoints folder ``root`` (local or on an object store), ascending. Orbax's
+  unfinished saves are ``<step>.orbax-checkpoint-tmp`` folders on a local disk; on an object store they are
+  ``<step>`` folders without their commit file."""
+  root = epath.Path(root)
+  if not root.exists():
+    return []
+  on_store = stores.is_store(os.fspath(root))
+  return sorted(int(p.name) for p in root.iterdir()
+                if p.name.isdigit() and (not on_store or (p / _COMMIT_FILE).exists()))
+
+
 def saved_tensors(state_dir) -> dict[str, Any]:
   """``'params/layers/mlp/up/kernel' -> ArrayMetadata`` (shape, dtype) of a saved train state, from its
   metadata alone (no tensor data is read)."""
+  reach(os.fspath(state_dir))
   tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(state_dir)).tree
   return integrity.named(tree)
 

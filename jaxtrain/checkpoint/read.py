@@ -1,7 +1,7 @@
 """Checkpoints read outside a run's own tiers: another run's, to start from (``checkpoint.restore_from``:
 :func:`restore_from`), and the step folder a user names to a tool (:func:`step_dir`, :func:`saved_config`,
 :func:`side_files_dir`: tools/convert_hf.py export, jaxtrain.generate). All of them are persistent-tier
-checkpoints (Orbax step folders)."""
+checkpoints (Orbax step folders), local or on an object store; only committed steps are found."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from etils import epath
 from jaxtrain import integrity
 from jaxtrain import paths
 from jaxtrain.checkpoint.errors import CheckpointError, CorruptCheckpoint, describe
-from jaxtrain.checkpoint.persistent import quiet_libraries, saved_tensors, shape_mismatch, verify
+from jaxtrain.checkpoint.persistent import (committed_steps, quiet_libraries, reach, saved_tensors, shape_mismatch,
+                                            verify)
 
 
 def restore_from(path: str, abstract_state: Any, params_only: bool,
@@ -29,10 +30,11 @@ def restore_from(path: str, abstract_state: Any, params_only: bool,
   ``abstract_state``'s params name only some of the checkpoint's (read one at a time: tools/convert_hf.py export);
   the others are not compared, nor read."""
   quiet_libraries()
-  root = epath.Path(paths.resolve(path))
+  root = epath.Path(paths.resolve(path, "checkpoint.restore_from"))
+  reach(os.fspath(root))
   step_dir = root if (root / "state").exists() else None
   if step_dir is None:
-    steps = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.exists() else []
+    steps = committed_steps(root)
     if not steps:
       raise CheckpointError(path, "no committed checkpoint found", "point checkpoint.restore_from at a run's "
                             "checkpoints folder or one of its step folders")
@@ -70,30 +72,31 @@ def restore_from(path: str, abstract_state: Any, params_only: bool,
 
 
 def step_dir(path: str, step: int | None = None) -> str:
-  """The step folder that ``path`` names: a run's workdir, its checkpoints folder, or a step folder itself; the
-  newest committed step unless ``step``. Raises CheckpointError (one line) when there is none."""
-  path = os.path.abspath(path)
-  if os.path.isdir(os.path.join(path, "state")):
-    if step is not None and os.path.basename(path) != str(step):
-      raise CheckpointError(path, f"is step {os.path.basename(path)}, not --step={step}",
-                            "drop --step or pass its folder")
+  """The step folder that ``path`` names: a run's workdir, its checkpoints folder, or a step folder itself (local or
+  on an object store); the newest committed step unless ``step``. Raises CheckpointError (one line) when there is
+  none."""
+  path = paths.resolve(path)
+  root = epath.Path(path)
+  if (root / "state").exists():
+    if step is not None and root.name != str(step):
+      raise CheckpointError(path, f"is step {root.name}, not --step={step}", "drop --step or pass its folder")
     return path
-  folder = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
-  steps = sorted(int(p) for p in os.listdir(folder) if p.isdigit()) if os.path.isdir(folder) else []
+  folder = root / "checkpoints" if (root / "checkpoints").exists() else root
+  steps = committed_steps(folder)
   if not steps:
     raise CheckpointError(path, "holds no committed checkpoint",
                           "pass a run's workdir, its checkpoints folder or a step folder")
   if step is not None and step not in steps:
-    raise CheckpointError(folder, f"has no step {step} (it has {', '.join(map(str, steps))})", "pick one of them")
-  return os.path.join(folder, str(step if step is not None else steps[-1]))
+    raise CheckpointError(os.fspath(folder), f"has no step {step} (it has {', '.join(map(str, steps))})",
+                          "pick one of them")
+  return os.fspath(folder / str(step if step is not None else steps[-1]))
 
 
 def saved_config(step_dir: str) -> dict:
   """The resolved config a checkpoint was written with: its ``config`` item, else its workdir's config.json."""
-  for f in (os.path.join(step_dir, "config", "metadata"),
-            os.path.join(os.path.dirname(os.path.dirname(step_dir)), "config.json")):
-    if os.path.exists(f):
-      return json.loads(open(f).read())
+  for f in (epath.Path(step_dir) / "config" / "metadata", epath.Path(step_dir).parent.parent / "config.json"):
+    if f.exists():
+      return json.loads(f.read_text())
   raise CheckpointError(step_dir, "has no config item and its workdir no config.json",
                         "pass a checkpoint written by jaxtrain")
 
@@ -101,9 +104,9 @@ def saved_config(step_dir: str) -> dict:
 def side_files_dir(step_dir: str, config: dict) -> str | None:
   """The ``hf`` folder of the import this checkpoint comes from: next to its checkpoints folder, or next to the
   checkpoint its run started from (``checkpoint.restore_from``)."""
-  candidates = [os.path.dirname(os.path.dirname(step_dir))]
+  candidates = [os.path.dirname(os.path.dirname(step_dir.rstrip("/")))]
   restore_from = (config.get("checkpoint") or {}).get("restore_from")
   if restore_from:
     candidates += [os.path.dirname(restore_from.rstrip("/")), os.path.dirname(os.path.dirname(
         restore_from.rstrip("/")))]
-  return next((os.path.join(c, "hf") for c in candidates if os.path.isdir(os.path.join(c, "hf"))), None)
+  return next((paths.join(c, "hf") for c in candidates if epath.Path(paths.join(c, "hf")).is_dir()), None)
