@@ -32,7 +32,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCHEMES = ("gs", "s3")
 # Orbax's TensorStore s3 driver needs the endpoint handed to it (the path layer's work); until then a checkpoint on
 # the s3 server hangs, so the runs that checkpoint on s3 wait for it.
-NEEDS_TS_S3 = pytest.mark.skip(reason="needs the TensorStore s3 endpoint (branch h52-store)")
 # A tiny run on the bundled corpus, every step logged (as tests/test_checkpoint.py's).
 BASE = ["--config=configs/tiny.py", "--config.train.log_every=1", "--config.optim.decay_steps=40",
         "--config.train.global_batch_size=8", "--config.data.seq_len=64"]
@@ -317,7 +316,7 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["gs", pytest.param("s3", marks=NEEDS_TS_S3)])
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_quick_start_with_its_workdir_on_a_store(servers, scheme, uninterrupted, tmp_path):
   """The README's quick start with --config.workdir on the store: trains, checkpoints, resumes on the second
   start; the end line, metrics, goodput, TensorBoard and config.json as on a local disk; the tools read them."""
@@ -360,7 +359,7 @@ def _wait_logged(workdir, process, steps, timeout=300):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", ["s3"])  # end to end on one store: the lease's own tests above run on both
 def test_a_second_run_is_refused_and_a_killed_runs_lease_is_taken_over(servers, scheme, tmp_path):
   """The workdir's lock on the store: refused in one line (exit 2) while the first run renews its lease; after a
   SIGKILL, the next start takes the lease over once it has expired and resumes. (Checkpoints on a local disk here:
@@ -394,7 +393,7 @@ def test_a_second_run_is_refused_and_a_killed_runs_lease_is_taken_over(servers, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["gs", pytest.param("s3", marks=NEEDS_TS_S3)])
+@pytest.mark.parametrize("scheme", ["s3"])  # the slowest end-to-end runs take one store each: the kills s3, the
 def test_kills_at_ten_random_moments_resume_exactly(servers, scheme, uninterrupted):
   """SIGKILL after a random 1-3 new steps (plus jitter) nine times, and once while an async save to the store is in
   flight; every start resumes from the newest committed checkpoint on the store (after the killed run's lease
@@ -431,7 +430,7 @@ def test_kills_at_ten_random_moments_resume_exactly(servers, scheme, uninterrupt
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["gs", pytest.param("s3", marks=NEEDS_TS_S3)])
+@pytest.mark.parametrize("scheme", ["gs"])  # two-process job gs (tests/test_store_checkpoint.py saves on both)
 def test_a_two_process_job_on_the_store_restarted_after_a_kill_gives_the_uninterrupted_losses(servers, scheme,
                                                                                               prepared, tmp_path):
   """2 processes x 4 devices, the workdir, the persistent checkpoint tier and the data on the store, the local tier
