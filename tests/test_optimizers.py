@@ -1,5 +1,6 @@
 """The optimizer and schedule registries: every registered optimizer trains from the command line, its state is
-laid out like the params (factored moments too), and tools/estimate.py predicts its bytes to the byte and its update's FLOPs as XLA counts them."""
+laid out like the params (factored moments too), and tools/estimate.py predicts its bytes to the byte and the
+update's FLOPs as XLA counts them."""
 
 import math
 import pathlib
