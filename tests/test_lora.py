@@ -238,6 +238,10 @@ def test_lora_on_multi_head_latent_attention_trains_sharded_equal_to_one_device(
   adapted = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(final["lora"])}
   assert {a.split("']['")[-2] for a in adapted} == {"q_a", "q_b", "kv_a", "kv_b", "o"}
   assert all("dense_layers" in a or "['layers']" in a for a in adapted)
+  # The dense first layers are a stack of their own: each layer's own rank-4 adapter, as in the MoE stack.
+  dense, moe = final["lora"]["dense_layers"]["attn"]["kv_b"], final["lora"]["layers"]["attn"]["kv_b"]
+  assert (dense["a"].shape, dense["b"].shape) == ((1, 16, 4), (1, 4, 4, 28))
+  assert (moe["a"].shape, moe["b"].shape) == ((2, 16, 4), (2, 4, 4, 28))
   for before, after in zip(jax.tree.leaves(initial["lora"]), jax.tree.leaves(final["lora"]), strict=True):
     assert not np.array_equal(before, after)
   assert _bitwise_equal(_base(final), _base(initial))
