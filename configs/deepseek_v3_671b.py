@@ -1,7 +1,8 @@
 """DeepSeek-V3 (671B parameters, 37B active per token: 256 routed experts of which 8, and a shared one). Pod-scale
 defaults: bf16 compute, full remat, experts with a capacity (factor 1.25), FSDP with expert parallelism, 15
 microbatches (one row a device each on 1024 chips). The estimator sizes it for a slice: 1024 chips (a v5p-2048),
-expert 64 x fsdp 16, 34.2 GiB per chip by the estimate. It is not trained here.
+expert 64 x fsdp 16, 34.2 GiB per chip by the estimate, 41.6 GiB by the TPU compiler for v5p:8x8x16 (the dry run
+below; docs/benchmarks.md). It is not trained here.
 
 Architecture from the released checkpoint's config.json (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report",
 arXiv:2412.19437): 61 layers, d_model 7168, 128 heads of multi-head latent attention (queries through a rank-1536
@@ -18,6 +19,8 @@ sequences, batches of 15360, the choice biases moved by 0.001 a step.
 
   python tools/estimate.py --config=configs/deepseek_v3_671b.py --devices=1024 --set=mesh.expert=64 \
       --set=mesh.fsdp=16
+  python -m jaxtrain.main --config=configs/deepseek_v3_671b.py --config.mesh.expert=64 --config.mesh.fsdp=16 \
+      --config.dry_run=true --config.dry_run_topology=v5p:8x8x16
 """
 
 from jaxtrain.config import base_config

@@ -218,6 +218,8 @@ def _adafactor(cfg, learning_rate: optax.Schedule) -> optax.GradientTransformati
                          weight_decay_rate=decay_rate if cfg.weight_decay else None, weight_decay_mask=decay_mask)
 
 
+# Newton-Schulz iterations per Muon update (optax.contrib.muon's quintic iteration; its default).
+MUON_NS_STEPS = 5
 # The logical axes Muon treats as batch axes (one matrix per index): the stacked layers and an expert kernel's
 # experts (each expert's matrix is orthogonalized on its own).
 MUON_BATCH_AXES = ("layers", "experts")
@@ -276,7 +278,7 @@ def _muon(cfg, learning_rate: optax.Schedule, logical_specs=None) -> optax.Gradi
   # own AdamW takes no weight-decay mask, so it only ever sees the Muon params here.
   dimensions = functools.partial(_muon_dimensions, logical_specs=logical_specs)
   muon = optax.contrib.muon(
-      learning_rate, eps=cfg.eps, weight_decay=cfg.weight_decay, weight_decay_mask=decay_mask, consistent_rms=0.2,
+      learning_rate, ns_steps=MUON_NS_STEPS, eps=cfg.eps, weight_decay=cfg.weight_decay, weight_decay_mask=decay_mask, consistent_rms=0.2,
       muon_weight_dimension_numbers=dimensions)
 
   def labels(params):
@@ -284,3 +286,56 @@ def _muon(cfg, learning_rate: optax.Schedule, logical_specs=None) -> optax.Gradi
                         is_leaf=lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers))
 
   return optax.partition({"muon": muon, "adamw": _adamw(cfg, learning_rate)}, labels)
+
+# FLOPs of one update -----------------------------------------------------------------------------------------
+
+# Elementwise FLOPs per trained element, counted from the optax transforms the update runs (as XLA counts them: a
+# multiply, add or divide is one, a square root is a transcendental, not a FLOP; scalar work is left out).
+CLIP_FLOPS = 5  # clip_by_global_norm: square and sum for the norm; divide, multiply and select
+ADAMW_FLOPS = 12  # moments 3 + 4, bias corrections 2, + eps and the division 2, lr 1
+MUON_FLOPS = 13  # momentum 3, Nesterov's mix 3 + bias corrections 2, Frobenius normalization 3, RMS scale 1, lr 1
+DECAY_FLOPS = 2  # + weight_decay x param, on the decayed params (decay_mask)
+BALANCE_FLOPS = 2  # balance_update: sign, scale
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int = MUON_NS_STEPS) -> int:
+  """FLOPs of orthogonalizing one ``rows x cols`` matrix (optax.contrib's ``orthogonalize_via_newton_schulz``): the
+  matrix X is m x n with m <= n (transposed if taller), and each step is X <- c0 X + (c1 A + c2 A A) X with A = X
+  X^T: the matmuls 2 m m n (A), 2 m m m (A A) and 2 m m n ((...) X), the elementwise 3 m m + 2 m n."""
+  m, n = min(rows, cols), max(rows, cols)
+  return steps * (4 * m * m * n + 2 * m ** 3 + 3 * m * m + 2 * m * n)
+
+
+def update_flops(optim_cfg, abstract_params, trainable: Callable[[Any], Any] | None = None,
+                 logical_specs: Any = None, balance: tuple[Callable[[Any], Any], float] | None = None) -> Any:
+  """FLOPs of one update of the optimizer :func:`make` builds with these arguments, per param: a tree like
+  ``abstract_params`` of ints, or None for an optimizer not counted here (adamw and muon are). Muon: per matrix
+  (one per layer and expert: :func:`muon_dimension_numbers`) :func:`newton_schulz_flops` plus its elementwise
+  work; AdamW (and Muon's AdamW part): the elementwise work; clipping and weight decay where configured; frozen
+  params (LoRA) nothing. The estimator (tools/estimate.py) divides each param's count by its shards."""
+  if optim_cfg.name not in ("adamw", "muon"):
+    return None
+  trained = trainable(abstract_params) if trainable else jax.tree.map(lambda _: True, abstract_params)
+  balanced = balance[0](abstract_params) if balance else jax.tree.map(lambda _: False, abstract_params)
+  decayed = decay_mask(abstract_params) if optim_cfg.weight_decay else jax.tree.map(lambda _: False,
+                                                                                   abstract_params)
+  if optim_cfg.name == "muon":
+    dims = _muon_dimensions(abstract_params, logical_specs)
+  else:
+    dims = jax.tree.map(lambda _: None, abstract_params)
+  clip = CLIP_FLOPS if optim_cfg.clip_norm > 0 else 0
+
+  def leaf(p, d, t, b, w):
+    size = math.prod(p.shape)
+    if not t:
+      return 0
+    if b:
+      return BALANCE_FLOPS * size
+    flops = (clip + (DECAY_FLOPS if w else 0)) * size
+    if d is None:
+      return flops + ADAMW_FLOPS * size
+    rows, cols = (math.prod(p.shape[a] for a in axes) for axes in (d.reduction_axis, d.output_axis))
+    return flops + MUON_FLOPS * size + size // (rows * cols) * newton_schulz_flops(rows, cols)
+
+  return jax.tree.map(leaf, abstract_params, dims, trained, balanced, decayed,
+                      is_leaf=lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers))

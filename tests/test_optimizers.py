@@ -1,5 +1,6 @@
 """The optimizer and schedule registries: every registered optimizer trains from the command line, its state is
-laid out like the params (factored moments too), and tools/estimate.py predicts its bytes to the byte."""
+laid out like the params (factored moments too), and tools/estimate.py predicts its bytes to the byte and the
+update's FLOPs as XLA counts them."""
 
 import math
 import pathlib
@@ -10,7 +11,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtrain import metrics, optim
+from jaxtrain import metrics, models, optim
 from jaxtrain.train import trainer
 from jaxtrain.config import ConfigError, base_config
 from tests import forked
@@ -170,6 +171,35 @@ def test_muon_on_a_model_without_layer_matrices_is_one_config_error():
   with pytest.raises(ConfigError, match="optim.name: muon orthogonalizes the weight matrices of the stacked layers, "
                                         "and model 'mine' has none .* use optim.name=adamw"):
     optim.check_muon(params, specs, "mine")
+
+
+@pytest.mark.parametrize("config,name", [("configs/tiny_family.py:deepseek_v3", "muon"), ("configs/tiny.py", "adamw")])
+def test_estimate_counts_the_optimizer_update_as_the_compiler_does(config, name, tmp_path):
+  """tools/estimate.py's optimizer FLOPs on one device equal XLA's count of the jitted update (the run's own
+  optimizer: clipping, Muon's Newton-Schulz per layer and expert, the AdamW part, the routers' balance update)
+  within 1%; its optimizer bytes are the state Muon keeps, to the byte: one float32 momentum per Muon param, two
+  moments per AdamW param, no state for the balanced choice biases, plus the scalar counters."""
+  estimate = _estimate_module()
+  c = estimate.load_config(config, [f"optim.name={name}", f"workdir={tmp_path}"])
+  predicted = estimate.estimate(c, 1)
+  model = models.Model.from_config(c.model)
+  args = (model.trainable_mask(), model.logical_specs, model.balance())
+  tx = optim.make(c.optim, c.train.steps, *args)
+  params = model.abstract_params
+  cost = jax.jit(tx.update).lower(params, jax.eval_shape(tx.init, params), params).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  assert predicted["optimizer_flops_per_step_per_device"] == pytest.approx(cost["flops"], rel=0.01)
+
+  dims = optim._muon_dimensions(params, model.logical_specs) if name == "muon" else jax.tree.map(lambda _: None,
+                                                                                                 params)
+  balanced = args[2][0](params) if args[2] else jax.tree.map(lambda _: False, params)
+  leaves = zip(jax.tree.leaves(params), jax.tree.leaves(dims, is_leaf=lambda d: d is None or isinstance(
+      d, optax.contrib.MuonDimensionNumbers)), jax.tree.leaves(balanced), strict=True)
+  moments = sum((0 if b else 1 if d is not None else 2) * math.prod(p.shape) for p, d, b in leaves)
+  scalars = predicted["bytes_per_device"]["optimizer"] - 4 * moments
+  assert 0 < scalars <= 64, scalars  # step counters (and Muon's three Newton-Schulz coefficients)
+  if name == "muon":
+    assert any(balanced_leaf for balanced_leaf in jax.tree.leaves(balanced))  # the balance update is counted
 
 
 @pytest.mark.slow

@@ -11,6 +11,12 @@ then arithmetic over the mesh (no arrays are created, no program is compiled). A
   params) plus its int32 step counters; the train state adds one int32 step counter; with LoRA
   (model.lora.rank > 0) the optimizer state covers the adapters only, and the gradients are the adapters' plus
   the full gradient of every targeted kernel (the forward runs on merged weights: jaxtrain/models/lora.py);
+- optimizer FLOPs per step (jaxtrain.optim.update_flops; adamw and muon): Muon's Newton-Schulz iterations per
+  weight matrix (one per layer and expert; 5 steps of X <- c0 X + (c1 A + c2 A A) X, A = X X^T, for an m x n
+  matrix with m <= n: 4 m^2 n + 2 m^3 matmul FLOPs a step, plus 3 m^2 + 2 m n elementwise) and the elementwise
+  work of the moments, clipping and weight decay (AdamW 12 a param, Muon 13, clipping 5, decay 2); per device,
+  each param's count over its shards (the update runs where the param's shards are, the partitioner splitting
+  the matmuls as evenly); beside it the model's training FLOPs per step per device (the family's count);
 - activations, the largest transient and the tensor- and context-parallel traffic are the model family's estimate
   (Family.activation_estimate; a family without one: not estimated). Llama's: activations per device, kept for
   the backward pass, per layer (b = local batch rows per microbatch, t = seq_len / mesh context (local tokens), T
@@ -110,6 +116,11 @@ def estimate(config, devices: int, slices: int = 1, platform: str = "tpu") -> di
                            model.split_trainable(model.logical_specs)[1], model.lora)
     grads += _nbytes([jax.ShapeDtypeStruct(sharding.shard_shape(a.shape, jax.sharding.PartitionSpec(*s), rules,
                                                                  mesh), a.dtype) for a, s in targets.values()])
+  flops = optim.update_flops(config.optim, model.abstract_params, model.trainable_mask(), model.logical_specs,
+                             model.balance())
+  opt_flops = None if flops is None else sum(
+      f * math.prod(s.shape) / math.prod(a.shape) for f, a, s in zip(jax.tree.leaves(flops), leaves, shards,
+                                                                      strict=True))
   state = params + optimizer + 4  # + the train state's int32 step counter
   m, t = config.model, config.train
   b = t.global_batch_size // (t.microbatches or 1) // sharding.batch_shards(mesh, rules)[1]
@@ -153,7 +164,10 @@ def estimate(config, devices: int, slices: int = 1, platform: str = "tpu") -> di
       # Offloading remat policies (model.remat=offload_*) keep these activations in host memory instead.
       "host_activation_bytes_per_device": per_family.get("host_activation_bytes", 0) if per_family else None,
       "params_plus_optimizer_per_device": state, "full_param_bytes": full_params,
-      "comm_bytes_per_step_per_device": comm, **extra,
+      "comm_bytes_per_step_per_device": comm,
+      "optimizer_flops_per_step_per_device": opt_flops,
+      "model_flops_per_step_per_device": model.flops_per_token(config.data.seq_len) * t.global_batch_size
+      * config.data.seq_len / devices, **extra,
   }
 
 
@@ -204,6 +218,11 @@ def main(argv):
   if info["host_activation_bytes_per_device"]:
     print(f"  {'host':<12} {info['host_activation_bytes_per_device'] / gib:10.3f} GiB per device of activations "
           f"offloaded to host memory (model.remat={config.model.remat})")
+  model_flops, opt_flops = info["model_flops_per_step_per_device"], info["optimizer_flops_per_step_per_device"]
+  print(f"  flops        {model_flops / 1e12:10.3f} TFLOP per step per device (the model's, training)")
+  print(f"  {'optimizer':<12} {opt_flops / 1e12:10.3f} TFLOP per step per device ({opt_flops / model_flops:.2%} of "
+        f"the model's)" if opt_flops is not None else
+        f"  {'optimizer':<12} FLOPs not estimated (optim.name={config.optim.name}: adamw and muon are)")
   for axis, v in info["comm_bytes_per_step_per_device"].items():
     print(f"  comm {axis:<7} {v / gib:10.3f} GiB per step per device")
   if "moe" in info:

@@ -9,8 +9,9 @@ Where the adapters live: in the params tree under a top-level ``lora`` key that 
 ``params['lora']['layers']['attn']['q'] = {'a': A, 'b': B}`` for ``params['layers']['attn']['q']['kernel']``.
 So they are checkpointed, restored onto any mesh, fingerprinted and sharded like any parameter.
 
-Shapes and layout. A kernel is split into input dims and output dims, after a leading ``layers`` axis (a scanned
-stack keeps it, so each layer has its own adapter and the pipeline splits adapters with their layers):
+Shapes and layout. A kernel is split into input dims and output dims, after a leading stack axis (``layers``, or
+``dense_layers``: a scanned stack keeps it, so each layer has its own adapter and the pipeline splits adapters with
+their layers):
 - if the first dim's logical name is ``embed``, the input is that dim and the output the rest
   (``q``: ``[embed | heads, head_dim]``, ``gate``: ``[embed | mlp]``, ``lm_head``: ``[embed | vocab]``);
 - else if the last dim's name is ``embed``, the output is that dim and the input the rest
@@ -106,11 +107,16 @@ def _kernels(abstract_params) -> dict[tuple[str, ...], Any]:
   return out
 
 
+# The logical names of a scanned stack's leading axis: the layers, and the dense first layers of the MoE families
+# (``dense_layers``, a stack of its own).
+LAYER_AXES = ("layers", "dense_layers")
+
+
 def split_dims(spec: tuple) -> tuple[int, int, int]:
-  """(lead, n_in, n_out): a kernel with logical names ``spec`` is a leading ``layers`` axis (lead = 1) or none,
+  """(lead, n_in, n_out): a kernel with logical names ``spec`` is a leading stack axis (lead = 1) or none,
   then n_in input dims and n_out output dims (the rule in the module docstring)."""
   names = tuple(spec)
-  lead = 1 if names and names[0] == "layers" else 0
+  lead = 1 if names and names[0] in LAYER_AXES else 0
   rest = names[lead:]
   if rest and rest[0] == "embed":
     n_in = 1
@@ -178,7 +184,7 @@ def init(rng: jax.Array, abstract_adapters: dict, adapter_specs: dict) -> dict:
   paths = sorted(_adapter_paths(abstract_adapters))
   for i, path in enumerate(paths):
     ab, sp = _get(abstract_adapters, path), _get(adapter_specs, path)
-    lead = 1 if tuple(sp["a"]) and tuple(sp["a"])[0] == "layers" else 0
+    lead = 1 if tuple(sp["a"]) and tuple(sp["a"])[0] in LAYER_AXES else 0
     fan_in = math.prod(ab["a"].shape[lead:-1])
     bound = 1.0 / math.sqrt(fan_in)
     a = jax.random.uniform(jax.random.fold_in(rng, i), ab["a"].shape, ab["a"].dtype, -bound, bound)
