@@ -113,6 +113,17 @@ class Store:
     self.proc = None
 
 
+def forget_clients() -> None:
+  """Drops the store clients this process made: etils.epath and fsspec keep one per protocol (with the endpoint it
+  was made with), so a server started after another one on a new port would not be reached."""
+  from etils.epath import backend
+  backend._FileSystemSpecBackend._get_filesystem.cache_clear()  # pylint: disable=protected-access
+  import fsspec
+  for protocol in ("s3", "gs"):
+    with contextlib.suppress(ImportError, ValueError):
+      fsspec.get_filesystem_class(protocol).clear_instance_cache()
+
+
 @contextlib.contextmanager
 def serve(scheme: str, set_environ: bool = True):
   """A running store of ``scheme``; its settings in ``os.environ`` while it runs (``set_environ``), restored after."""
@@ -121,6 +132,7 @@ def serve(scheme: str, set_environ: bool = True):
     saved = {k: os.environ.get(k) for k in store.env}
     if set_environ:
       os.environ.update(store.env)
+      forget_clients()
     try:
       yield store
     finally:
@@ -130,6 +142,7 @@ def serve(scheme: str, set_environ: bool = True):
           os.environ.pop(k, None)
         else:
           os.environ[k] = v
+      forget_clients()
 
 
 class Proxy:

@@ -56,6 +56,7 @@ def gs(store_of, monkeypatch):
 def _use(store, monkeypatch):
   for k, v in store.env.items():
     monkeypatch.setenv(k, v)
+  object_store.forget_clients()
   return store
 
 
