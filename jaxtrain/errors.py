@@ -48,3 +48,18 @@ def check_positive(cfg, keys: Iterable[str], allow_zero: bool = False) -> None:
     v = value(cfg, key)
     if v < 0 or (v == 0 and not allow_zero):
       raise ConfigError(key, f"must be {'>= 0' if allow_zero else '> 0'}, got {v}", "fix the value")
+
+
+def find_cause(e: BaseException, matches) -> BaseException | None:
+  """The first of ``e``, its causes and contexts and an exception group's members for which ``matches`` is true, or
+  None (each visited once)."""
+  seen, todo = set(), [e]
+  while todo:
+    x = todo.pop()
+    if x is None or id(x) in seen:
+      continue
+    seen.add(id(x))
+    if matches(x):
+      return x
+    todo += [x.__cause__, x.__context__, *getattr(x, "exceptions", ())]
+  return None

@@ -27,7 +27,7 @@ import os
 import re
 from urllib import parse
 
-from jaxtrain.errors import UserError
+from jaxtrain.errors import UserError, find_cause
 
 # scheme -> (the fsspec client etils.epath needs, the extra of setup.cfg that installs it)
 CLIENTS = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}
@@ -116,15 +116,6 @@ _CONNECTION_ERRORS = (ConnectionError, TimeoutError)
 def unreachable(e: BaseException) -> BaseException | None:
   """The error behind ``e`` (itself, its causes or contexts, an exception group's members) that says an object store
   did not answer, or None. Such a failure passes when the store is back: a restart cures it."""
-  seen, todo = set(), [e]
-  while todo:
-    x = todo.pop()
-    if x is None or id(x) in seen:
-      continue
-    seen.add(id(x))
-    if isinstance(x, _CONNECTION_ERRORS) or type(x).__name__ in ("EndpointConnectionError", "ClientConnectorError",
-                                                                 "ConnectTimeoutError", "ReadTimeoutError") or \
-        _UNREACHABLE.search(str(x)):
-      return x
-    todo += [x.__cause__, x.__context__, *getattr(x, "exceptions", ())]
-  return None
+  return find_cause(e, lambda x: isinstance(x, _CONNECTION_ERRORS) or type(x).__name__ in (
+      "EndpointConnectionError", "ClientConnectorError", "ConnectTimeoutError", "ReadTimeoutError") or
+      bool(_UNREACHABLE.search(str(x))))

@@ -11,7 +11,7 @@ import os
 import re
 
 from jaxtrain import exits
-from jaxtrain.errors import UserError
+from jaxtrain.errors import UserError, find_cause
 
 
 class CheckpointError(UserError):
@@ -48,16 +48,8 @@ _STORAGE_WORDS = tuple(os.strerror(n) for n in _STORAGE_ERRNOS) + (
 def storage_error(e: BaseException) -> BaseException | None:
   """The OS or object-store error behind ``e`` (itself, its causes or contexts, an exception group's members),
   or None if the failure did not come from the storage."""
-  seen, todo = set(), [e]
-  while todo:
-    x = todo.pop()
-    if x is None or id(x) in seen:
-      continue
-    seen.add(id(x))
-    if isinstance(x, OSError) or _os_error_code(x) or any(w in str(x) for w in _STORAGE_WORDS):
-      return x
-    todo += [x.__cause__, x.__context__, *getattr(x, "exceptions", ())]
-  return None
+  return find_cause(e, lambda x: isinstance(x, OSError) or bool(_os_error_code(x)) or
+                    any(w in str(x) for w in _STORAGE_WORDS))
 
 
 def _os_error_code(e: BaseException) -> int | None:
