@@ -27,14 +27,14 @@ from jaxtrain.errors import DataError, UserError
 from jaxtrain.data import batch as batch_lib
 from jaxtrain.data import prepare, shard_cache
 from tests import forked, object_store
+# The local tests' runs, started the same way (forked), with the servers' settings in this process's environment.
+from tests.test_checkpoint import _KILL_IN_SAVE_MAIN, BASE, _run, _start
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCHEMES = ("gs", "s3")
 # Orbax's TensorStore s3 driver needs the endpoint handed to it (the path layer's work); until then a checkpoint on
 # the s3 server hangs, so the runs that checkpoint on s3 wait for it.
 # A tiny run on the bundled corpus, every step logged (as tests/test_checkpoint.py's).
-BASE = ["--config=configs/tiny.py", "--config.train.log_every=1", "--config.optim.decay_steps=40",
-        "--config.train.global_batch_size=8", "--config.data.seq_len=64"]
 
 
 @pytest.fixture(scope="module")
@@ -261,19 +261,6 @@ def test_the_bundled_corpus_cache_on_a_store(servers, scheme, tmp_path, monkeypa
 # -- runs: python -m jaxtrain.main with its workdir (and checkpoints) on the store
 
 
-def _start(workdir, *args):
-  """``python -m jaxtrain.main`` with BASE (forked: tests/forked.py), its environment this process's (the
-  servers' settings)."""
-  return forked.popen(["-m", "jaxtrain.main", *BASE, f"--config.workdir={workdir}", *args])
-
-
-def _run(workdir, *args, timeout=300):
-  p = _start(workdir, *args)
-  _, err = p.communicate(timeout=timeout)
-  assert p.returncode == 0, err[-3000:]
-  return err
-
-
 def _fs(url):
   fs, _ = fsspec.core.url_to_fs(url)
   fs.invalidate_cache()  # a listing cached in this process would hide what the run wrote since
@@ -390,7 +377,6 @@ def test_kills_at_ten_random_moments_resume_exactly(servers, scheme, uninterrupt
   """SIGKILL after a random 1-3 new steps (plus jitter) nine times, and once while an async save to the store is in
   flight; every start resumes from the newest committed checkpoint on the store (after the killed run's lease
   expires) and the final loss is bitwise the uninterrupted local run's."""
-  from tests.test_checkpoint import _KILL_IN_SAVE_MAIN
   workdir = _url(servers, scheme, "kills")
   checkpoints = workdir + "/checkpoints"
   rng = random.Random(0)
