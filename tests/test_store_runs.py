@@ -376,7 +376,8 @@ def test_kills_at_ten_random_moments_resume_exactly(servers, scheme, uninterrupt
   workdir = _url(servers, scheme, "kills")
   checkpoints = workdir + "/checkpoints"
   rng = random.Random(0)
-  args = ["--config.train.steps=20", "--config.checkpoint.every_steps=2", "--config.workdir_lease_s=2"]
+  # A lease of 1 s (renewed every 0.25 s): no run contends with a live one here, so a late renewal loses nothing.
+  args = ["--config.train.steps=20", "--config.checkpoint.every_steps=2", "--config.workdir_lease_s=1"]
   for kill in range(10):
     before, logged = _committed(checkpoints), len(_records(workdir))
     if kill == 4:  # killed inside the save of the next even step
