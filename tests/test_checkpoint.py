@@ -31,17 +31,28 @@ from jaxtrain.metrics import read_records
 from jaxtrain.train import state as state_lib
 from jaxtrain.train import trainer
 from tests import forked, multiprocess
+from tests.conftest import small_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# A tiny run on the bundled corpus, every step logged, schedule fixed independently of train.steps.
+# A tiny run on the bundled corpus (2 of tiny.py's layers), every step logged, schedule fixed independently of
+# train.steps. Its runs have 2 simulated devices (RUN_ENV): kills, resumes and locks are the same on 2 as on 8, and a
+# step is ~3x cheaper (the runs about the device count or the mesh are trainer.train's, in this process).
 BASE = ["--config=configs/tiny.py", "--config.train.log_every=1", "--config.optim.decay_steps=40",
-        "--config.train.global_batch_size=8", "--config.data.seq_len=64"]
+        "--config.train.global_batch_size=8", "--config.data.seq_len=64", "--config.model.num_layers=2"]
+RUN_DEVICES = 2
+
+
+def run_env() -> dict[str, str]:
+  """This process's environment with RUN_DEVICES simulated devices (the later flag wins): the environment of the
+  runs BASE is given to."""
+  return {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+                                     f"--xla_force_host_platform_device_count={RUN_DEVICES}".strip()}
 
 
 def _start(workdir, *args):
   """``python -m jaxtrain.main`` with BASE and ``args``, started (tests/forked.py: forked from a process with the
-  libraries imported, as every training run of this file)."""
-  return forked.popen(["-m", "jaxtrain.main", *BASE, f"--config.workdir={workdir}", *args])
+  libraries imported, as every training run of this file) on RUN_DEVICES devices."""
+  return forked.popen(["-m", "jaxtrain.main", *BASE, f"--config.workdir={workdir}", *args], run_env())
 
 
 def _run(workdir, *args, timeout=300):
@@ -124,7 +135,8 @@ def test_kills_at_random_moments_resume_exactly(uninterrupted, tmp_path):
     before, logged = _committed(tmp_path), len(_logged_steps(tmp_path))
     if kill == 2:  # killed inside the save of the next even step
       in_save = max(before, default=0) + 2
-      p = forked.popen(["-c", _KILL_IN_SAVE_MAIN, str(in_save), *BASE, f"--config.workdir={tmp_path}", *args])
+      p = forked.popen(["-c", _KILL_IN_SAVE_MAIN, str(in_save), *BASE, f"--config.workdir={tmp_path}", *args],
+                       run_env())
       _, err = p.communicate(timeout=300)
       assert p.returncode == -signal.SIGKILL, err[-2000:]
       assert in_save in _logged_steps(tmp_path) and in_save not in _committed(tmp_path)
@@ -183,20 +195,31 @@ def _config(make_config, workdir, **mesh):
   return config
 
 
+def _corpus_config(workdir, steps, **mesh):
+  config = _config(lambda **mesh: small_config(workdir, **mesh), workdir, **mesh)
+  config.data.source, config.train.steps = "arrayrecord", steps
+  return config
+
+
+@pytest.fixture(scope="module")
+def on_8_devices(tmp_path_factory):
+  """The 20 steps of an uninterrupted run on 8 devices (its history), and the workdir of the same run stopped at
+  10, which each case of test_resume_on_another_mesh resumes a copy of."""
+  root = tmp_path_factory.mktemp("mesh")
+  _, history = trainer.train(_corpus_config(root / "full", 20, fsdp=8))
+  trainer.train(_corpus_config(root / "elastic", 10, fsdp=8))
+  return history, root / "elastic"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh,devices", [(dict(data=2, fsdp=2, tensor=2), 8), (dict(fsdp=4), 4)],
                          ids=["(1,8,1)->(2,2,2)", "8->4 devices"])
-def test_resume_on_another_mesh(make_config, tmp_path, mesh, devices):
+def test_resume_on_another_mesh(on_8_devices, tmp_path, mesh, devices):
   """On the bundled corpus (packed rows: the trained-on token count differs from batch to batch), so equal
   counts per step mean the resumed run reads the same batches in the same order."""
-  def corpus_config(workdir, steps, **mesh):
-    config = _config(make_config, workdir, **mesh)
-    config.data.source, config.train.steps = "arrayrecord", steps
-    return config
-
-  _, h_full = trainer.train(corpus_config(tmp_path / "full", 20, fsdp=8))
-  trainer.train(corpus_config(tmp_path / "elastic", 10, fsdp=8))
-  state, h_resumed = trainer.train(corpus_config(tmp_path / "elastic", 20, **mesh), devices=jax.devices()[:devices])
+  h_full, stopped = on_8_devices
+  shutil.copytree(stopped, tmp_path / "elastic")
+  state, h_resumed = trainer.train(_corpus_config(tmp_path / "elastic", 20, **mesh), devices=jax.devices()[:devices])
   assert [h["step"] for h in h_resumed] == list(range(11, 21))
   np.testing.assert_allclose([h["loss"] for h in h_resumed], [h["loss"] for h in h_full[10:]], rtol=1e-5)
   tokens = [h["tokens"] for h in h_full]
@@ -424,7 +447,7 @@ _BROKEN_SAVE_MAIN = ("import runpy, sys; from jaxtrain import checkpoint as c; s
 
 def test_save_failing_for_another_reason_is_reported_as_a_bug_not_a_disk_problem(tmp_path):
   p = forked.run(["-c", _BROKEN_SAVE_MAIN, *BASE, f"--config.workdir={tmp_path}", "--config.train.steps=2",
-                  "--config.checkpoint.verify=false"])  # fingerprints need arrays
+                  "--config.checkpoint.verify=false"], run_env())  # fingerprints need arrays
   errors = [line for line in p.stderr.splitlines() if line.startswith("jaxtrain: error:")]
   assert p.returncode == 1 and len(errors) == 1, p.stderr[-3000:]
   assert errors[0] == (f"jaxtrain: error: {tmp_path / 'checkpoints'}: saving a checkpoint failed (ValueError: "
@@ -638,18 +661,21 @@ def test_unraisable_hook_drops_only_the_closed_loop_echo_and_keeps_the_hook_it_w
 def test_two_processes_save_restore_and_continue(tmp_path):
   args = ["--config=configs/tiny.py", "--out", os.fspath(tmp_path / "out.json"), "--",
           f"workdir={tmp_path / 'run'}", "train.global_batch_size=8", "data.seq_len=64", "train.log_every=1",
-          "optim.decay_steps=40", "checkpoint.every_steps=3", "train.steps=6"]
-  # 2 processes of 1 device each: a tiny step's collectives over 2 gloo ranks, not 8 (test_distributed.py).
-  for r in multiprocess.run("tests/train_worker.py", args, local_devices=1, timeout=300):
-    assert r.returncode == 0, r.stderr[-3000:]
+          "optim.decay_steps=40", "model.num_layers=2", "checkpoint.every_steps=3", "train.steps=6"]
+
+  def job():  # 2 processes (forked: tests/multiprocess.py) of 1 device each: a tiny step's collectives over 2 gloo
+    procs = multiprocess.start_script("tests/train_worker.py", args, local_devices=1)  # ranks, not 8
+    codes = multiprocess.wait_all(procs, 300)
+    for p, code in zip(procs, codes):
+      assert code == 0, p.err_path.read_text()[-3000:]
+
+  job()
   assert _committed(tmp_path / "run") == [3, 6]
   args[-1] = "train.steps=9"
-  results = multiprocess.run("tests/train_worker.py", args, local_devices=1, timeout=300)
-  for r in results:
-    assert r.returncode == 0, r.stderr[-3000:]
+  job()
   history = json.loads((tmp_path / "out.json").read_text())["history"]
   assert [h["step"] for h in history] == [7, 8, 9]  # resumed from step 6
-  # The same run on one process with 8 devices gives the same losses (fp32 tolerance).
+  # The same run on one process (RUN_DEVICES devices) gives the same losses (fp32 tolerance).
   single = tmp_path / "single"
   _run(single, "--config.train.steps=9", "--config.checkpoint.every_steps=3")
   np.testing.assert_allclose([h["loss"] for h in history], [_losses(single)[s] for s in (7, 8, 9)], rtol=1e-5)
@@ -718,7 +744,7 @@ def test_the_step_finite_check_sees_one_bad_element_in_any_shard(concatenate):
 
 @pytest.mark.slow
 def test_goodput_of_a_killed_and_restarted_run_counts_the_steps_redone_and_the_down_time(tmp_path):
-  p = _start(tmp_path, "--config.train.steps=40", "--config.checkpoint.every_steps=10")
+  p = _start(tmp_path, "--config.train.steps=20", "--config.checkpoint.every_steps=5")
   deadline = time.monotonic() + 300  # bounds the wait for the event on a loaded machine
   while not (_committed(tmp_path) and max(_logged_steps(tmp_path), default=0) >= _committed(tmp_path)[-1] + 3):
     assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
@@ -729,7 +755,7 @@ def test_goodput_of_a_killed_and_restarted_run_counts_the_steps_redone_and_the_d
   p.communicate()
   time.sleep(1.0)  # the scheduler's delay
   restarted_at = time.time()
-  err = _run(tmp_path, "--config.train.steps=40", "--config.checkpoint.every_steps=10")
+  err = _run(tmp_path, "--config.train.steps=20", "--config.checkpoint.every_steps=5")
   resumed = int(re.search(r"resumed from checkpoint step (\d+) \(", err).group(1))
   summary = json.loads((tmp_path / goodput.SUMMARY).read_text())
   assert summary == goodput.account(goodput.read_events(tmp_path)) and summary["runs"] == 2

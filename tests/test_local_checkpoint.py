@@ -21,11 +21,13 @@ from jaxtrain.metrics import read_records
 from jaxtrain.train import trainer
 from tests import forked, multiprocess
 from tests.conftest import small_config
+from tests.test_checkpoint import run_env
 
-# A tiny run on the bundled corpus (tests/test_checkpoint.py's), every step logged; persistent saves at 4, 8 and 12,
-# local ones at every step in between.
+# A tiny run on the bundled corpus (tests/test_checkpoint.py's: 2 layers, on 2 simulated devices), every step logged;
+# persistent saves at 4, 8 and 12, local ones at every step in between.
 BASE = ["--config=configs/tiny.py", "--config.train.log_every=1", "--config.optim.decay_steps=40",
-        "--config.train.global_batch_size=8", "--config.data.seq_len=64", "--config.train.steps=12",
+        "--config.train.global_batch_size=8", "--config.data.seq_len=64", "--config.model.num_layers=2",
+        "--config.train.steps=12",
         "--config.checkpoint.every_steps=4", "--config.checkpoint.local_every_steps=1"]
 
 
@@ -37,7 +39,7 @@ def _main(tmp_path, name, *args):
   flags = [a for a in args if a.startswith("--config")]
   return forked.run(["tests/local_tier_main.py", str(tmp_path / f"faults_{name}"), *faults, *BASE,
                      f"--config.workdir={tmp_path / name}", f"--config.checkpoint.local_dir={tmp_path / 'local'}",
-                     *flags])
+                     *flags], run_env())
 
 
 def _losses(workdir):
@@ -112,7 +114,7 @@ def test_a_local_write_failing_on_one_process_of_two_is_deleted_on_both_and_coun
   together."""
   workdir, local = tmp_path / "mp", tmp_path / "local"
   procs = multiprocess.start_main(
-      [*BASE[:5], "--config.train.steps=10", "--config.checkpoint.every_steps=4",
+      [*BASE[:6], "--config.train.steps=10", "--config.checkpoint.every_steps=4",
        "--config.checkpoint.local_every_steps=1", f"--config.workdir={workdir}",
        f"--config.checkpoint.local_dir={local}"],
       local_devices=1, entry=("tests/local_tier_main.py", str(tmp_path / "faults"), "--full_from=6",

@@ -22,6 +22,7 @@ from jaxtrain.train import state as state_lib
 from jaxtrain.train import trainer
 from tests import forked, object_store
 from tests.conftest import small_config
+from tests.test_checkpoint import run_env
 
 STEPS = 12  # the uninterrupted run's
 
@@ -200,11 +201,12 @@ def test_store_down_mid_run_exits_restartable_in_one_line_and_resumes_with_nothi
   _use(away, monkeypatch)
   url = store.url("down")
   args = ["--config=configs/tiny.py", "--config.data.source=synthetic", "--config.train.log_every=1",
-          "--config.train.global_batch_size=8", "--config.data.seq_len=64", "--config.train.steps=12",
-          "--config.checkpoint.every_steps=4", f"--config.workdir={tmp_path}", f"--config.checkpoint.dir={url}"]
+          "--config.train.global_batch_size=8", "--config.data.seq_len=64", "--config.model.num_layers=2",
+          "--config.train.steps=12", "--config.checkpoint.every_steps=4", f"--config.workdir={tmp_path}",
+          f"--config.checkpoint.dir={url}"]  # tests/test_checkpoint.py's runs (2 layers, on 2 devices: run_env)
   marker = tmp_path / "committed"
   start = time.time()
-  p = forked.popen(["-c", _STORE_GOES_AWAY_MAIN, "4", str(marker), str(away.port), *args])
+  p = forked.popen(["-c", _STORE_GOES_AWAY_MAIN, "4", str(marker), str(away.port), *args], run_env())
   while p.poll() is None and not marker.exists() and time.time() - start < 300:
     time.sleep(0.05)
   away.stop()
@@ -218,7 +220,7 @@ def test_store_down_mid_run_exits_restartable_in_one_line_and_resumes_with_nothi
   first = {r["step"]: r["loss"] for r in read_records(tmp_path)}
   assert max(first) >= 8  # it trained on to the save that failed
   away.start()  # the store back, with its objects
-  r = forked.run(["-m", "jaxtrain.main", *args], timeout=300)
+  r = forked.run(["-m", "jaxtrain.main", *args], run_env(), timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "resumed from checkpoint step 4" in r.stderr
   second = {r["step"]: r["loss"] for r in read_records(tmp_path)}

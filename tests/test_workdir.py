@@ -15,14 +15,17 @@ import pytest
 
 from jaxtrain import workdir as workdir_lib
 from tests import forked
+from tests.test_checkpoint import run_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# tests/test_checkpoint.py's runs (2 layers of tiny.py, on 2 simulated devices: run_env), checkpointing every 5 steps.
 BASE = ["--config=configs/tiny.py", "--config.train.log_every=1", "--config.optim.decay_steps=40",
-        "--config.train.global_batch_size=8", "--config.data.seq_len=64", "--config.checkpoint.every_steps=5"]
+        "--config.train.global_batch_size=8", "--config.data.seq_len=64", "--config.model.num_layers=2",
+        "--config.checkpoint.every_steps=5"]
 
 
 def _start(workdir, *args):
-  return forked.popen(["-m", "jaxtrain.main", *BASE, f"--config.workdir={workdir}", *args])
+  return forked.popen(["-m", "jaxtrain.main", *BASE, f"--config.workdir={workdir}", *args], run_env())
 
 
 def _wait_for(path: pathlib.Path, process: forked.Forked, timeout: float = 300):
@@ -49,7 +52,8 @@ def test_second_run_on_a_live_workdir_is_refused_and_the_first_finishes(tmp_path
     before = _files(tmp_path)
     lock = json.loads((tmp_path / "run.lock").read_text())
     assert lock["pid"] == first.pid and lock["host"] == socket.gethostname()
-    second = forked.run(["-m", "jaxtrain.main", *BASE, f"--config.workdir={tmp_path}", "--config.train.steps=30"])
+    second = forked.run(["-m", "jaxtrain.main", *BASE, f"--config.workdir={tmp_path}", "--config.train.steps=30"],
+                        run_env())
     errors = [line for line in second.stderr.splitlines() if line.startswith("jaxtrain: error:")]
     assert second.returncode == 2 and len(errors) == 1, second.stderr[-3000:]
     assert errors[0] == (f"jaxtrain: error: {tmp_path}: another run is using this workdir (host "
@@ -78,7 +82,7 @@ def test_lock_of_a_killed_run_is_taken_over_and_the_restart_resumes(tmp_path):
   assert json.loads((tmp_path / "run.lock").read_text())["pid"] == first.pid  # left behind
   saved = max(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
   restart = forked.run(["-m", "jaxtrain.main", *BASE, f"--config.workdir={tmp_path}",
-                        f"--config.train.steps={saved + 2}"])
+                        f"--config.train.steps={saved + 2}"], run_env())
   assert restart.returncode == 0, restart.stderr[-3000:]
   assert f"the run that held it (host {socket.gethostname()}, PID {first.pid}, since" in restart.stderr
   assert "is gone; taking over" in restart.stderr
