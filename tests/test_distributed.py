@@ -242,13 +242,15 @@ def _freeze(procs):
   procs[1].send_signal(signal.SIGSTOP)  # a hung process: the other waits in a collective for ever
 
 
+# The hang's watchdog limit, waited out once: 40 x a step (0.2 s); the compiles and the restore are not counted.
+HANG_WATCHDOG_S = 8
 # What goes wrong in each start of the job (once it has saved a checkpoint past the previous start's), the overrides
 # of that start, and the exit codes the scheduler sees (-9: a process it killed after the other had exited).
 TROUBLES = [
     (lambda procs: [p.send_signal(signal.SIGTERM) for p in procs], [], [exits.RESTART] * 2),  # a preemption
     (lambda procs: procs[1].send_signal(signal.SIGKILL), [], [exits.RESTART, -9]),  # a lost peer
-    (_freeze, ["--config.monitor.watchdog_timeout_s=15", "--config.distributed.heartbeat_timeout_s=120"],
-     [exits.RESTART, -9]),  # a hang: process 0's watchdog, not the peer watch, ends it
+    (_freeze, [f"--config.monitor.watchdog_timeout_s={HANG_WATCHDOG_S}",  # a hang: process 0's watchdog, not the
+               "--config.distributed.heartbeat_timeout_s=120"], [exits.RESTART, -9]),  # peer watch, ends it
 ]
 
 
