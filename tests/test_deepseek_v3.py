@@ -277,11 +277,12 @@ def test_bad_inputs_are_one_line_exit_2(refusals, case, message):
 
 def test_the_choice_bias_moves_the_load_toward_uniform(tmp_path):
   """A skewed router (every expert's router row a multiple, -4 to 4, of one direction: a token picks experts
-  from one end of the row, by the sign of its hidden state along that direction) imported and trained 50 steps at
+  from one end of the row, by the sign of its hidden state along that direction) imported and trained 30 steps at
   lr 1e-9 (only the choice biases move, by bias_update_speed a step), against the same run with the biases fixed
   (speed 0): the MoE layers' load (``moe/load_max``, the largest expert's load x E: 1 is uniform) is the same at
   step 1 and falls toward 1 with the update only; every bias moved by whole steps of the speed (no weight decay, no
-  Adam), and the aux loss that carries the load to the biases is logged as 0."""
+  Adam), and the aux loss that carries the load to the biases is logged as 0. One device: the balancing, not the
+  sharding, is the point (measured: the last 10 steps' mean load 1.62 fixed, 1.36 updated)."""
   from jaxtrain.train import trainer
   from tests.test_hf import _load_config
   model = _hf_deepseek(tmp_path / "src", "plain_q")
@@ -298,14 +299,14 @@ def test_the_choice_bias_moves_the_load_toward_uniform(tmp_path):
     cfg.workdir = str(tmp_path / f"run{speed}")
     cfg.model.bias_update_speed = speed
     cfg.data.update(source="synthetic", seq_len=32)
-    cfg.train.update(steps=50, global_batch_size=8, log_every=1)
+    cfg.train.update(steps=30, global_batch_size=8, log_every=1)
     cfg.optim.update(lr=1e-9, warmup_steps=0, weight_decay=0.1)
-    runs[speed] = trainer.train(cfg)
+    runs[speed] = trainer.train(cfg, devices=jax.devices()[:1])
   (fixed, fixed_logged), (state, logged) = runs[0.0], runs[0.01]
   fixed_load = [m["moe/load_max"] for m in fixed_logged]
   load = [m["moe/load_max"] for m in logged]
-  assert len(load) == len(fixed_load) == 50
-  print(f"deepseek_v3 balancing: moe/load_max at step 1 {load[0]:.3f}; mean of steps 41-50: biases fixed "
+  assert len(load) == len(fixed_load) == 30
+  print(f"deepseek_v3 balancing: moe/load_max at step 1 {load[0]:.3f}; mean of the last 10 steps: biases fixed "
         f"{np.mean(fixed_load[-10:]):.3f}, updated {np.mean(load[-10:]):.3f}")
   assert load[0] == pytest.approx(fixed_load[0], rel=1e-5) and load[0] > 1.5
   assert np.mean(fixed_load[-10:]) > 1.5 and np.mean(load[-10:]) < np.mean(fixed_load[-10:]) - 0.2
