@@ -189,8 +189,8 @@ def _family_config(tmp_path, name, **mesh):
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "mistral", "qwen3_moe", "olmoe", "gemma2", "gemma3"])
 def test_every_family_trains_sharded_equal_to_one_device(name, tmp_path):
   """fsdp 2 x tensor 2 x (context 2 for Mistral and Gemma 2; else pipeline 2 where the layers are all alike; else
-  nothing more, on 4 devices): the loss and every gradient equal one device's within 1e-5 (packed rows, windows shorter than the
-  documents); a pipeline of interleaved local and global layers is refused."""
+  nothing more, on 4 devices): the loss and every gradient equal one device's within 1e-5 (packed rows, windows
+  shorter than the documents); a pipeline of interleaved local and global layers is refused."""
   batch = _packed_batch()
   ref_loss, ref_tokens, ref_grads, _ = _loss_and_grads(_family_config(tmp_path / "one", name), batch,
                                                        jax.devices()[:1])
