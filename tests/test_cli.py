@@ -113,8 +113,8 @@ def test_every_config_is_listed():
 @pytest.mark.parametrize("config", [c for c in CPU_CONFIGS if c not in TRAINED_BY_THE_DOCS])
 def test_three_steps_of_every_cpu_config(config, tmp_path):
   """--config.train.steps=3 shortens any config (its warmup is clipped) and ends with a checkpoint. The 50M model
-  trains on 8 x 64 tokens a step, not its own 16 x 256 (1.2 TFLOP a step, about 20 s each here)."""
-  shorter = ["--config.train.global_batch_size=8", "--config.data.seq_len=64"] if config == "configs/cpu_50m.py" else []
+  trains on 8 x 32 tokens a step, not its own 16 x 256 (1.2 TFLOP a step, about 20 s each here)."""
+  shorter = ["--config.train.global_batch_size=8", "--config.data.seq_len=32"] if config == "configs/cpu_50m.py" else []
   result = _run(f"--config={config}", "--config.train.steps=3", "--config.train.log_every=1", *shorter,
                 f"--config.workdir={tmp_path}")
   assert result.returncode == 0, result.stderr[-3000:]

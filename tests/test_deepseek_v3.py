@@ -7,6 +7,7 @@ bitwise; fp8 block-quantized weights dequantize as transformers' do; the bad inp
 
 import copy
 import json
+import math
 import pathlib
 
 import jax
@@ -277,11 +278,12 @@ def test_bad_inputs_are_one_line_exit_2(refusals, case, message):
 
 def test_the_choice_bias_moves_the_load_toward_uniform(tmp_path):
   """A skewed router (every expert's router row a multiple, -4 to 4, of one direction: a token picks experts
-  from one end of the row, by the sign of its hidden state along that direction) imported and trained 50 steps at
+  from one end of the row, by the sign of its hidden state along that direction) imported and trained 30 steps at
   lr 1e-9 (only the choice biases move, by bias_update_speed a step), against the same run with the biases fixed
   (speed 0): the MoE layers' load (``moe/load_max``, the largest expert's load x E: 1 is uniform) is the same at
   step 1 and falls toward 1 with the update only; every bias moved by whole steps of the speed (no weight decay, no
-  Adam), and the aux loss that carries the load to the biases is logged as 0."""
+  Adam), and the aux loss that carries the load to the biases is logged as 0. One device: the balancing, not the
+  sharding, is the point (measured: the last 10 steps' mean load 1.62 fixed, 1.36 updated)."""
   from jaxtrain.train import trainer
   from tests.test_hf import _load_config
   model = _hf_deepseek(tmp_path / "src", "plain_q")
@@ -298,14 +300,14 @@ def test_the_choice_bias_moves_the_load_toward_uniform(tmp_path):
     cfg.workdir = str(tmp_path / f"run{speed}")
     cfg.model.bias_update_speed = speed
     cfg.data.update(source="synthetic", seq_len=32)
-    cfg.train.update(steps=50, global_batch_size=8, log_every=1)
+    cfg.train.update(steps=30, global_batch_size=8, log_every=1)
     cfg.optim.update(lr=1e-9, warmup_steps=0, weight_decay=0.1)
-    runs[speed] = trainer.train(cfg)
+    runs[speed] = trainer.train(cfg, devices=jax.devices()[:1])
   (fixed, fixed_logged), (state, logged) = runs[0.0], runs[0.01]
   fixed_load = [m["moe/load_max"] for m in fixed_logged]
   load = [m["moe/load_max"] for m in logged]
-  assert len(load) == len(fixed_load) == 50
-  print(f"deepseek_v3 balancing: moe/load_max at step 1 {load[0]:.3f}; mean of steps 41-50: biases fixed "
+  assert len(load) == len(fixed_load) == 30
+  print(f"deepseek_v3 balancing: moe/load_max at step 1 {load[0]:.3f}; mean of the last 10 steps: biases fixed "
         f"{np.mean(fixed_load[-10:]):.3f}, updated {np.mean(load[-10:]):.3f}")
   assert load[0] == pytest.approx(fixed_load[0], rel=1e-5) and load[0] > 1.5
   assert np.mean(fixed_load[-10:]) > 1.5 and np.mean(load[-10:]) < np.mean(fixed_load[-10:]) - 0.2
@@ -356,19 +358,20 @@ def _config(tmp_path, **mesh):
 
 @pytest.mark.slow
 def test_trains_sharded_equal_to_one_device(tmp_path):
-  """fsdp 2 x tensor 2 x expert 2 (dropless, and capacity with room for every token), context 2 x fsdp 2 x expert 2
-  (blockwise: MLA's keys and values gathered over the context axis) and pipeline 2 x fsdp 2 x expert 2, against one
-  device (packed rows, the auxiliary losses on): the loss and every gradient within 1e-5."""
+  """fsdp 2 x tensor 2 x expert 2 (dropless), tensor 2 x expert 2 (capacity with room for every token), context 2 x
+  expert 2 (blockwise: MLA's keys and values gathered over the context axis) and pipeline 2 x expert 2, against one
+  device (packed rows, the auxiliary losses on): the loss and every gradient within 1e-5. (fsdp splits the weights
+  in the first mesh; the others add their own axis to the expert split on 4 devices.)"""
   from tests.test_pipeline import _loss_and_grads, _packed_batch
   batch = _packed_batch()
   ref_loss, ref_tokens, ref_grads, _ = _loss_and_grads(_config(tmp_path / "one"), batch, jax.devices()[:1])
   for i, (mesh, impl) in enumerate([(dict(fsdp=2, tensor=2, expert=2), "dropless"),
-                                    (dict(fsdp=2, tensor=2, expert=2), "capacity"),
-                                    (dict(context=2, fsdp=2, expert=2), "dropless"),
-                                    (dict(pipeline=2, fsdp=2, expert=2), "dropless")]):
+                                    (dict(tensor=2, expert=2), "capacity"),
+                                    (dict(context=2, expert=2), "dropless"),
+                                    (dict(pipeline=2, expert=2), "dropless")]):
     config = _config(tmp_path / str(i), **mesh)
     config.model.update(attention="blockwise" if "context" in mesh else "auto", moe_impl=impl, capacity_factor=8.0)
-    loss, tokens, grads, _ = _loss_and_grads(config, batch, jax.devices())
+    loss, tokens, grads, _ = _loss_and_grads(config, batch, jax.devices()[:math.prod(mesh.values())])
     assert tokens == ref_tokens
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=f"{mesh} {impl}")
     for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):

@@ -9,6 +9,7 @@ difference fails the comparison. Every family trains sharded (fsdp x tensor, and
 allows) equal to one device."""
 
 import json
+import math
 import pathlib
 
 import jax
@@ -188,24 +189,24 @@ def _family_config(tmp_path, name, **mesh):
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "mistral", "qwen3_moe", "olmoe", "gemma2", "gemma3"])
 def test_every_family_trains_sharded_equal_to_one_device(name, tmp_path):
   """fsdp 2 x tensor 2 x (context 2 for Mistral and Gemma 2; else pipeline 2 where the layers are all alike; else
-  data 2): the loss and every gradient equal one device's within 1e-5 (packed rows, windows shorter than the
-  documents); a pipeline of interleaved local and global layers is refused."""
+  nothing more, on 4 devices): the loss and every gradient equal one device's within 1e-5 (packed rows, windows
+  shorter than the documents); a pipeline of interleaved local and global layers is refused."""
   batch = _packed_batch()
   ref_loss, ref_tokens, ref_grads, _ = _loss_and_grads(_family_config(tmp_path / "one", name), batch,
                                                        jax.devices()[:1])
-  # Every layout is fsdp 2 x tensor 2 x one more axis: context parallelism (the window masked by position over
-  # gathered keys) for an all-local and an interleaved family, the pipeline where the layers are all alike, data
-  # parallelism for the rest.
+  # Every layout is fsdp 2 x tensor 2, with one more axis where the family has one to test: context parallelism
+  # (the window masked by position over gathered keys) for an all-local and an interleaved family, the pipeline
+  # where the layers are all alike; nothing more for the rest (fsdp already splits the batch, as data would).
   mixed = name not in MIXED_NOT_ALLOWED  # their configs here interleave local and global layers
   layouts = [dict(context=2, fsdp=2, tensor=2)] if name in ("mistral", "gemma2") else []
   if not mixed:
     layouts.append(dict(pipeline=2, fsdp=2, tensor=2))
   if not layouts:
-    layouts.append(dict(data=2, fsdp=2, tensor=2))
+    layouts.append(dict(fsdp=2, tensor=2))
   for mesh in layouts:
     config = _family_config(tmp_path / "x".join(map(str, mesh.values())), name, **mesh)
     config.train.microbatches = 2 if "pipeline" in mesh else 0
-    loss, tokens, grads, _ = _loss_and_grads(config, batch, jax.devices())
+    loss, tokens, grads, _ = _loss_and_grads(config, batch, jax.devices()[:math.prod(mesh.values())])
     assert tokens == ref_tokens
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=str(mesh))
     for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):

@@ -186,13 +186,14 @@ def test_lora_trains_only_the_adapters(sharded_run, tmp_path):
 
 @pytest.mark.slow
 def test_lora_run_resumes_exactly_and_refuses_a_plain_model(sharded_run, tmp_path):
-  """A LoRA run's checkpoints hold base + adapters: 3 steps, then resumed to 5, equal the 5 uninterrupted steps
-  bitwise. Restoring them into a model without LoRA is a one-line error naming the adapters."""
+  """A LoRA run's checkpoints hold base + adapters: resumed to 5 from the step-3 checkpoint (a copy of the
+  uninterrupted run's workdir without its step 5), equal the 5 uninterrupted steps bitwise. Restoring them into a
+  model without LoRA is a one-line error naming the adapters."""
+  import shutil
   config, _, _, state, history = sharded_run
+  shutil.copytree(config.workdir, tmp_path / "resumed")
+  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "5")
   resumed = _lora_config(tmp_path / "resumed", data=2, fsdp=2, tensor=2)
-  resumed.train.steps = 3
-  _train(resumed)
-  resumed.train.steps = 5
   state2, history2 = _train(resumed)
   assert [h["step"] for h in history2] == [4, 5]
   assert [h["loss"] for h in history2] == [h["loss"] for h in history[3:]]
@@ -208,12 +209,12 @@ def test_lora_run_resumes_exactly_and_refuses_a_plain_model(sharded_run, tmp_pat
 
 @pytest.mark.slow
 def test_lora_sharded_and_pipelined_equal_one_device(sharded_run, tmp_path):
-  """The same LoRA run on one device and on a 2-stage pipeline (fsdp 4) gives the (2, 2, 2) mesh's losses."""
+  """The same LoRA run on one device and on a 2-stage pipeline (2 devices) gives the (2, 2, 2) mesh's losses."""
   _, _, _, _, sharded = sharded_run
   _, single = _train(_lora_config(tmp_path / "single"), devices=jax.devices()[:1])
   np.testing.assert_allclose([h["loss"] for h in single], [h["loss"] for h in sharded], rtol=1e-5)
-  pipelined = _lora_config(tmp_path / "pipelined", pipeline=2, fsdp=4)
-  state, history = _train(pipelined)
+  pipelined = _lora_config(tmp_path / "pipelined", pipeline=2)
+  state, history = _train(pipelined, devices=jax.devices()[:2])
   assert state.params["lora"]["layers"]["attn"]["q"]["a"].sharding.spec[0] == "pipeline"
   np.testing.assert_allclose([h["loss"] for h in history], [h["loss"] for h in sharded], rtol=1e-5)
 

@@ -141,18 +141,19 @@ def test_layer_params_per_device_with_four_stages(tmp_path):
 @pytest.mark.slow
 def test_checkpoint_restores_across_pipeline_splits(tmp_path):
   """pipeline=2 (GPipe) -> pipeline=4 (circular) -> no pipeline, each resuming the previous one's checkpoint:
-  the same losses and params as one unpipelined run."""
+  the same losses and params as one unpipelined run. Each run on as many devices as its stages (the splits, not
+  the device count, are the point; the unpipelined ones on one device)."""
   def config(workdir, steps, schedule="gpipe", **mesh):
     c = _config(workdir, schedule, **mesh)
     c.train.steps = steps
     c.optim.update(warmup_steps=1, decay_steps=4)  # the same schedule whichever run stops where
     return c
 
-  ref_state, reference = trainer.train(config(tmp_path / "ref", 4, fsdp=8))
+  ref_state, reference = trainer.train(config(tmp_path / "ref", 4), devices=jax.devices()[:1])
   run_dir = tmp_path / "split"
-  _, first = trainer.train(config(run_dir, 2, pipeline=2, fsdp=4))
-  _, second = trainer.train(config(run_dir, 3, "circular", pipeline=4, tensor=2))
-  state, third = trainer.train(config(run_dir, 4, fsdp=8))
+  _, first = trainer.train(config(run_dir, 2, pipeline=2), devices=jax.devices()[:2])
+  _, second = trainer.train(config(run_dir, 3, "circular", pipeline=4), devices=jax.devices()[:4])
+  state, third = trainer.train(config(run_dir, 4), devices=jax.devices()[:1])
   assert [h["step"] for h in first + second + third] == [1, 2, 3, 4]
   np.testing.assert_allclose([h["loss"] for h in first + second + third], [h["loss"] for h in reference],
                              rtol=1e-5)

@@ -388,32 +388,36 @@ def test_context_parallel_equals_one_device(tmp_path, pairs_data, one_device_dpo
 
 @pytest.mark.slow
 def test_microbatches_precomputed_reference_and_exact_resume(tmp_path, pairs_data, one_device_dpo):
+  """On 2 devices (data = 2: microbatching, the precomputed reference and the resume, not the device count, are the
+  point)."""
+  two = jax.devices()[:2]
   # Two microbatches: the same update as the whole batch at once.
-  c = dpo_config(tmp_path / "micro", pairs_data)
+  c = dpo_config(tmp_path / "micro", pairs_data, data=2)
   c.train.microbatches = 2
-  _, micro = trainer.train(c)
+  _, micro = trainer.train(c, devices=two)
   np.testing.assert_allclose(_losses(micro), _losses(one_device_dpo), rtol=0, atol=1e-5)
   # Reference log-probs precomputed into the folder (tools/reference_logps.py's function): the same losses.
   data = tmp_path / "data"
   import shutil
   shutil.copytree(pairs_data, data)
-  c = dpo_config(tmp_path / "pre", os.fspath(data))
+  c = dpo_config(tmp_path / "pre", os.fspath(data), data=2)
   c.preference.reference = "precomputed"
   with pytest.raises(DataError, match="precomputed reference log-probs"):
-    trainer.train(c)
-  computed = preference.compute_reference(trainer.build(c))
+    trainer.train(c, devices=two)
+  computed = preference.compute_reference(trainer.build(c, two))
   assert computed["train"].shape == (len(pref_data.Pairs(os.fspath(data), pref_data.open_manifest(os.fspath(data)),
                                                          "train")), 2)
-  _, pre = trainer.train(c)
+  _, pre = trainer.train(c, devices=two)
   np.testing.assert_allclose(_losses(pre), _losses(one_device_dpo), rtol=0, atol=1e-5)
-  # Resume: 2 steps, then on to 3 from the checkpoint: bitwise the uninterrupted run's step 3.
-  c = dpo_config(tmp_path / "resumed", pairs_data)
-  c.train.steps = 2
-  trainer.train(c)
-  c.train.steps = 3
-  _, rest = trainer.train(c)
-  full = dpo_config(tmp_path / "full", pairs_data)
-  _, whole = trainer.train(full)
+  # Resume: the uninterrupted run's workdir with its step-3 checkpoint removed (as if stopped after its step-2 save)
+  # goes on to 3: bitwise the uninterrupted run's step 3.
+  full = dpo_config(tmp_path / "full", pairs_data, data=2)
+  full.checkpoint.every_steps = 2
+  _, whole = trainer.train(full, devices=two)
+  shutil.copytree(tmp_path / "full", tmp_path / "resumed")
+  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "3")
+  _, rest = trainer.train(dpo_config(tmp_path / "resumed", pairs_data, data=2), devices=two)
+  assert [h["step"] for h in rest if "loss" in h] == [3]
   assert _losses(rest) == _losses(whole)[2:]
   assert _losses(rest, "rewards/margin") == _losses(whole, "rewards/margin")[2:]
 
