@@ -8,10 +8,8 @@ losses), a smaller batch (SMALLER_BATCH: fewer, shorter rows; DPO's pairs prepar
 instead of 512) appended to the training commands whose test checks what the command does rather than its losses,
 and, for every command after the quick start, XLA's quick CPU compile and one thread per op (``XLA_FLAGS`` =
 tests/xla_flags.py's FAST_COMPILE, optimization level 0, and ONE_THREAD_PER_OP; added to the value of a command that
-sets ``XLA_FLAGS`` itself) and JAX's persistent compilation cache in the folder jaxtrain.main uses by default
-(``JAX_COMPILATION_CACHE_DIR`` = ``~/.cache/jaxtrain/xla`` of the fresh HOME, so that ``jaxtrain.generate`` and
-``jaxtrain.evaluate`` also load a program an earlier command compiled): they change how much CPU time XLA takes to
-compile and run a command's program, not what the command does. The quick start runs exactly as typed, and its
+sets ``XLA_FLAGS`` itself): they change how much CPU time XLA takes to compile and run a command's program, not
+what the command does. The quick start runs exactly as typed, and its
 losses are checked to all digits. ``pip install`` runs too, in a new virtualenv that sees the
 already installed dependencies (a ``.pth`` file), so the editable install of the copy is real and the test
 environment's own install is left alone.
@@ -168,8 +166,7 @@ class NewUser:
     pathlib.Path(purelib, "_test_environment.pth").write_text("\n".join(dict.fromkeys(outer)) + "\n")
     self.exact_env = {"HOME": str(self.home), "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
                       "LANG": "C.UTF-8", "TMPDIR": os.environ.get("TMPDIR", "/tmp")}
-    self.env = {**self.exact_env, "XLA_FLAGS": QUICK,
-                "JAX_COMPILATION_CACHE_DIR": str(self.home / ".cache" / "jaxtrain" / "xla")}
+    self.env = {**self.exact_env, "XLA_FLAGS": QUICK}
 
   def run(self, command: str, *extra: str, timeout: float = 600, exact: bool = False) -> subprocess.CompletedProcess:
     """``exact``: with no XLA_FLAGS at all, as the user typed it. Otherwise XLA_FLAGS is QUICK, also where the
