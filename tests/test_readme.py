@@ -3,11 +3,14 @@
 Each command is parsed from the pages (tests/readme.py), never copied here, and run with ``bash -c`` in a fresh
 copy of the repository as the current folder, with a fresh ``HOME``, none of the test suite's ``XLA_FLAGS`` /
 ``JAX_*`` settings and the configs' default (relative) workdirs. The only changes: ``--config.train.steps=N``
-appended to training commands, to keep them short (and a smaller batch to the launcher's), and, for every command
-after the quick start, XLA's quick CPU compile and one thread per op (``XLA_FLAGS`` = tests/multiprocess.py's
-FAST_COMPILE, optimization level 0, and ONE_THREAD_PER_OP; added to the value of a command that sets ``XLA_FLAGS``
-itself): they change how much CPU time XLA takes to compile and run a command's program, not what the command does. The quick start runs exactly as
-typed, and its losses are checked to all digits. ``pip install`` runs too, in a new virtualenv that sees the
+appended to training commands, to keep them short (2 steps where the test checks that a command trains, not its
+losses), a smaller batch (SMALLER_BATCH: fewer, shorter rows; DPO's pairs prepared and trained at 128 tokens
+instead of 512) appended to the training commands whose test checks what the command does rather than its losses,
+and, for every command after the quick start, XLA's quick CPU compile and one thread per op (``XLA_FLAGS`` =
+tests/xla_flags.py's FAST_COMPILE, optimization level 0, and ONE_THREAD_PER_OP; added to the value of a command that
+sets ``XLA_FLAGS`` itself): they change how much CPU time XLA takes to compile and run a command's program, not
+what the command does. The quick start runs exactly as typed, and its
+losses are checked to all digits. ``pip install`` runs too, in a new virtualenv that sees the
 already installed dependencies (a ``.pth`` file), so the editable install of the copy is real and the test
 environment's own install is left alone.
 """
@@ -81,9 +84,11 @@ EVAL_RUN = "--tasks=shakespeare_mc,shakespeare_ppl"
 EVAL_IMPORT = "--checkpoint imported/my-llama"
 EVAL_EVERY_SAVE = "--step=$step"
 EVAL_IN_RUN = "--config.workdir=runs/tiny_harness"
-# Appended to the launcher's command (with --config.train.steps): what is tested there is the stop, the restart
-# and the account of both, not the batch.
+# Appended (with --config.train.steps) to the training commands whose test checks what the command does (it trains on
+# that data, that mesh, that dtype; the launcher's stop, restart and account; the harness inside a run), not its
+# losses: a quarter of the tokens a step.
 SMALLER_BATCH = "--config.train.global_batch_size=8 --config.data.seq_len=64"
+SHORT = f"--config.train.steps=2 {SMALLER_BATCH}"  # two steps: the second one has a learning rate above 0
 # Shown but not runnable here, with the reason.
 NOT_RUN = {
     TEST_COMMAND: "the test command itself: .ci/run runs it, read from the README "
@@ -226,10 +231,10 @@ def test_same_command_again_says_it_is_done_without_compiling(user):
 
 def test_train_longer_resumes(user):
   command = readme.command(TRAIN_LONGER)
-  err = _ok(user.run(command, "--config.train.steps=16"))  # appended: the last value wins
-  assert "resumed from checkpoint step 12" in err and "done: step 16/16" in err
-  assert [r["step"] for r in user.records("runs/tiny")] == [10, 12, 16]
-  assert user.committed("runs/tiny") == [12, 16]
+  err = _ok(user.run(command, "--config.train.steps=14"))  # appended: the last value wins
+  assert "resumed from checkpoint step 12" in err and "done: step 14/14" in err
+  assert [r["step"] for r in user.records("runs/tiny")] == [10, 12, 14]
+  assert user.committed("runs/tiny") == [12, 14]
 
 
 def test_inspect_checkpoint(user):
@@ -250,9 +255,9 @@ def _ok_out(result):
 
 
 def test_tensor_parallel_variant_on_simulated_devices(user):
-  err = _ok(user.run(readme.command(TP), "--config.train.steps=3"))
+  err = _ok(user.run(readme.command(TP), SHORT))
   assert "on 8 cpu devices" in err and "'fsdp': 4, 'expert': 1, 'context': 1, 'tensor': 2" in err
-  assert user.committed("runs/tiny_tp") == [3]
+  assert user.committed("runs/tiny_tp") == [2]
 
 
 def test_dry_run(user):
@@ -263,25 +268,27 @@ def test_dry_run(user):
   assert not (user.repo / "runs" / "llama3_8b").exists()  # a dry run writes nothing
 
 
-@pytest.mark.parametrize("part,stages", [
-    (GPIPE, "2 stages, GPipe, 2 microbatches, 2 layers per stage -> bubble 33.3%"),
-    (CIRCULAR, "2 stages, circular x 2 repeats, 8 microbatches, 2 layers per stage -> bubble 5.9%")])
-def test_pipeline_commands(user, part, stages):
-  err = _ok(user.run(readme.command(part), "--config.train.steps=4"))
+@pytest.mark.parametrize("part,stages,shorter", [
+    (GPIPE, "2 stages, GPipe, 2 microbatches, 2 layers per stage -> bubble 33.3%", SHORT),
+    # 8 microbatches of 2 rows (mesh.fsdp=2): the batch stays 16
+    (CIRCULAR, "2 stages, circular x 2 repeats, 8 microbatches, 2 layers per stage -> bubble 5.9%",
+     "--config.train.steps=2 --config.data.seq_len=64")])
+def test_pipeline_commands(user, part, stages, shorter):
+  err = _ok(user.run(readme.command(part), shorter))
   assert f"pipeline: {stages}" in err
-  assert user.committed(part.split("=")[1]) == [4]
+  assert user.committed(part.split("=")[1]) == [2]
 
 
 def test_mixture_of_experts_command(user):
-  err = _ok(user.run(readme.command(MOE), "--config.train.steps=3"))
+  err = _ok(user.run(readme.command(MOE), SHORT))
   assert "'fsdp': 2, 'expert': 4, 'context': 1, 'tensor': 1" in err and "2,626,688 parameters" in err
-  assert user.committed("runs/moe_tiny") == [3]
+  assert user.committed("runs/moe_tiny") == [2]
 
 
 def test_context_parallel_command(user):
-  err = _ok(user.run(readme.command(CONTEXT), "--config.train.steps=3"))
+  err = _ok(user.run(readme.command(CONTEXT), SHORT))
   assert "'fsdp': 2, 'expert': 1, 'context': 4, 'tensor': 1" in err
-  assert user.committed("runs/tiny_context") == [3] and "done: step 3/3" in err
+  assert user.committed("runs/tiny_context") == [2] and "done: step 2/2" in err
 
 
 def test_prepare_data_and_train_on_it(user):
@@ -292,15 +299,15 @@ def test_prepare_data_and_train_on_it(user):
   out = _ok_out(user.run(readme.command(PREPARE)))
   manifest = json.loads((user.repo / "data" / "my_texts" / "manifest.json").read_text())
   assert out.strip().endswith("-> data/my_texts") and manifest["documents"] + manifest["duplicates_removed"] == 400
-  err = _ok(user.run(readme.command(TRAIN_PREPARED), "--config.train.steps=3"))
+  err = _ok(user.run(readme.command(TRAIN_PREPARED), SHORT))
   resolved = json.loads((user.repo / "runs/my_texts/config.json").read_text())
   assert resolved["data"]["path"] == str(user.repo / "data" / "my_texts")
-  assert user.committed("runs/my_texts") == [3] and "done: step 3/3" in err
+  assert user.committed("runs/my_texts") == [2] and "done: step 2/2" in err
   _ok_out(user.run(readme.command(PREPARE_BEAM)))  # the same preparation on Apache Beam: the same bytes
   beam, local = user.repo / "data" / "beam_texts", user.repo / "data" / "my_texts"
   assert {p.name: p.read_bytes() for p in beam.iterdir()} == {p.name: p.read_bytes() for p in local.iterdir()}
-  err = _ok(user.run(readme.command(TRAIN_RAW), "--config.train.steps=3"))  # the raw files, streamed
-  assert user.committed("runs/raw") == [3] and "done: step 3/3" in err
+  err = _ok(user.run(readme.command(TRAIN_RAW), SHORT))  # the raw files, streamed
+  assert user.committed("runs/raw") == [2] and "done: step 2/2" in err
 
 
 def test_mixture_commands(user):
@@ -312,13 +319,13 @@ def test_mixture_commands(user):
     (user.repo / name / "a.txt").write_text("\n\n".join(part) + "\n")
   for command, name in ((MIX_PREPARE_WEB, "web"), (MIX_PREPARE_CODE, "code")):
     assert _ok_out(user.run(readme.command(command))).strip().endswith(f"-> data/{name}")
-  err = _ok(user.run(readme.command(MIX_TRAIN), "--config.train.steps=4", "--config.eval.every_steps=2"))
-  assert user.committed("runs/mixture") == [4] and "done: step 4/4" in err
+  err = _ok(user.run(readme.command(MIX_TRAIN), SHORT, "--config.train.log_every=1", "--config.eval.every_steps=1"))
+  assert user.committed("runs/mixture") == [2] and "done: step 2/2" in err
   records = user.records("runs/mixture")
   train = [r for r in records if "loss" in r]
   evals = [r for r in records if "eval_loss" in r]
   assert all(abs(sum(r[f"mix/{n}"] for n in ("web", "code", "books")) - 1) < 1e-6 for r in train), train
-  assert [r["step"] for r in evals] == [2, 4]
+  assert [r["step"] for r in evals] == [1, 2]
   assert {k for k in evals[-1] if k.startswith("eval_loss/")} == {"eval_loss/web", "eval_loss/code",
                                                                    "eval_loss/letters"}  # raw books: no eval split
   resolved = json.loads((user.repo / "runs/mixture/config.json").read_text())
@@ -341,8 +348,8 @@ def test_prepare_sft_data_and_train_on_it(user):
   manifest = json.loads((user.repo / "data" / "chats" / "manifest.json").read_text())
   assert out.strip().endswith("-> data/chats") and manifest["format"] == "jaxtrain.sft.v1"
   assert manifest["documents"] == 160 and 0 < manifest["trained_tokens"] < manifest["tokens"]
-  err = _ok(user.run(readme.command(TRAIN_SFT), "--config.train.steps=3"))
-  assert user.committed("runs/chats") == [3] and "done: step 3/3" in err
+  err = _ok(user.run(readme.command(TRAIN_SFT), SHORT))
+  assert user.committed("runs/chats") == [2] and "done: step 2/2" in err
 
 
 def test_generate_from_the_quick_start_run(user):
@@ -358,7 +365,7 @@ def test_generate_from_the_quick_start_run(user):
 def test_grpo_on_arithmetic(user):
   """The post-training page's GRPO commands: the problems written, the format fine-tuned, GRPO resumed from it."""
   assert "401 training and 40 held-out problems" in _ok_out(user.run(readme.command(GRPO_DATA)))
-  _ok(user.run(readme.command(GRPO_SFT), "--config.train.steps=3"))
+  _ok(user.run(readme.command(GRPO_SFT), "--config.train.steps=2", "--config.train.global_batch_size=8"))
   err = _ok(user.run(readme.command(GRPO_TRAIN), "--config.train.steps=2"))
   assert "runs/arithmetic_sft/checkpoints" in err and "done: step 2/2" in err
   last = user.records("runs/grpo_math")
@@ -386,17 +393,16 @@ def test_hugging_face_import_lora_fine_tune_generate_export(user):
   assert (user.repo / "imported/my-llama/hf/tokenizer_config.json").exists()
   out = _ok_out(user.run(readme.command(HF_PREPARE)))
   assert json.loads((user.repo / "data/llama_chats/manifest.json").read_text())["sft"]["template"] == "chat_template"
-  err = _ok(user.run(readme.command(HF_TRAIN), "--config.train.steps=3", "--config.data.seq_len=64",
-                     "--config.train.global_batch_size=8"))
-  assert "LoRA rank 8" in err and "done: step 3/3" in err, err[-3000:]
-  assert user.committed("runs/my-llama") == [3]
+  err = _ok(user.run(readme.command(HF_TRAIN), SHORT))
+  assert "LoRA rank 8" in err and "done: step 2/2" in err, err[-3000:]
+  assert user.committed("runs/my-llama") == [2]
   # docs/recipes/lora_tpu_pod.md's rehearsal: the pod run's overrides (shorter rows, fewer), compiled here, nothing
   # written.
   rehearsal = user.run(readme.command(HF_REHEARSAL), "--config.data.seq_len=256", "--config.train.global_batch_size=8")
   _ok(rehearsal)
   info = json.loads(rehearsal.stdout.strip().splitlines()[-1])
   assert 0 < info["trainable_params"] < info["params"], info  # the adapters only
-  assert user.committed("runs/my-llama") == [3]
+  assert user.committed("runs/my-llama") == [2]
   out = _ok_out(user.run(readme.command(HF_GENERATE)))
   assert len(out.splitlines()) == 1
   _ok(user.run(readme.command(HF_EXPORT)))
@@ -424,14 +430,14 @@ def test_post_training_dpo_with_lora_from_an_imported_llama(user):
            for i, w in enumerate(["moon", "June", "spoon", "tune", "dune", "rune"] * 10)]
   (user.repo / "prefs.jsonl").write_text("\n".join(json.dumps(x) for x in pairs) + "\n")
   _ok(user.run(readme.command(DPO_IMPORT)))
-  out = _ok_out(user.run(readme.command(DPO_PREPARE)))
+  out = _ok_out(user.run(readme.command(DPO_PREPARE), "--seq_len=128"))  # appended: the last value wins
   manifest = json.loads((user.repo / "data/prefs/manifest.json").read_text())
   assert manifest["format"] == "jaxtrain.preference.v1" and manifest["preference"]["template"] == "chat_template"
   assert "preference pairs" in out
-  err = _ok(user.run(readme.command(DPO_TRAIN), "--config.train.steps=3", "--config.train.global_batch_size=8",
-                     "--config.train.log_every=1"))
-  assert "done: step 3/3" in err, err[-3000:]
-  assert user.committed("runs/my-llama-dpo") == [3]
+  err = _ok(user.run(readme.command(DPO_TRAIN), "--config.train.steps=2", "--config.train.global_batch_size=8",
+                     "--config.data.seq_len=128", "--config.train.log_every=1"))
+  assert "done: step 2/2" in err, err[-3000:]
+  assert user.committed("runs/my-llama-dpo") == [2]
   first = json.loads((user.repo / "runs/my-llama-dpo/metrics.jsonl").read_text().splitlines()[0])
   assert abs(first["loss"] - np.log(2)) < 1e-5 and "rewards/accuracy" in first
 
@@ -470,7 +476,7 @@ def test_attention_backend_recipe(user):
   """docs/recipes/attention_backend.md: auto's choice is one console line; a chosen backend trains."""
   out = _ok_out(user.run(readme.command(ATTENTION_AUTO)))
   assert out.strip().endswith("model.attention=auto: blockwise (cpu, seq_len 4096, mesh.context 1)"), out
-  err = _ok(user.run(readme.command(ATTENTION_BLOCKWISE), "--config.train.steps=2"))
+  err = _ok(user.run(readme.command(ATTENTION_BLOCKWISE), SHORT))
   assert "model.attention=auto" not in err and user.committed("runs/tiny_blockwise") == [2]
   assert json.loads((user.repo / "runs/tiny_blockwise/config.json").read_text())["model"]["attention"] == "blockwise"
 
@@ -491,9 +497,9 @@ def test_restart_budget_recipe(user):
 
 def test_float16_command(user):
   """docs/parallelism.md's float16 run, shortened: it trains with a loss scale, logged with every step."""
-  _ok(user.run(readme.command(FLOAT16), "--config.train.steps=4", "--config.train.log_every=2"))
+  _ok(user.run(readme.command(FLOAT16), SHORT, "--config.train.log_every=1"))
   records = [r for r in user.records("runs/tiny_fp16") if "loss" in r]
-  assert [r["step"] for r in records] == [2, 4] and all(r["loss_scale"] >= 2 ** 14 for r in records), records
+  assert [r["step"] for r in records] == [1, 2] and all(r["loss_scale"] >= 2 ** 14 for r in records), records
 
 
 OFFLINE = "export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1; "  # the docs' tasks are local: nothing may come from the hub
@@ -515,8 +521,8 @@ def test_evaluation_commands(user):
   if (user.repo / "imported/my-llama/hf").exists():  # the README's Hugging Face flow ran (it needs transformers)
     out = _ok_out(user.run(OFFLINE + readme.command(EVAL_IMPORT)))
     assert "shakespeare_mc" in out
-  err = _ok(user.run(OFFLINE + readme.command(EVAL_IN_RUN), "--config.train.steps=4", "--config.eval.harness_every=2",
-                     "--config.eval.harness_limit=8", SMALLER_BATCH))
+  err = _ok(user.run(OFFLINE + readme.command(EVAL_IN_RUN), SHORT, "--config.eval.harness_every=1",
+                     "--config.eval.harness_limit=8"))
   scored = [json.loads(line) for line in (user.repo / "runs/tiny_harness/metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in scored if "harness/shakespeare_mc/acc" in r] == [2, 4], err[-3000:]
+  assert [r["step"] for r in scored if "harness/shakespeare_mc/acc" in r] == [1, 2], err[-3000:]
   assert all("harness/shakespeare_ppl/word_perplexity" in r for r in scored if "harness/shakespeare_mc/acc" in r)
