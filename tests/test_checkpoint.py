@@ -125,33 +125,44 @@ _KILL_IN_SAVE_MAIN = ("import os, runpy, signal, sys; from jaxtrain import check
                       "runpy.run_module('jaxtrain.main', run_name='__main__')")
 
 
-@pytest.mark.slow
-def test_kills_at_random_moments_resume_exactly(uninterrupted, tmp_path):
-  """SIGKILL after a random 1-3 new steps (plus jitter) four times, and once while an async save is in flight;
-  every run resumes from the newest committed checkpoint and the end result is bitwise the uninterrupted one."""
+def kill_at_random_moments(workdir, args, kills, in_save_kill, committed, logged_steps, logged_in_save=True):
+  """The kill loop of the kill-and-resume tests (here and in tests/test_store_runs.py): ``kills`` runs of BASE and
+  ``args`` in ``workdir``, each SIGKILLed after a random 1-3 new logged steps plus up to 0.3 s of jitter
+  (``random.Random(0)``), except run number ``in_save_kill``, which kills itself inside the async save of the next
+  even step (that step never committed; ``logged_in_save``: and already logged). Every run that found a committed
+  checkpoint says it resumed from the newest. ``committed()`` and ``logged_steps()``: the steps so far."""
   rng = random.Random(0)
-  args = ["--config.train.steps=20", "--config.checkpoint.every_steps=2"]
-  for kill in range(5):
-    before, logged = _committed(tmp_path), len(_logged_steps(tmp_path))
-    if kill == 2:  # killed inside the save of the next even step
+  for kill in range(kills):
+    before, logged = committed(), len(logged_steps())
+    if kill == in_save_kill:
       in_save = max(before, default=0) + 2
-      p = forked.popen(["-c", _KILL_IN_SAVE_MAIN, str(in_save), *BASE, f"--config.workdir={tmp_path}", *args],
+      p = forked.popen(["-c", _KILL_IN_SAVE_MAIN, str(in_save), *BASE, f"--config.workdir={workdir}", *args],
                        run_env())
       _, err = p.communicate(timeout=300)
       assert p.returncode == -signal.SIGKILL, err[-2000:]
-      assert in_save in _logged_steps(tmp_path) and in_save not in _committed(tmp_path)
+      assert in_save not in committed() and (in_save in logged_steps() or not logged_in_save)
     else:
       wait_steps, jitter = rng.randint(1, 3), rng.uniform(0, 0.3)
-      p = _start(tmp_path, *args)
-      deadline = time.time() + 300
-      while p.poll() is None and time.time() < deadline and len(_logged_steps(tmp_path)[logged:]) < wait_steps:
-        time.sleep(0.01)
+      p = _start(workdir, *args)
+      deadline = time.monotonic() + 300  # bounds the wait for the event on a loaded machine
+      while len(logged_steps()) < logged + wait_steps:
+        assert p.poll() is None, f"the run ended ({p.returncode}) early: {p.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, f"{wait_steps} more steps not logged within 300 s"
+        time.sleep(0.02)
       time.sleep(jitter)
       assert p.poll() is None, "the run finished before it could be killed"
       p.send_signal(signal.SIGKILL)
       _, err = p.communicate(timeout=60)
     if before:  # the run resumed from the newest committed step there was when it started
       assert f"resumed from checkpoint step {before[-1]}" in err, err[-2000:]
+
+
+@pytest.mark.slow
+def test_kills_at_random_moments_resume_exactly(uninterrupted, tmp_path):
+  """SIGKILL after a random 1-3 new steps (plus jitter) four times, and once while an async save is in flight;
+  every run resumes from the newest committed checkpoint and the end result is bitwise the uninterrupted one."""
+  args = ["--config.train.steps=20", "--config.checkpoint.every_steps=2"]
+  kill_at_random_moments(tmp_path, args, 5, 2, lambda: _committed(tmp_path), lambda: _logged_steps(tmp_path))
   newest = _committed(tmp_path)
   err = _run(tmp_path, *args)
   if newest:
