@@ -20,6 +20,7 @@ nothing.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -115,6 +116,7 @@ def main(argv: list[str]) -> None:
   del argv
   FLAGS = flags.FLAGS
   from lm_eval.utils import handle_non_serializable, make_table
+  gc.freeze()  # as jaxtrain.main: the imports' objects (torch's among them) out of the collector's walks
   try:
     # The cheap checks first (the checkpoint is there and carries a tokenizer), then the tasks, then the params.
     step_dir, saved = generate.find(FLAGS.checkpoint, FLAGS.step)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging as std_logging
 import os
 import secrets
@@ -147,6 +148,9 @@ def check_restart_budget(config) -> None:
 
 def main(argv: list[str]) -> None:
   del argv
+  # The objects of the imports above live as long as the process: out of the collector's sight, the full collections
+  # that tracing the model triggers do not walk them again each time (0.35 s of a tiny run's 3 s went to those).
+  gc.freeze()
   config = _CONFIG.value
   if _CONFIG_VALUE.value is not None:  # a launcher asks for one value: nothing starts
     key = _CONFIG_VALUE.value

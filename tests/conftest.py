@@ -1,5 +1,6 @@
 """Simulate 8 CPU devices before jax is imported, and share small configs."""
 
+import gc
 import os
 import tempfile
 
@@ -64,6 +65,13 @@ LONGEST_FIRST = ("test_readme.py", "test_distributed.py", "test_store_runs.py", 
                  "test_cli.py", "test_evaluate.py", "test_mixture.py", "test_grpo.py", "test_lora.py", "test_stream.py",
                  "test_tpu_compile.py", "test_optimizers.py", "test_store_checkpoint.py", "test_data.py",
                  "test_pipeline.py", "test_loss_scale.py", "test_gpt_oss.py", "test_prepare_cluster.py")
+
+
+def pytest_collection_finish(session):
+  """The test modules and their libraries are imported: their objects live as long as the worker, so they are frozen
+  out of the collector's sight (as jaxtrain.main does for a run) and the full collections that tracing triggers do
+  not walk them each time."""
+  gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):

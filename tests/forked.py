@@ -35,7 +35,7 @@ from tests.xla_flags import RUN_FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRELOAD = ("jax", "flax.nnx", "optax", "orbax.checkpoint", "grain", "jaxtrain.config", "jaxtrain.train.trainer",
-           "jaxtrain.data.prepare", "jaxtrain.sampling")
+           "jaxtrain.data.prepare", "jaxtrain.sampling", "tests.preload")
 COMMAND_TIMEOUT = 120  # seconds, each command (an error case takes one or two)
 
 
@@ -184,25 +184,29 @@ class Forked:
     self._process.kill()
 
 
-def run_env(env: dict[str, str] | None = None) -> dict[str, str]:
+def run_env(env: dict[str, str] | None = None, optimized: bool = True) -> dict[str, str]:
   """``env`` (default: this process's environment) for a training run started as a process: the repository
-  importable and tests/xla_flags.py's RUN_FLAGS added to its ``XLA_FLAGS`` (the later flag wins)."""
+  importable and, if ``optimized``, tests/xla_flags.py's RUN_FLAGS added to its ``XLA_FLAGS`` (the later flag wins).
+  A run of a few steps is started with ``optimized=False``: the tests' fast compile costs less than the steps it
+  slows (tests/xla_flags.py)."""
   env = dict(os.environ if env is None else env)
-  return {**env, "PYTHONPATH": str(ROOT), "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} {RUN_FLAGS}".strip()}
+  flags = f"{env.get('XLA_FLAGS', '')} {RUN_FLAGS if optimized else ''}".strip()
+  return {**env, "PYTHONPATH": str(ROOT), "XLA_FLAGS": flags}
 
 
-def popen(argv: list[str], env: dict[str, str] | None = None) -> Forked:
-  """``subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=PIPE, stderr=PIPE, env=run_env(env))``,
-  forked."""
+def popen(argv: list[str], env: dict[str, str] | None = None, optimized: bool = True) -> Forked:
+  """``subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=PIPE, stderr=PIPE, env=run_env(env,
+  optimized))``, forked."""
   folder = tempfile.mkdtemp(prefix="jaxtrain-forked-")  # in TMPDIR, a throwaway folder under CI
-  return Forked(argv, run_env(env), pathlib.Path(folder, "err"), pathlib.Path(folder, "out"))
+  return Forked(argv, run_env(env, optimized), pathlib.Path(folder, "err"), pathlib.Path(folder, "out"))
 
 
-def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 300, optimized: bool = True
+        ) -> subprocess.CompletedProcess:
   """``subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-  env=run_env(env))``, forked (``popen``): a run still going after ``timeout`` seconds is killed and raises
-  TimeoutExpired."""
-  p = popen(argv, env)
+  env=run_env(env, optimized))``, forked (``popen``): a run still going after ``timeout`` seconds is killed and
+  raises TimeoutExpired."""
+  p = popen(argv, env, optimized)
   try:
     out, err = p.communicate(timeout)
   except subprocess.TimeoutExpired:

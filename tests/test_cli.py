@@ -115,8 +115,11 @@ def test_three_steps_of_every_cpu_config(config, tmp_path):
   """--config.train.steps=3 shortens any config (its warmup is clipped) and ends with a checkpoint. The 50M model
   trains on 8 x 32 tokens a step, not its own 16 x 256 (1.2 TFLOP a step, about 20 s each here)."""
   shorter = ["--config.train.global_batch_size=8", "--config.data.seq_len=32"] if config == "configs/cpu_50m.py" else []
-  result = _run(f"--config={config}", "--config.train.steps=3", "--config.train.log_every=1", *shorter,
-                f"--config.workdir={tmp_path}")
+  # Three steps of a tiny model compile fast (not optimized), as the in-process tests' programs do: that costs less
+  # than the steps it slows. The 50M model's steps are 20x slower unoptimized: those keep RUN_FLAGS.
+  result = forked.run(["-m", "jaxtrain.main", f"--config={config}", "--config.train.steps=3",
+                       "--config.train.log_every=1", *shorter, f"--config.workdir={tmp_path}"],
+                      optimized=config == "configs/cpu_50m.py")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "is longer than the 3-step schedule" in result.stderr
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -17,6 +17,13 @@ PATIENT_COLLECTIVES = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
 # elemental emitters (0.10; 0.12 has only the fusion emitters and aborts on the flag), they cost less again:
 # tests/test_moe.py + tests/test_checkpoint.py, 366 s -> 261 s on 2 cores.
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# XLA splits the generated code into modules for parallel LLVM jobs; the tests' cores are busy with other processes,
+# and the split costs more than it saves: one module. It changes no value and no buffer (tests/test_moe.py's
+# expert-parallel tests + LoRA on MLA, cold, one process: ~5% less compile time). Not also here: turning off the
+# concurrency-optimized scheduler or copy insertion's region analysis (together ~8% less), which change buffer
+# assignment (tests/test_moe.py's and tests/test_models.py's temporary-memory checks failed) and, with the scheduler
+# off, tests/test_preference.py's context-parallel run aborted in the full suite, twice.
+FAST_COMPILE += " --xla_cpu_parallel_codegen_split_count=1"
 if tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11):
   FAST_COMPILE += " --xla_cpu_use_fusion_emitters=false"
 # Each simulated device runs its programs on a thread of its own; XLA's CPU backend also splits an op (a matmul) over

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 from typing import Iterator
 
 import jax
@@ -218,8 +217,10 @@ def tokenizer_of(config) -> str | None:
 
 
 def close(iterator) -> None:
-  """Stops a Grain iterator's threads and worker processes now. Left to interpreter shutdown, its per-lane
-  prefetch threads are collected after their modules are gone and print spurious errors."""
+  """Stops a Grain iterator's threads and worker processes now (Grain's ``DatasetIterator.close``: its prefetch
+  threads are told to stop and its worker processes end), not at interpreter shutdown, when they would be collected
+  after their modules are gone. No ``gc.collect()`` after it: a full collection costs ~0.3 s in a fresh process and
+  ~1 s in a process holding more (a test worker), at the end of every run, and the close leaves nothing that needs
+  one (no error at exit, with or without worker processes, for prepared, raw and mixture data)."""
   if hasattr(iterator, "close"):
     iterator.close()
-  gc.collect()
