@@ -16,14 +16,15 @@ from tests import forked, readme
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _run(*args, timeout=300, env=None, fork=True):
+def _run(*args, timeout=300, env=None, fork=True, optimized=True):
   """``python -m jaxtrain.main *args``, in the tests' environment or ``env`` (a training run's: tests/forked.py
-  ``run_env``); forked from a process with the libraries imported unless ``fork`` is false: a fresh interpreter,
-  for an ``env`` whose ``JAX_*`` variables differ from the tests' (JAX reads them at import)."""
+  ``run_env``, with RUN_FLAGS if ``optimized``); forked from a process with the libraries imported unless ``fork``
+  is false: a fresh interpreter, for an ``env`` whose ``JAX_*`` variables differ from the tests' (JAX reads them at
+  import)."""
   if fork:
-    return forked.run(["-m", "jaxtrain.main", *args], env=env, timeout=timeout)
+    return forked.run(["-m", "jaxtrain.main", *args], env=env, timeout=timeout, optimized=optimized)
   return subprocess.run([sys.executable, "-m", "jaxtrain.main", *args], cwd=ROOT, capture_output=True,
-                        text=True, timeout=timeout, env=forked.run_env(env))
+                        text=True, timeout=timeout, env=forked.run_env(env, optimized))
 
 
 TINY = "--config=configs/tiny.py"
@@ -117,9 +118,8 @@ def test_three_steps_of_every_cpu_config(config, tmp_path):
   shorter = ["--config.train.global_batch_size=8", "--config.data.seq_len=32"] if config == "configs/cpu_50m.py" else []
   # Three steps of a tiny model compile fast (not optimized), as the in-process tests' programs do: that costs less
   # than the steps it slows. The 50M model's steps are 20x slower unoptimized: those keep RUN_FLAGS.
-  result = forked.run(["-m", "jaxtrain.main", f"--config={config}", "--config.train.steps=3",
-                       "--config.train.log_every=1", *shorter, f"--config.workdir={tmp_path}"],
-                      optimized=config == "configs/cpu_50m.py")
+  result = _run(f"--config={config}", "--config.train.steps=3", "--config.train.log_every=1", *shorter,
+                f"--config.workdir={tmp_path}", optimized=config == "configs/cpu_50m.py")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "is longer than the 3-step schedule" in result.stderr
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

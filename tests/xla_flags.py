@@ -21,8 +21,9 @@ FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_
 # and the split costs more than it saves: one module. It changes no value and no buffer (tests/test_moe.py's
 # expert-parallel tests + LoRA on MLA, cold, one process: ~5% less compile time). Not also here: turning off the
 # concurrency-optimized scheduler or copy insertion's region analysis (together ~8% less), which change buffer
-# assignment (tests/test_moe.py's and tests/test_models.py's temporary-memory checks failed) and, with the scheduler
-# off, tests/test_preference.py's context-parallel run aborted in the full suite, twice.
+# assignment (tests/test_moe.py's and tests/test_models.py's temporary-memory checks failed); with both off,
+# tests/test_preference.py's context-parallel run also aborted (SIGABRT) in the full suite, twice (not isolated to
+# one of the two; never alone).
 FAST_COMPILE += " --xla_cpu_parallel_codegen_split_count=1"
 if tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11):
   FAST_COMPILE += " --xla_cpu_use_fusion_emitters=false"
