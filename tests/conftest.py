@@ -1,6 +1,5 @@
 """Simulate 8 CPU devices before jax is imported, and share small configs."""
 
-import gc
 import os
 import tempfile
 
@@ -19,6 +18,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 import pytest  # noqa: E402
 
 from jaxtrain.config import base_config  # noqa: E402
+from tests import collector  # noqa: E402
+
+# A worker that dies with children holding its pipe ends the run instead of hanging it (tests/worker_guard.py).
+pytest_plugins = ("tests.worker_guard",)
 
 
 def small_config(workdir, **mesh):
@@ -69,9 +72,19 @@ LONGEST_FIRST = ("test_readme.py", "test_distributed.py", "test_store_runs.py", 
 
 def pytest_collection_finish(session):
   """The test modules and their libraries are imported: their objects live as long as the worker, so they are frozen
-  out of the collector's sight (as jaxtrain.main does for a run) and the full collections that tracing triggers do
-  not walk them each time."""
-  gc.freeze()
+  out of the collector's sight (as jaxtrain.main does for a run), and full collections are made rare
+  (tests/collector.py)."""
+  collector.freeze()
+
+
+_last_module = [None]
+
+
+def pytest_runtest_setup(item):
+  """At the first test of each file: a full collection of what the files before left, then everything frozen."""
+  if item.module is not _last_module[0]:
+    _last_module[0] = item.module
+    collector.between_files()
 
 
 def pytest_collection_modifyitems(config, items):

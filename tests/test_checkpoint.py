@@ -125,12 +125,14 @@ _KILL_IN_SAVE_MAIN = ("import os, runpy, signal, sys; from jaxtrain import check
                       "runpy.run_module('jaxtrain.main', run_name='__main__')")
 
 
-def kill_at_random_moments(workdir, args, kills, in_save_kill, committed, logged_steps, logged_in_save=True):
+def kill_at_random_moments(workdir, args, kills, in_save_kill, committed, logged_steps, logged_in_save=True,
+                           poll_s=0.02):
   """The kill loop of the kill-and-resume tests (here and in tests/test_store_runs.py): ``kills`` runs of BASE and
   ``args`` in ``workdir``, each SIGKILLed after a random 1-3 new logged steps plus up to 0.3 s of jitter
   (``random.Random(0)``), except run number ``in_save_kill``, which kills itself inside the async save of the next
   even step (that step never committed; ``logged_in_save``: and already logged). Every run that found a committed
-  checkpoint says it resumed from the newest. ``committed()`` and ``logged_steps()``: the steps so far."""
+  checkpoint says it resumed from the newest. ``committed()`` and ``logged_steps()``: the steps so far, read every
+  ``poll_s`` seconds while a run goes on."""
   rng = random.Random(0)
   for kill in range(kills):
     before, logged = committed(), len(logged_steps())
@@ -148,7 +150,7 @@ def kill_at_random_moments(workdir, args, kills, in_save_kill, committed, logged
       while len(logged_steps()) < logged + wait_steps:
         assert p.poll() is None, f"the run ended ({p.returncode}) early: {p.communicate()[1][-3000:]}"
         assert time.monotonic() < deadline, f"{wait_steps} more steps not logged within 300 s"
-        time.sleep(0.02)
+        time.sleep(poll_s)
       time.sleep(jitter)
       assert p.poll() is None, "the run finished before it could be killed"
       p.send_signal(signal.SIGKILL)

@@ -134,6 +134,39 @@ def test_jax_reports_a_compile_on_the_compiling_thread_trace_lowering_then_backe
   assert seen == first  # the second call hit the cache
 
 
+def test_replicated_arrays_are_saved_on_cpu_without_compiling_and_restore_equal(tmp_path):
+  """On CPU devices each array of a save is written from one of its replicas (jaxtrain._compat.orbax_one_replica_
+  writes, through a private attribute of Orbax's): saving arrays replicated over 8 devices, or split over 4 and
+  replicated twice, compiles no program (Orbax's default splits each replicated shard among its replicas, a slice
+  program compiled per array and device), and the step restores equal onto the same shardings."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jaxtrain import checkpoint as checkpoint_lib
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+  values = {"replicated": np.arange(64 * 24, dtype=np.float32).reshape(64, 24),
+            "split": np.arange(32 * 8, dtype=np.float32).reshape(32, 8) - 7.5}
+  layouts = {"replicated": NamedSharding(mesh, P()), "split": NamedSharding(mesh, P("fsdp"))}
+  state = {k: jax.device_put(v, layouts[k]) for k, v in values.items()}
+  ckpt = checkpoint_lib.PersistentTier(tmp_path, async_save=False, verify=False)
+  compiles = []
+
+  def listener(event, duration, **kwargs):
+    if event == _compat.BACKEND_COMPILE_EVENT:
+      compiles.append(duration)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    ckpt.save(1, state, iter([]), meta={}, config={}, force=True)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert compiles == []
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+  restored, _ = ckpt.restore(1, abstract, iter([]))
+  ckpt.close()
+  for k, v in values.items():
+    np.testing.assert_array_equal(np.asarray(restored[k]), v)
+    assert restored[k].sharding == layouts[k]
+
+
 def test_a_missing_private_api_is_one_line_naming_the_installed_version_and_breaks_only_its_feature(monkeypatch):
   for name in ("jax._src.cudnn.fused_attention_stablehlo", "qwix._src.core.dot_general_qt"):
     monkeypatch.setitem(sys.modules, name, None)  # an import of it raises ImportError, as if it were gone

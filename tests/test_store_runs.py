@@ -376,9 +376,10 @@ def test_kills_at_ten_random_moments_resume_exactly(servers, scheme, uninterrupt
   checkpoints = workdir + "/checkpoints"
   # A lease of 1 s (renewed every 0.25 s): no run contends with a live one here, so a late renewal loses nothing.
   args = ["--config.train.steps=20", "--config.checkpoint.every_steps=2", "--config.workdir_lease_s=1"]
-  # The store's metrics object is rewritten at each flush, which a kill inside the save may come before.
+  # The store's metrics object is rewritten at each flush, which a kill inside the save may come before. Each look at
+  # the steps logged is a request to the store's server: every 0.1 s (local files are read every 0.02 s).
   kill_at_random_moments(workdir, args, 10, 4, lambda: _committed(checkpoints),
-                         lambda: [r["step"] for r in _records(workdir)], logged_in_save=False)
+                         lambda: [r["step"] for r in _records(workdir)], logged_in_save=False, poll_s=0.1)
   newest = _committed(checkpoints)
   err = _run(workdir, *args)
   if newest:

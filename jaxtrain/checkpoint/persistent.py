@@ -156,6 +156,8 @@ class PersistentTier:
     them and for non-finite values; a mismatch is treated as corruption. A data position saved by another
     process count is re-split by the iterator (:meth:`DataPosition.resplit`). Installs :func:`quiet_libraries`."""
     quiet_libraries()
+    if jax.default_backend() == "cpu":  # CPU devices share nothing by splitting a save among replicas
+      _compat.orbax_one_replica_writes()
     self.verify = verify
     self.directory = epath.Path(paths.resolve(os.fspath(directory), "checkpoint.dir"))  # Orbax wants absolute paths
     self.where = os.fspath(self.directory)
