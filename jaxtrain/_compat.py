@@ -161,28 +161,25 @@ def orbax_object_stores() -> None:
 
 def orbax_one_replica_writes() -> None:
   """Has Orbax write each ``jax.Array`` of a save from one of its replicas (idempotent; checked on orbax-checkpoint
-  0.12.8). Called where the devices are CPUs (:func:`jaxtrain.checkpoint.persistent.reach`).
+  0.12.8). Called where the devices are CPUs (:class:`jaxtrain.checkpoint.persistent.PersistentTier`).
 
   Why: by default (except on GPU) Orbax splits each replicated shard among its replicas, each copying its part to the
   host, so that accelerators share the device-to-host copies. On CPUs, device memory is host memory: there is nothing
   to share, and each part is cut by a slice program that JAX compiles per array shape and device (a tiny
   data-parallel run's first save: 72 of them, ~1.2 s; tests/test_lora.py's MLA test: 22 -> 17 CPU-s). Orbax has no
-  public option for it: the registered ``jax.Array`` handler is replaced with one built the same way (its
-  array-metadata store, private, carried over) but ``use_replica_parallel=False``, Orbax's choice on GPU. What is
-  written is the same arrays; only the zarr chunks are whole shards instead of parts."""
+  public option for it, and registering another ``jax.Array`` handler would log a warning at every start: the
+  registered handler's own switch (``_use_replica_parallel``, read at each save) is turned off, Orbax's choice on
+  GPU. What is written is the same arrays; only the zarr chunks are whole shards instead of parts."""
   import jax  # pylint: disable=import-outside-toplevel
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   handler = ocp.type_handlers.get_type_handler(jax.Array)
-  if getattr(handler, "jaxtrain_one_replica_writes", False):
+  if getattr(handler, "_use_replica_parallel", None) is False:
     return
   _warn_if_untested_package("orbax-checkpoint", TESTED_ORBAX)
-  if not hasattr(handler, "_array_metadata_store"):
-    raise PrivateAPIMissing("checkpoints on CPU devices", "the jax.Array handler's _array_metadata_store",
-                            "orbax-checkpoint", TESTED_ORBAX, AttributeError("_array_metadata_store"))
-  one = ocp.type_handlers.ArrayHandler(array_metadata_store=handler._array_metadata_store,  # noqa: SLF001
-                                       use_replica_parallel=False)
-  one.jaxtrain_one_replica_writes = True
-  ocp.type_handlers.register_type_handler(jax.Array, one, override=True)
+  if not hasattr(handler, "_use_replica_parallel"):
+    raise PrivateAPIMissing("checkpoints on CPU devices", "the jax.Array handler's _use_replica_parallel",
+                            "orbax-checkpoint", TESTED_ORBAX, AttributeError("_use_replica_parallel"))
+  handler._use_replica_parallel = False  # noqa: SLF001
 
 
 # Tests ------------------------------------------------------------------------------------------------------------

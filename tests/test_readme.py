@@ -202,6 +202,9 @@ def user(tmp_path_factory):
 def test_quick_start_trains_checkpoints_and_summarizes(user):
   err = _ok(user.first)
   assert "optim.warmup_steps=20 is longer than the 12-step schedule" in err  # clipped, not refused
+  # That is the one warning a user sees (absl's W and E lines: jaxtrain's and its libraries' logs).
+  warned = [line for line in err.splitlines() if re.match(r"[WE]\d{4} ", line)]
+  assert len(warned) == 1 and "optim.warmup_steps=20" in warned[0], warned
   assert user.committed("runs/tiny") == [12]
   assert [r["step"] for r in user.records("runs/tiny")] == [10, 12]
   # Recorded on jax 0.10.2 and 0.12.0 (equal to all digits); CPU runs are deterministic, so any change to the
