@@ -21,6 +21,7 @@ number of processes is re-split by the iterator itself. Creating a tier also qui
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging as std_logging
 import os
@@ -105,11 +106,18 @@ again: ``absl.logging.get_absl_logger().removeFilter(checkpoint.LIBRARY_LOG_FILT
 def _drop_closed_loop_noise(unraisablehook):
   """After a failed write, Orbax's event loop closes while TensorStore still completes the other in-flight
   writes; each completion then fails to wake the closed loop and prints an "unraisable" traceback from a C++
-  thread. The write error itself is reported once (see _QuietLibraries); drop exactly that echo and hand
-  everything else to ``unraisablehook`` (the hook that was installed before)."""
+  thread. After a failed read (a corrupt step on a store, set aside and fallen back from), the reads of the step's
+  other chunks are left unfinished, and each one the garbage collector later closes raises Orbax's wrapper of the
+  GeneratorExit (a traceback each: 160 for a tiny model's state). The error itself is reported once (see
+  _QuietLibraries); drop exactly those echoes and hand everything else to ``unraisablehook`` (the hook that was
+  installed before)."""
 
   def hook(unraisable):
-    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+    closed_loop = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+    obj = unraisable.object
+    abandoned_read = (inspect.iscoroutine(obj) and "orbax" in obj.cr_code.co_filename
+                      and isinstance(getattr(unraisable.exc_value, "__cause__", None), GeneratorExit))
+    if not (closed_loop or abandoned_read):
       unraisablehook(unraisable)
   hook.drops_closed_loop_noise = True
   return hook
@@ -117,7 +125,7 @@ def _drop_closed_loop_noise(unraisablehook):
 
 def quiet_libraries() -> None:
   """Keeps Orbax's INFO narration of every save out of the log (its warnings and errors stay, each traceback of a
-  failed write folded into one line) and drops the "Event loop is closed" echoes of a failed write. Called by
+  failed write folded into one line) and drops the unraisable echoes of a failed write or read. Called by
   every Checkpointer, so that training from Python (a notebook, a test) logs what the command line logs;
   idempotent. The filters sit on the loggers, not on a handler, so they hold whatever handlers are attached
   (absl's, pytest's, a notebook's). ``sys.unraisablehook`` is wrapped, not replaced: whatever hook is installed
