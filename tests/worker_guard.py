@@ -75,7 +75,11 @@ class WorkerGuard:
         first = self._dead_since.setdefault(wid, clock)
         if clock - first < GRACE_S:
           continue
-        holders = pipe_holders(os.fstat(popen.stdout.fileno()).st_ino, exclude=os.getpid())
+        try:
+          inode = os.fstat(popen.stdout.fileno()).st_ino
+        except (OSError, ValueError):  # xdist closed the pipe meanwhile: it saw the worker go
+          continue
+        holders = pipe_holders(inode, exclude=os.getpid())
         if holders:
           print(f"\ntests/worker_guard.py: worker {wid} (pid {popen.pid}) exited with status {popen.returncode}; "
                 f"its pipe is still held by process(es) {', '.join(map(str, holders))} it started: killing them so "
