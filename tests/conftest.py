@@ -70,18 +70,13 @@ LONGEST_FIRST = ("test_readme.py", "test_distributed.py", "test_store_runs.py", 
                  "test_pipeline.py", "test_loss_scale.py", "test_gpt_oss.py", "test_prepare_cluster.py")
 
 
-def pytest_collection_finish(session):
-  """The test modules and their libraries are imported: their objects live as long as the worker, so they are frozen
-  out of the collector's sight (as jaxtrain.main does for a run), and full collections are made rare
-  (tests/collector.py)."""
-  collector.freeze()
-
-
 _last_module = [None]
 
 
 def pytest_runtest_setup(item):
-  """At the first test of each file: a full collection of what the files before left, then everything frozen."""
+  """At the first test of each file: a full collection of what the files before left, then everything alive frozen
+  out of the collector's sight and full collections made rare (tests/collector.py). At the first file that is the
+  test modules and their libraries, which live as long as the worker (as jaxtrain.main freezes its imports)."""
   if item.module is not _last_module[0]:
     _last_module[0] = item.module
     collector.between_files()

@@ -103,7 +103,7 @@ LIBRARY_LOG_FILTER = _QuietLibraries()
 again: ``absl.logging.get_absl_logger().removeFilter(checkpoint.LIBRARY_LOG_FILTER)``."""
 
 
-def _drop_closed_loop_noise(unraisablehook):
+def _drop_library_echoes(unraisablehook):
   """After a failed write, Orbax's event loop closes while TensorStore still completes the other in-flight
   writes; each completion then fails to wake the closed loop and prints an "unraisable" traceback from a C++
   thread. After a failed read (a corrupt step on a store, set aside and fallen back from), the reads of the step's
@@ -119,7 +119,7 @@ def _drop_closed_loop_noise(unraisablehook):
                       and isinstance(getattr(unraisable.exc_value, "__cause__", None), GeneratorExit))
     if not (closed_loop or abandoned_read):
       unraisablehook(unraisable)
-  hook.drops_closed_loop_noise = True
+  hook.drops_library_echoes = True
   return hook
 
 
@@ -136,8 +136,8 @@ def quiet_libraries() -> None:
   for logger in (logging.get_absl_logger(), std_logging.getLogger(), std_logging.getLogger("asyncio"),
                  *map(std_logging.getLogger, _STORE_CLIENT_LOGGERS)):
     logger.addFilter(LIBRARY_LOG_FILTER)  # a no-op when it is there already
-  if not getattr(sys.unraisablehook, "drops_closed_loop_noise", False):
-    sys.unraisablehook = _drop_closed_loop_noise(sys.unraisablehook)
+  if not getattr(sys.unraisablehook, "drops_library_echoes", False):
+    sys.unraisablehook = _drop_library_echoes(sys.unraisablehook)
 
 
 def _policies(every_steps: int, every_minutes: float, keep_last: int, keep_every: int):
