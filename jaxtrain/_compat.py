@@ -1,6 +1,6 @@
-"""The one home of what jaxtrain uses from JAX, XLA, qwix and Orbax that they do not promise to keep: their private
-modules (``jax._src``, ``qwix._src``, ``orbax.checkpoint._src``) and the names they read. Nothing else under jaxtrain/,
-tests/, tools/ or benchmarks/ imports a ``_src`` module (tests/test_compat.py fails on one).
+"""The one home of what jaxtrain uses from JAX, XLA, qwix, Orbax and gcsfs that they do not promise to keep: their
+private modules (``jax._src``, ``qwix._src``, ``orbax.checkpoint._src``) and the names they read. Nothing else under
+jaxtrain/, tests/, tools/ or benchmarks/ imports a ``_src`` module (tests/test_compat.py fails on one).
 
 Each accessor imports what it needs when it is called, never when this module is imported, so that a private API
 that moved breaks only the feature that needs it, never every start. Each says the versions it was checked on; when
@@ -179,6 +179,29 @@ def orbax_one_replica_writes() -> None:
   _warn_if_untested_package("orbax-checkpoint", TESTED_ORBAX)
   if hasattr(handler, "_use_replica_parallel"):  # else saves stay as that release makes them: slower, not wrong
     handler._use_replica_parallel = False  # noqa: SLF001
+
+
+# gcsfs ------------------------------------------------------------------------------------------------------------
+
+TESTED_GCSFS = ("2026.10.1",)
+
+
+def gcsfs_json_api(fs):
+  """``(call, location)`` of the gcsfs filesystem ``fs``: its request method (``call(method, url, *args,
+  json_out=False, **query_params)``, which raises gcsfs's error for the answer's status: a 412 is FileExistsError, an
+  HttpError with code 412 before gcsfs 2026.x) and the base URL of the Cloud Storage JSON API it reaches (its
+  ``endpoint_url``, else ``STORAGE_EMULATOR_HOST``'s, else Google's). Both are gcsfs's own, undocumented (checked on
+  gcsfs 2026.10.1; the same in 2024.2.0's source).
+
+  Why: the workdir's lease on ``gs://`` (:mod:`jaxtrain.lease`) replaces its object only if it is still the
+  generation read (``ifGenerationMatch=<generation>``); gcsfs's uploads take no precondition but
+  ``ifGenerationMatch=0`` (``mode="create"``), so the lease makes the JSON API's upload itself, with gcsfs's session,
+  credentials, endpoint and retries."""
+  try:
+    return fs.call, fs._location  # noqa: SLF001
+  except AttributeError as e:
+    raise PrivateAPIMissing("the workdir's lease on gs://", "gcsfs.GCSFileSystem.call and ._location", "gcsfs",
+                            TESTED_GCSFS, e) from None
 
 
 # Tests ------------------------------------------------------------------------------------------------------------

@@ -51,8 +51,9 @@ def base_config(model: str = "llama") -> ml_collections.ConfigDict:
   line swaps in family F's group (see jaxtrain.main)."""
   c = ml_collections.ConfigDict()
   c.workdir = "runs/default"  # run directory: resolved config, metrics, checkpoints
-  # A workdir on an object store (gs://, s3://) is locked by a lease the run renews; a killed run's lease is taken
-  # over this many seconds after its last renewal (the restart of a crashed run waits at most this long).
+  # A workdir on an object store (gs://, s3://) is locked by a lease the run renews; a start takes a run's lease over
+  # once it watched it unrenewed this long (the restart of a crashed run waits at most this long), and a run that
+  # cannot renew it for 3/4 of this stops writing (exit 75).
   c.workdir_lease_s = 120.0
   c.dry_run = False  # build the mesh, compile the step, print per-device memory and FLOPs, then exit
   # With dry_run: compile for this TPU topology instead of the local devices, on any host (needs libtpu:

@@ -29,7 +29,7 @@ import jax
 import ml_collections
 from absl import logging
 
-from jaxtrain import _compat, exits, restarts
+from jaxtrain import _compat, exits, logs, restarts
 from jaxtrain.errors import ConfigError, check_positive
 
 
@@ -329,11 +329,12 @@ class PeerWatch:
 def exit_lost_peer(why: str) -> None:
   """Says that a process of the job is gone and why (console and train.log), records it (:mod:`jaxtrain.restarts`),
   then exits 75 at once."""
-  restarts.record("lost peer", why)
+  restarts.record(exits.LOST_PEER, why)
   logging.error("a process of the job is gone (%s): exiting %d so that the job restarts", why, exits.RESTART)
   logging.flush()
   print(f"jaxtrain: stopped: a process of the job is gone ({why}); restart the job: it resumes from the newest "
         f"checkpoint (exit {exits.RESTART})", file=sys.stderr, flush=True)
+  logs.flush_all(logs.EXIT_S)  # process 0's logs on an object store (jaxtrain.logs): the last second's too
   os._exit(exits.RESTART)  # not sys.exit: JAX's shutdown barrier would wait for the lost process, then abort
 
 
@@ -343,4 +344,5 @@ def exit_stopped_by_peer(process: int, code: int, line: str) -> None:
   logging.error("process %d stopped the job (exit %d): %s", process, code, line)
   logging.flush()
   print(f"jaxtrain: error: process {process} stopped the job: {line}", file=sys.stderr, flush=True)
+  logs.flush_all(logs.EXIT_S)  # process 0's logs on an object store (jaxtrain.logs): the last second's too
   os._exit(code)  # not sys.exit: JAX's shutdown barrier would wait for the processes still in a collective

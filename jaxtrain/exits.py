@@ -35,9 +35,30 @@ CODES: dict[int, str] = {
 }
 
 
+# Why a run stopped restartably (exit 75): the words the restart budget (jaxtrain.restarts), goodput's account of
+# the interruptions (jaxtrain.goodput) and the console line name it by.
+PREEMPTED = "preempted"  # a SIGTERM/SIGINT: a preemption, a maintenance event, a time limit
+STORE_UNREACHABLE = "store unreachable"  # an object store that did not answer (refused, reset, 5xx, throttled)
+STORAGE_IO = "storage I/O"  # a disk or a network filesystem that failed a read or write (EIO, ESTALE)
+LOST_PEER = "lost peer"  # another process of the job went away
+HANG = "hang"  # the watchdog: no step finished in time
+LEASE_LOST = "lease lost"  # the workdir's lease could not be renewed before it ran out, or was taken over
+CAUSES = (PREEMPTED, STORE_UNREACHABLE, STORAGE_IO, LOST_PEER, HANG, LEASE_LOST)
+
+
 class Restart(Exception):
   """Training stopped before ``train.steps`` for a cause a restart cures; ``main`` prints it as one line and exits
-  :data:`RESTART`. ``str(e)`` says why and what was saved."""
+  :data:`RESTART`. ``str(e)`` says why and what was saved; ``cause`` names it (one of :data:`CAUSES`: a subclass
+  sets its own, or pass ``cause=``)."""
+
+  cause = PREEMPTED
+
+  def __init__(self, *args, cause: str | None = None):
+    super().__init__(*args)
+    if cause is not None:
+      if cause not in CAUSES:
+        raise ValueError(f"unknown restart cause {cause!r}; one of {CAUSES}")
+      self.cause = cause
 
 
 class RestartsExhausted(Exception):

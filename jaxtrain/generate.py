@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import time
 from typing import Any, Sequence

@@ -1,12 +1,13 @@
 """Goodput: how much of a workdir's wall time, over all its runs and restarts, went into training that was kept.
 
 Process 0 records a few events per run (:class:`Recorder`): the process's start, the loop's start (after compile
-and restore), its progress at every logged step and checkpoint, each NaN rollback, and its end. A run keeps its
-events in memory and, at each event, writes them whole as one object of ``<workdir>/goodput/`` (a new object every
-:data:`PART_EVENTS` events, so that a write stays small): object stores cannot append, so nothing here appends,
-and a workdir on ``gs://`` records like a local one. A kill loses at most the event being written. (Workdirs of
-earlier versions hold their runs' events in ``<workdir>/goodput.jsonl``: still read.) :func:`account` turns every
-run's events into one account:
+and restore), its progress at every logged step and checkpoint, each NaN rollback, and its end. Each run's events go
+to ``<workdir>/goodput/``: appended to ``<run>-00000.jsonl`` on a local disk (a kill loses at most the event being
+written); on an object store, which cannot append, as the segments of a :class:`jaxtrain.logs.Stream`
+(``<run>.<first>-<last>.jsonl``), written by a thread at most once a second, so that an event costs the same bytes
+at every step and the loop never waits for the store (a kill loses the events of the last second). Earlier versions
+wrote a run's events whole, up to 1,000 per object (``<run>-<part>.jsonl``), and before that to
+``<workdir>/goodput.jsonl``: both still read. :func:`account` turns every run's events into one account:
 
 - ``productive``: the loop's time of steps whose update was kept (the loop's time less the parts below);
 - ``startup``: from the process's start to the loop's (imports, joining the job, compile, init), less restore;
@@ -31,6 +32,7 @@ disruption -> ``lost``, and the time between a failure and the restart -> ``down
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import json
@@ -42,14 +44,14 @@ import jax
 from absl import logging
 from etils import epath
 
-from jaxtrain import paths
+from jaxtrain import logs, paths, restarts
 
-FOLDER = "goodput"  # <workdir>/goodput/<run>-<part>.jsonl: each run's events
+FOLDER = "goodput"  # <workdir>/goodput/: each run's events (<run>-<part>.jsonl, or a store's segments)
 LEGACY_EVENTS = "goodput.jsonl"  # the events of runs recorded by earlier versions (appended to one file)
 SUMMARY = "goodput.json"
 PARTS = ("productive", "startup", "restore", "checkpoint", "eval", "data_wait", "lost", "down", "other")
 LOOP_PARTS = ("productive", "checkpoint", "eval", "data_wait")  # what progress events count (cumulative seconds)
-PART_EVENTS = 1000  # events per object: at most ~200 KB rewritten per event
+KILLED = "killed"  # the cause of a run that ended without a word (SIGKILL, an OOM kill, a lost host)
 _IMPORTED = time.time()
 _runs_in_this_process = [0]
 _recorders = itertools.count()
@@ -77,41 +79,41 @@ class Recorder:
     self.folder = epath.Path(workdir) / FOLDER if jax.process_index() == 0 else None
     # Names this run's objects: its time (ms), process and recorder, as a sort key and to be unique.
     self.run = f"{int(1000 * (clock or time.time)()):013d}-{os.getpid()}-{next(_recorders)}"
-    self.events: list[dict] = []  # those of the object being written (its part number: self.part)
-    self.part = 0
-    self.made = False  # the folder
-    self.failed = False  # a write failed (warned once)
+    self.stream = None  # an object store's events (a jaxtrain.logs.Stream)
+    if self.folder is not None and paths.is_url(os.fspath(workdir)):
+      self.stream = logs.Stream(os.fspath(self.folder), "goodput events", ".jsonl", run=self.run)
+    self.made = False  # the local folder
+    self.unwritten = ""  # local events whose write failed: written with the next
+    self.failed = False  # a local write failed (warned once)
+    self.ended = False
 
   def _write(self, event: str, t: float | None = None, **fields) -> None:
-    """Adds the event and writes this run's newest object whole (a failed write is warned about once and made good
-    by the next event's)."""
+    """Adds the event to this run's: appended to its local file, or handed to the store's stream (which writes it in
+    the background, warns of an outage once and never raises)."""
     if self.folder is None:
       return
-    self.events.append({"event": event, "t": (self.clock or time.time)() if t is None else t, **fields})
-    text = "".join(json.dumps(e) + "\n" for e in self.events)
-    if self._stored(lambda: self._write_whole(f"{self.run}-{self.part:05d}.jsonl", text), "write events to"):
-      if len(self.events) >= PART_EVENTS:
-        self.events, self.part = [], self.part + 1
+    line = json.dumps({"event": event, "t": (self.clock or time.time)() if t is None else t, **fields}) + "\n"
+    if self.stream is not None:
+      self.stream.write(line)
+    else:
+      self._stored(lambda: self._append(line), "write events to")
 
-  def _write_whole(self, name: str, text: str) -> bool:
-    """``text`` as ``goodput/<name>``, never half written: an object store's write is whole when it is visible at
-    all; a local file is written aside and renamed over the old one."""
+  def _append(self, line: str) -> None:
+    self.unwritten += line
     if not self.made:
       self.folder.mkdir(parents=True, exist_ok=True)
       self.made = True
-    path = self.folder / name
-    if paths.is_url(os.fspath(self.workdir)):
-      path.write_text(text)
-    else:
-      aside = path.with_name(name + ".tmp")
-      aside.write_text(text)
-      aside.replace(path)
-    return True
+    with (self.folder / f"{self.run}-00000.jsonl").open("a") as f:
+      f.write(self.unwritten)
+    self.unwritten = ""
 
   def start(self) -> None:
-    """The run starts: at the process's start for its first run, now for a later one in the same process."""
+    """The run starts: at the process's start for its first run, now for a later one in the same process. From now
+    on a restartable exit of this process that does not end the loop (a hang, a lost peer: they exit at once) is
+    recorded as this run's interruption, with its cause (:func:`jaxtrain.restarts.listen`)."""
     first = _runs_in_this_process[0] == 0
     _runs_in_this_process[0] += 1
+    restarts.listen(self.stopped)
     if self.clock is not None:
       self._write("start", t=self.clock())
     else:
@@ -130,11 +132,27 @@ class Recorder:
     the checkpoint of ``step`` (restored): the steps after it are trained again."""
     self._write("rollback", step=step, reached=reached, **spent)
 
-  def end(self, step: int) -> dict | None:
-    """The loop ended at ``step``; rewrites ``goodput.json`` and returns the account (None: not recorded)."""
-    self._write("end", step=step)
+  def stopped(self, cause: str, detail: str = "") -> None:
+    """The process exits restartably (``cause``, one of :data:`jaxtrain.exits.CAUSES`) without ending the loop."""
+    self._write("stop", cause=cause, detail=detail[:300])
+
+  def end(self, step: int | None, cause: str | None = None, summarize: bool = True) -> dict | None:
+    """The loop ended at ``step`` (None: before it started; ``cause``: why it stopped before ``train.steps``, e.g. one of
+    :data:`jaxtrain.exits.CAUSES`; None: it reached them); rewrites ``goodput.json`` (unless not ``summarize``) and
+    returns the account (None: not recorded)."""
+    if self.ended:  # (a start's end after its loop's: the loop's stands)
+      return None
+    self.ended = True
+    restarts.unlisten(self.stopped)
+    self._write("end", **({"step": step} if step is not None else {}), **({"cause": cause} if cause else {}))
     if self.folder is None:
       return None
+    if not summarize:
+      if self.stream is not None:
+        self.stream.close()
+      return None
+    if self.stream is not None:
+      self.stream.close()  # every event in the store (or warned about), before the account reads them back
     events = self._stored(lambda: read_events(self.workdir), "read the events of")
     if events is None:
       return None
@@ -179,10 +197,13 @@ def read_events(workdir: str) -> list[dict]:
   folder, parts = root / FOLDER, {}
   for path in folder.glob("*.jsonl") if folder.exists() else []:
     run, _, part = path.stem.rpartition("-")
-    if run and part.isdigit():
+    if run and "." not in path.stem and part.isdigit():  # a local run's, or an earlier version's (a store's too)
       parts.setdefault(run, []).append((int(part), path))
-  for objects in parts.values():
-    events = [e for _, path in sorted(objects) for e in _parse(path.read_text())]
+  texts = ["".join(path.read_text() for _, path in sorted(objects)) for objects in parts.values()]
+  if paths.is_url(os.fspath(workdir)):
+    texts += [text for _, text in logs.read_runs(os.fspath(folder))]  # a store's segments
+  for text in texts:
+    events = _parse(text)
     if events and events[0]["event"] == "start":  # a recorder never started (a Loop built by hand) is no run
       runs.append(events)
   runs.sort(key=lambda events: events[0]["t"])
@@ -200,6 +221,18 @@ class _Run:
 
   def first(self, kind: str) -> dict | None:
     return next((e for e in self.events if e["event"] == kind), None)
+
+  def step(self) -> int | None:
+    """The newest step the run recorded."""
+    return next((e["step"] for e in reversed(self.events) if "step" in e), None)
+
+  def cause(self) -> str | None:
+    """Why the run stopped before its end, as it said (:data:`jaxtrain.exits.CAUSES`), ``"killed"`` when it said
+    nothing (SIGKILL, an OOM kill, a lost host), None for a run that ended (reached train.steps)."""
+    said = next((e for e in reversed(self.events) if e["event"] in ("stop", "end")), None)
+    if said is None:
+      return KILLED
+    return said.get("cause")
 
 
 def account(events: list[dict]) -> dict:
@@ -250,13 +283,17 @@ def account(events: list[dict]) -> dict:
   seconds["productive"] = sum(s for _, s in timeline)
   wall = (runs[-1].last - runs[0].start) if runs else 0.0
   shares = {p: (v / wall if wall > 0 else 0.0) for p, v in seconds.items()}
+  interruptions = [{"run": k, "step": run.step(), "cause": run.cause()} for k, run in enumerate(runs[:-1])
+                   if run.cause() is not None]
   return {"goodput": shares["productive"], "wall_s": wall, "runs": len(runs), "steps_trained_again": trained_again,
-          "seconds": seconds, "shares": shares}
+          "seconds": seconds, "shares": shares, "interruptions": interruptions,
+          "interrupted_by": dict(collections.Counter(i["cause"] for i in interruptions))}
 
 
 def describe(summary: dict) -> str:
-  """One line: the goodput and the largest parts of the badput."""
+  """One line: the goodput, the largest parts of the badput and the interruptions by cause."""
   bad = sorted(((v, p) for p, v in summary["shares"].items() if p != "productive" and v >= 0.005), reverse=True)
   rest = ", ".join(f"{p} {100 * v:.1f}%" for v, p in bad[:4])
+  causes = ", ".join(f"{c} x{n}" for c, n in sorted(summary.get("interrupted_by", {}).items()))
   return (f"goodput {100 * summary['goodput']:.1f}% of {summary['wall_s']:.0f}s over {summary['runs']} run(s)"
-          + (f" (badput: {rest})" if rest else ""))
+          + (f" (badput: {rest})" if rest else "") + (f"; interrupted by {causes}" if causes else ""))

@@ -21,10 +21,18 @@ Every mistake in the input (another architecture, biases it has not, an unknown 
 an index naming files outside the folder, shapes that disagree with the config, an existing output) is a
 :class:`HFError` (a UserError), raised before anything is written; outputs are built in a temporary folder next to
 the output and renamed into place.
+
+Inputs and outputs may be on an object store (``gs://``, ``s3://``). A Hugging Face folder there is copied to a
+local temporary folder first (the files the import reads; safetensors' reader opens local files): local disk of
+the model's size. An output there is written in place, each file whole, the file its readers open first last
+(:class:`_Output`). A store that does not answer is a :class:`jaxtrain.exits.Restart` (run the same command
+again: it clears the unfinished output and starts over), one that refuses the caller (403, 401: credentials,
+permissions) an HFError.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -33,15 +41,20 @@ import struct
 import tempfile
 from typing import Any
 
+import fsspec
 import jax
 import ml_collections
 import ml_dtypes
 import numpy as np
+from absl import logging
 from etils import epath
 from safetensors import SafetensorError, safe_open
 
 from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import exits
 from jaxtrain import models
+from jaxtrain import paths
+from jaxtrain import stores
 from jaxtrain.config import base_config
 from jaxtrain.errors import UserError
 from jaxtrain.models import hf_adapter, lora
@@ -177,19 +190,29 @@ def _header(path: str) -> dict[str, _Entry]:
                   "the file is truncated or corrupt: download it again") from None
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def _weight_map(index: str) -> dict[str, str]:
+  """The ``weight_map`` of the safetensors index file ``index``, every file it names checked to be a file in the
+  index's folder (an index may come from anywhere: its names become paths to read, and to write a local copy to)."""
+  try:
+    weight_map = json.loads(open(index).read())["weight_map"]
+  except (ValueError, KeyError) as e:
+    raise HFError(index, f"is not a safetensors index ({e})", "download it again") from None
+  if not isinstance(weight_map, dict):
+    raise HFError(index, "is not a safetensors index (its weight_map is not a mapping)", "download it again")
+  for name, file in weight_map.items():  # file names in the folder; read as written (a hub cache's are links)
+    if not isinstance(file, str) or os.path.isabs(file) or os.path.normpath(file).split(os.sep)[0] in ("..", "."):
+      raise HFError(index, f"maps {name} to {file!r}, not a file in the folder", "an index names files next to "
+                    "it: download the model again, or write the entry as the file's name in the folder")
+  return weight_map
+
+
 def _find_weights(hf_dir: str) -> dict[str, _Entry]:
-  index = os.path.join(hf_dir, "model.safetensors.index.json")
+  index = os.path.join(hf_dir, INDEX)
   if os.path.exists(index):
-    try:
-      weight_map = json.loads(open(index).read())["weight_map"]
-    except (ValueError, KeyError) as e:
-      raise HFError(index, f"is not a safetensors index ({e})", "download it again") from None
-    if not isinstance(weight_map, dict):
-      raise HFError(index, "is not a safetensors index (its weight_map is not a mapping)", "download it again")
-    for name, file in weight_map.items():  # file names in the folder; read as written (a hub cache's are links)
-      if not isinstance(file, str) or os.path.isabs(file) or os.path.normpath(file).split(os.sep)[0] in ("..", "."):
-        raise HFError(index, f"maps {name} to {file!r}, not a file in the folder", "an index names files next to "
-                      "it: download the model again, or write the entry as the file's name in the folder")
+    weight_map = _weight_map(index)
     files = sorted(set(weight_map.values()))
   else:
     files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
@@ -234,26 +257,145 @@ def _write_safetensors(path: str, tensors: list[tuple[str, tuple[int, ...], np.d
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Output folders: built next to the output, renamed into place.
+# Output folders: on a local disk built next to the output and renamed into place; on an object store written in
+# place, the file its readers open first last. Object stores' faults told apart.
 
-class _Staging:
-  def __init__(self, output: str):
-    self.output = os.path.abspath(output)
-    if os.path.exists(self.output):
-      raise HFError(output, "already exists", "choose a new output folder (nothing is overwritten)")
-    parent = os.path.dirname(self.output)
-    os.makedirs(parent, exist_ok=True)
-    self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(self.output)}.tmp-", dir=parent)
+UNFINISHED = ".convert_hf-unfinished"  # on a store: an output's first object, deleted once the output is complete
 
-  def __enter__(self) -> str:
-    return self.tmp
+
+class _Output:
+  """The folder ``output`` a conversion writes, local or on an object store; an existing one is refused (nothing is
+  overwritten). Used as ``with _Output(output, last) as out:`` then ``out.path(name)`` (where Orbax writes) and
+  ``with out.file(name) as local:`` (a file written to the local path ``local``, in the folder once the block ends).
+
+  On a local disk it is built in a temporary folder next to ``output`` and renamed into place: a reader sees all of
+  it or nothing. An object store has no rename of a folder (each object is copied, then deleted: every byte written
+  twice, and a reader still sees a part of it meanwhile), so there it is written in place, and a part never looks
+  like the whole: each file is uploaded whole once written (an object appears when its upload completes, never a
+  part of it), ``last`` (the file its readers open first: an HF folder's config.json, an import's config.py) is
+  uploaded last, and :data:`UNFINISHED` is written first and deleted at the end. A failure deletes what was written
+  where the store still answers; what a failure leaves (the store stopped answering, the process was killed) has no
+  ``last`` and holds UNFINISHED, which tells the next conversion into it that it may clear it and start over."""
+
+  def __init__(self, output: str, last: str):
+    self.on_store, self.last = stores.is_store(output), last
+    if not self.on_store:
+      self.output = os.path.abspath(output)
+      if os.path.exists(self.output):
+        raise HFError(output, "already exists", "choose a new output folder (nothing is overwritten)")
+      parent = os.path.dirname(self.output)
+      os.makedirs(parent, exist_ok=True)
+      self.folder = tempfile.mkdtemp(prefix=f".{os.path.basename(self.output)}.tmp-", dir=parent)
+      return
+    self.output = self.folder = output.rstrip("/")
+    with _store_faults(self.output):
+      self.fs, self.root = fsspec.core.url_to_fs(self.output)
+      self.fs.invalidate_cache()  # listings cached before another client (Orbax) wrote
+      if self.fs.exists(self.root):
+        if not self.fs.exists(f"{self.root}/{UNFINISHED}") or self.fs.exists(f"{self.root}/{last}"):
+          raise HFError(output, "already exists", "choose a new output folder (nothing is overwritten)")
+        logging.warning("%s: an unfinished conversion (%s): cleared, starting over", output, UNFINISHED)
+        self.fs.rm(self.root, recursive=True)
+      self.fs.pipe_file(f"{self.root}/{UNFINISHED}", b"")
+
+  def path(self, *parts: str) -> str:
+    """Where to write ``parts`` now (on a local disk: in the temporary folder)."""
+    return paths.join(self.folder, *parts)
+
+  def final(self, *parts: str) -> str:
+    """Where ``parts`` will be once the output is complete."""
+    return paths.join(self.output, *parts)
+
+  @contextlib.contextmanager
+  def file(self, name: str):
+    """The local path to write the folder's file ``name`` (``a/b``: in a subfolder) to; in the folder once the block
+    ends (on a store: uploaded from a temporary file, which is then deleted), not at all if it raises."""
+    if not self.on_store:
+      os.makedirs(os.path.dirname(self.path(name)), exist_ok=True)
+      yield self.path(name)
+      return
+    with tempfile.TemporaryDirectory(prefix="jaxtrain-hf-") as tmp:
+      local = os.path.join(tmp, os.path.basename(name))
+      yield local
+      with _store_faults(self.output):
+        self.fs.put_file(local, f"{self.root}/{name}")
+
+  def __enter__(self) -> "_Output":
+    return self
 
   def __exit__(self, kind, value, tb):
+    if not self.on_store:
+      if kind is None:
+        os.rename(self.folder, self.output)
+      else:
+        shutil.rmtree(self.folder, ignore_errors=True)
+      return False
     if kind is None:
-      os.rename(self.tmp, self.output)
-    else:
-      shutil.rmtree(self.tmp, ignore_errors=True)
+      with _store_faults(self.output):
+        self.fs.rm_file(f"{self.root}/{UNFINISHED}")
+      return False
+    # Every object under the output is this conversion's: it did not exist, or was an unfinished one. The store that
+    # failed the conversion may fail this too: then UNFINISHED stays, for the next conversion into it to clear.
+    with contextlib.suppress(Exception):
+      self.fs.invalidate_cache()
+      self.fs.rm(self.root, recursive=True)
     return False
+
+
+@contextlib.contextmanager
+def _store_faults(where: str):
+  """An object store's failure within the block as the user sees it: one a retry cures (the store did not answer,
+  :func:`jaxtrain.stores.unreachable`) a Restart (exit 75), a refusal (:func:`jaxtrain.stores.refused`: 403, 401,
+  a missing credential) an HFError (exit 2), both naming ``where``; UserErrors and Restarts pass. Nothing is
+  told apart where ``where`` is a local path."""
+  try:
+    yield
+  except (UserError, exits.Restart):
+    raise
+  except Exception as e:
+    if not stores.is_store(where):
+      raise
+    cause = stores.unreachable(e)
+    if cause is not None:
+      raise exits.Restart(f"{where}: the object store did not answer ({checkpoint_lib.describe(cause)}); run the "
+                          "same command again once it does (it clears an unfinished output)",
+                          cause=exits.STORE_UNREACHABLE) from e
+    cause = stores.refused(e)
+    if cause is not None:
+      raise HFError(where, f"the object store refused access ({checkpoint_lib.describe(cause)})",
+                    "check the credentials (gs://: gcloud auth application-default login or "
+                    "GOOGLE_APPLICATION_CREDENTIALS; s3://: AWS_ACCESS_KEY_ID / AWS_PROFILE) and the bucket's "
+                    "permissions") from None
+    raise
+
+
+def _fetch(hf_url: str, into: str, weights: bool) -> None:
+  """Copies what an import reads of the Hugging Face folder ``hf_url`` on an object store into the local folder
+  ``into``: config.json, the side files and the index, then (``weights``) the weight files the index names (each a
+  name in the folder, checked before it becomes a local path) or every ``*.safetensors``. safetensors' reader opens
+  local files only, and the import reads each tensor where it lies in its file."""
+  fs, root = fsspec.core.url_to_fs(hf_url)
+  fs.invalidate_cache()
+  if not weights:
+    try:  # not fs.isdir, which takes a refusal (403) for "no"
+      folder = fs.info(root)["type"] == "directory"
+    except FileNotFoundError:
+      folder = False
+    if not folder:
+      raise HFError(hf_url, "is not a folder", "pass --hf=a Hugging Face model folder")
+    for name in dict.fromkeys(("config.json", INDEX, *SIDE_FILES)):
+      if fs.exists(f"{root}/{name}"):
+        fs.get_file(f"{root}/{name}", os.path.join(into, name))
+    return
+  if os.path.exists(os.path.join(into, INDEX)):
+    weights = sorted(set(_weight_map(os.path.join(into, INDEX)).values()))
+  else:
+    weights = sorted(n for n in (p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+                     if n.endswith(".safetensors"))
+  for name in weights:
+    if fs.exists(f"{root}/{name}"):  # one named but absent: the import says which
+      os.makedirs(os.path.dirname(os.path.join(into, name)), exist_ok=True)
+      fs.get_file(f"{root}/{name}", os.path.join(into, name))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -340,47 +482,66 @@ def get_config():
 
 
 def import_model(hf_dir: str, output: str) -> dict:
-  """Converts the Hugging Face folder ``hf_dir`` into ``output`` (see the module docstring); returns a summary
-  (params, bytes, source dtype)."""
-  config_file = os.path.join(hf_dir, "config.json")
-  if not os.path.isdir(hf_dir):
-    raise HFError(hf_dir, "is not a folder", "pass --hf=a Hugging Face model folder")
-  if not os.path.exists(config_file):
-    raise HFError(hf_dir, "has no config.json", "pass a Hugging Face model folder (config.json + *.safetensors)")
-  try:
-    hf = json.loads(open(config_file).read())
-  except ValueError as e:
-    raise HFError(config_file, f"is not JSON ({e})", "download it again") from None
-  model = model_config(hf, config_file)
-  staging = _Staging(output)  # refuses an existing output before any tensor is read
-  with staging as tmp:
-    params, dtype = read_params(hf_dir, model)
-    meta = {"hf_import": {"source": os.path.abspath(hf_dir), "dtype": dtype}}
-    config = base_config(model=model.name)
-    config.model = model
-    config.workdir = f"runs/{os.path.basename(staging.output)}"
-    params = _to_jax(params)
-    ckpt = checkpoint_lib.PersistentTier(os.path.join(tmp, "checkpoints"), async_save=False)  # fingerprinted
+  """Converts the Hugging Face folder ``hf_dir`` into ``output`` (see the module docstring; either may be on an
+  object store); returns a summary (params, bytes, source dtype)."""
+  with contextlib.ExitStack() as stack:
+    if stores.is_store(hf_dir):  # read from a local copy, made in two parts: the weights once the output is new
+      source = hf_dir.rstrip("/")
+      local = stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxtrain-hf-"))
+      stack.enter_context(_named_as(local, source))
+      with _store_faults(source):
+        _fetch(source, local, weights=False)
+    else:
+      source = local = os.path.abspath(hf_dir)
+    config_file = os.path.join(local, "config.json")
+    if not os.path.isdir(local):
+      raise HFError(hf_dir, "is not a folder", "pass --hf=a Hugging Face model folder")
+    if not os.path.exists(config_file):
+      raise HFError(hf_dir, "has no config.json", "pass a Hugging Face model folder (config.json + *.safetensors)")
     try:
-      ckpt.save(0, {"step": np.zeros((), np.int32), "params": params}, None, meta, config.to_dict(), force=True)
-    except checkpoint_lib.NonFiniteState as e:
-      raise HFError(hf_dir, f"holds {e}", "the source checkpoint is broken") from None
-    finally:
-      ckpt.close()
-    nbytes = sum(a.nbytes for a in jax.tree.leaves(params))
-    count = sum(a.size for a in jax.tree.leaves(params))
-    del params
-    os.makedirs(os.path.join(tmp, "hf"))
-    for f in SIDE_FILES:
-      if os.path.exists(os.path.join(hf_dir, f)):
-        shutil.copy2(os.path.join(hf_dir, f), os.path.join(tmp, "hf", f))
-    with open(os.path.join(tmp, "config.py"), "w") as fh:
-      fh.write(_CONFIG_PY.format(  # every string a repr(): a path may hold quotes, backslashes, anything
-          source=os.path.abspath(hf_dir),
-          path=os.path.join(staging.output, "config.py"), workdir=config.workdir, family=model.name,
-          model="\n".join(f"      {k}={v!r}," for k, v in model.items() if k not in ("name", "lora")),
-          checkpoints=os.path.join(staging.output, "checkpoints")))
+      hf = json.loads(open(config_file).read())
+    except ValueError as e:
+      raise HFError(config_file, f"is not JSON ({e})", "download it again") from None
+    model = model_config(hf, config_file)
+    with _Output(output, last="config.py") as out:  # refuses an existing output before any tensor is read
+      if source != local:
+        with _store_faults(source):
+          _fetch(source, local, weights=True)
+      params, dtype = read_params(local, model)
+      meta = {"hf_import": {"source": source, "dtype": dtype}}
+      config = base_config(model=model.name)
+      config.model = model
+      config.workdir = f"runs/{os.path.basename(out.output)}"
+      params = _to_jax(params)
+      ckpt = checkpoint_lib.PersistentTier(out.path("checkpoints"), async_save=False)  # fingerprinted
+      try:
+        ckpt.save(0, {"step": np.zeros((), np.int32), "params": params}, None, meta, config.to_dict(), force=True)
+      except checkpoint_lib.NonFiniteState as e:
+        raise HFError(hf_dir, f"holds {e}", "the source checkpoint is broken") from None
+      finally:
+        ckpt.close()
+      nbytes = sum(a.nbytes for a in jax.tree.leaves(params))
+      count = sum(a.size for a in jax.tree.leaves(params))
+      del params
+      for f in SIDE_FILES:
+        if os.path.exists(os.path.join(local, f)):
+          with out.file(f"hf/{f}") as copy:
+            shutil.copy2(os.path.join(local, f), copy)
+      with out.file("config.py") as written, open(written, "w") as fh:  # last: the output is complete
+        fh.write(_CONFIG_PY.format(  # every string a repr(): a path may hold quotes, backslashes, anything
+            source=source, path=out.final("config.py"), workdir=config.workdir, family=model.name,
+            model="\n".join(f"      {k}={v!r}," for k, v in model.items() if k not in ("name", "lora")),
+            checkpoints=out.final("checkpoints")))
   return {"params": count, "bytes": nbytes, "source_dtype": dtype}
+
+
+@contextlib.contextmanager
+def _named_as(local: str, url: str):
+  """A UserError raised within names ``url`` where it names ``local`` (the local copy of the folder ``url``)."""
+  try:
+    yield
+  except UserError as e:
+    raise type(e)(*(part.replace(local, url) for part in (e.subject, e.problem, e.fix))) from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -396,6 +557,11 @@ def export_model(checkpoint: str, output: str, step: int | None = None, max_shar
     raise HFError("--dtype", f"'{dtype}' is not one of auto, {', '.join(_EXPORT_DTYPES)}", "pick one of them")
   if max_shard_mb <= 0:
     raise HFError("--max_shard_mb", f"must be > 0, got {max_shard_mb}", "fix the value")
+  with _store_faults(checkpoint):
+    return _export(checkpoint, output, step, max_shard_mb, dtype)
+
+
+def _export(checkpoint: str, output: str, step: int | None, max_shard_mb: float, dtype: str) -> dict:
   step_dir = checkpoint_lib.step_dir(checkpoint, step)
   config = checkpoint_lib.saved_config(step_dir)
   name = (config.get("model") or {}).get("name")
@@ -418,7 +584,7 @@ def export_model(checkpoint: str, output: str, step: int | None = None, max_shar
   np_dtype = _bf16() if dtype == "bfloat16" else np.dtype(dtype)
   base_file = epath.Path(side) / "config.json" if side else None
   base = json.loads(base_file.read_text()) if base_file and base_file.exists() else None
-  with _Staging(output) as tmp:
+  with _Output(output, last="config.json") as out:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
     abstract = models.Model.from_config(model).abstract_params
     adapted = lora.active(model)
@@ -465,16 +631,18 @@ def export_model(checkpoint: str, output: str, step: int | None = None, max_shar
     weight_map = {}
     for i, shard in enumerate(shards):
       file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-      _write_safetensors(os.path.join(tmp, file), shard, produce)
+      with out.file(file) as written:
+        _write_safetensors(written, shard, produce)
       weight_map.update({name: file for name, _, _ in shard})
     total = sum(math.prod(s) * np_dtype.itemsize for _, s, _ in (t for shard in shards for t in shard))
     if len(shards) > 1:
-      with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as fh:
+      with out.file(INDEX) as written, open(written, "w") as fh:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
-    with open(os.path.join(tmp, "config.json"), "w") as fh:
-      json.dump(exporter.hf_config(model, base, dtype), fh, indent=2)
     if side:
       for f in SIDE_FILES:
         if f != "config.json" and (epath.Path(side) / f).exists():
-          (epath.Path(side) / f).copy(os.path.join(tmp, f))
+          with out.file(f) as written:
+            (epath.Path(side) / f).copy(written)
+    with out.file("config.json") as written, open(written, "w") as fh:  # last: what a reader opens first
+      json.dump(exporter.hf_config(model, base, dtype), fh, indent=2)
   return {"step_dir": step_dir, "bytes": total, "shards": len(shards), "dtype": dtype}

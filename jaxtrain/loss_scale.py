@@ -2,8 +2,9 @@
 pass, so that the small gradients of float16 activations stay above float16's smallest normal number (6.1e-5; below
 it they lose precision, below 6e-8 they are 0), and the gradients are divided by it after. ``dynamic``: the scale
 doubles after ``optim.loss_scale_period`` finite steps in a row and halves (to at least 1) on a step whose
-gradients overflow, which is skipped; a number: that scale, always; ``none``: no scaling (bfloat16 and float32 need
-none).
+gradients overflow, which is skipped; a number: that scale, always, and a step whose gradients overflow at it is a
+non-finite step for the NaN policy (``monitor.nan_policy``), since a scale that never moves overflows again on the
+next batch like it; ``none``: no scaling (bfloat16 and float32 need none).
 
 The scale is optimizer state (:class:`LossScaleState`, the outermost layer of the run's optimizer): it is saved in
 every checkpoint and restored with it, laid out (replicated) like any scalar state, and a resumed run goes on with
@@ -41,6 +42,7 @@ class LossScaled(NamedTuple):
   init: Any
   update: Any
   adjust: Any  # (LossScaleState, grads finite: bool array) -> LossScaleState
+  dynamic: bool  # whether the scale moves (``dynamic``): an overflow is then the scaler's to handle
 
 
 def parse(value) -> tuple[str, float]:
@@ -85,4 +87,4 @@ def wrap(tx: optax.GradientTransformation, value, initial: float, period: int) -
     good = jnp.where(finite & ~grown, state.good_steps + 1, 0)
     return state._replace(scale=scale, good_steps=good.astype(jnp.int32))
 
-  return LossScaled(init, update, adjust)
+  return LossScaled(init, update, adjust, mode == "dynamic")

@@ -25,7 +25,7 @@ from jaxtrain import exits
 from jaxtrain import models
 from jaxtrain import paths
 from jaxtrain import restarts
-from jaxtrain.checkpoint import CheckpointError, SaveFailed, StoreUnreachable, describe
+from jaxtrain.checkpoint import CheckpointError, SaveFailed, describe
 from jaxtrain.train import trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).",
@@ -146,6 +146,22 @@ def check_restart_budget(config) -> None:
   restarts.arm(workdir, f"{int(header[1]):010d}-{int(header[2]):08x}", jax.process_index())
 
 
+def known_stop(e: BaseException) -> tuple[int, str] | None:
+  """``(exit code, the one line printed)`` of a stop whose cause is known (no traceback): a user's mistake (2), a
+  cause a restart cures (75, its cause named), the restart budget spent (3), training stopped on purpose (1); None
+  for anything else (a bug: 1 with its traceback in train.log)."""
+  if isinstance(e, config_lib.UserError):
+    return exits.USER_ERROR, f"jaxtrain: error: {e}"
+  if isinstance(e, exits.RestartsExhausted):
+    return exits.RESTARTS_EXHAUSTED, f"jaxtrain: stopped: {e} (exit {exits.RESTARTS_EXHAUSTED})"
+  if isinstance(e, exits.Restart):
+    named = "" if str(e).startswith(e.cause) else f"{e.cause}: "  # the cause first, once
+    return exits.RESTART, f"jaxtrain: stopped: {named}{e}; restart the same command to resume (exit {exits.RESTART})"
+  if isinstance(e, trainer.TrainingStopped):
+    return exits.BUG, f"jaxtrain: stopped: {e}"
+  return None
+
+
 def main(argv: list[str]) -> None:
   del argv
   # The objects of the imports above live as long as the process: out of the collector's sight, the full collections
@@ -176,18 +192,17 @@ def main(argv: list[str]) -> None:
     trainer.train(config)
   except config_lib.UserError as e:
     _fail(str(e), at_once=isinstance(e, CheckpointError))
-  except exits.RestartsExhausted as e:
-    print(f"jaxtrain: stopped: {e} (exit {exits.RESTARTS_EXHAUSTED})", file=sys.stderr)
-    sys.exit(exits.RESTARTS_EXHAUSTED)
-  except exits.Restart as e:
-    restarts.record("preempted", str(e))
-    print(f"jaxtrain: stopped: {e}; restart the same command to resume (exit {exits.RESTART})", file=sys.stderr)
-    if isinstance(e, StoreUnreachable):  # a failed async save's threads would hold up a normal exit (see _leave)
-      _leave(exits.RESTART)
-    sys.exit(exits.RESTART)
-  except trainer.TrainingStopped as e:
-    print(f"jaxtrain: stopped: {e}", file=sys.stderr)
-    sys.exit(exits.BUG)
+  except (exits.RestartsExhausted, exits.Restart, trainer.TrainingStopped) as e:
+    code, line = known_stop(e)
+    if isinstance(e, exits.Restart):
+      restarts.record(e.cause, str(e))
+    print(line, file=sys.stderr)
+    if isinstance(e, exits.Restart) and e.cause != exits.PREEMPTED:
+      # A cause one process met (its lease lost, its store's answer): every process stops by it, with this code, not
+      # as a lost peer. (A preemption stops every process at the same step already.)
+      distributed.stop_job(code, line.removeprefix("jaxtrain: stopped: "))
+      _leave(code)  # a failed async save's threads would hold up a normal exit (see _leave)
+    sys.exit(code)
   except Exception as e:  # not the user's mistake: a lost peer, or a bug here or in a library
     cause = distributed.lost_peer(e)
     if cause:  # another process went away (by the error's type and status code): restart the job

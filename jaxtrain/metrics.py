@@ -11,15 +11,15 @@ import json
 import os
 import sys
 
-import fsspec
 import jax
 from absl import logging
 from etils import epath
 import ml_collections
-from jaxtrain import paths
+from jaxtrain import failures, logs, paths
 from jaxtrain.errors import check_choice, check_positive
 
 
+METRICS = "metrics.jsonl"
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -69,28 +69,17 @@ def device_memory_bytes() -> int | None:
 
 def read_records(path) -> list[dict]:
   """The complete records of a ``metrics.jsonl`` (or of the one in a workdir): a line still being appended by a
-  live run (or cut by a kill) is left out. Steps logged again after a resume appear again, the last one latest."""
-  if paths.is_url(os.fspath(path)):
-    text = _read_object(os.fspath(path))
+  live run (or cut by a kill) is left out. Steps logged again after a resume appear again, the last one latest. On an
+  object store the records are its segments, run after run (:mod:`jaxtrain.logs`), after the whole object an earlier
+  version wrote; ``path`` is then the workdir, or a ``.jsonl`` object in it."""
+  path = os.fspath(path)
+  if paths.is_url(path):
+    text = logs.read(path if path.endswith(".jsonl") else paths.join(path, METRICS))
   else:
-    path = epath.Path(path)
-    path = path / "metrics.jsonl" if path.is_dir() else path
-    text = path.read_text() if path.exists() else ""
+    local = epath.Path(path)
+    local = local / METRICS if local.is_dir() else local
+    text = local.read_text() if local.exists() else ""
   return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
-
-
-def _read_object(url: str) -> str:
-  """``metrics.jsonl`` on an object store (``url`` it, or its workdir), as it is now: one fresh read, not through the
-  client's cached listing or a file object tied to the version it first saw (a live run replaces the object at every
-  record)."""
-  fs, path = fsspec.core.url_to_fs(url)
-  fs.invalidate_cache()
-  for name in (path, path.rstrip("/") + "/metrics.jsonl"):
-    try:
-      return fs.cat_file(name).decode()
-    except (FileNotFoundError, IsADirectoryError):
-      continue
-  return ""
 
 
 def _drop_torn_line(path: epath.Path) -> None:
@@ -123,32 +112,34 @@ def _summary_writer_class():
 class MetricWriter:
   """Console (a tqdm bar on a TTY, plain log lines otherwise), ``metrics.jsonl``, TensorBoard and W&B.
 
-  Each record is in ``metrics.jsonl`` when :meth:`write` returns. A local file is appended to. An object store
-  (``gs://``, ``s3://``) cannot append: there the writer keeps the file's text (read once at start) and writes it
-  whole as the object at each record, which the store makes visible whole or not at all; a kill loses nothing
-  written before, and a write that fails (the store unreachable) is warned about and made good by the next one.
-  TensorBoard's event files are tensorboardX's: it writes them to ``gs://`` and ``s3://`` itself, whole at each
-  flush."""
+  A local ``metrics.jsonl`` is appended to: each record is in it when :meth:`write` returns. An object store
+  (``gs://``, ``s3://``) cannot append: there the records are a :class:`jaxtrain.logs.Stream`'s segments under
+  ``metrics.jsonl.d/``, written by a thread at most once a second (:data:`jaxtrain.logs.INTERVAL_S`), so that a
+  record costs the same bytes and requests at step 10 and at step 1,000,000 and the loop never waits for the store; a
+  kill loses the records of the last second (during an outage, those not written yet), and :func:`read_records` reads
+  them back as one file. TensorBoard's event files are tensorboardX's: it writes them to ``gs://`` and ``s3://``
+  itself, whole at each flush, there every two minutes (its ``flush_secs``) rather than at every record."""
 
   def __init__(self, workdir: str, total_steps: int, start_step: int, metrics_cfg, config_dict: dict):
     self.enabled = jax.process_index() == 0
     self.total_steps = total_steps
-    self.path = epath.Path(workdir) / "metrics.jsonl"
+    self.path = epath.Path(workdir) / METRICS
     self.tb = self.wandb = self.bar = None
-    self.text: str | None = None  # an object store's metrics.jsonl as written so far (None: a local file)
-    self.unwritten = False  # the last write to the store failed
+    self.stream: logs.Stream | None = None  # an object store's metrics.jsonl (None: a local file)
     if not self.enabled:
       return
     if paths.is_url(os.fspath(workdir)):
-      self.text = self.path.read_text() if self.path.exists() else ""
-      self.text = self.text[:self.text.rfind("\n") + 1]  # never torn (a whole object), but written by anything
+      self.stream = logs.Stream(logs.segments(paths.join(os.fspath(workdir), METRICS)), "metrics", ".jsonl")
     else:
       _drop_torn_line(self.path)
     if metrics_cfg.tensorboard:
       SummaryWriter = _summary_writer_class()
       # A resumed run re-logs the steps after its checkpoint: TensorBoard hides the earlier run's copies.
+      # On an object store tensorboardX uploads an event file whole at each flush: there its own thread flushes
+      # every flush_secs (120 s) instead of the loop at every record, with room to queue records meanwhile.
       self.tb = SummaryWriter(str(epath.Path(workdir) / "tensorboard"),
-                              purge_step=start_step + 1 if start_step else None)
+                              purge_step=start_step + 1 if start_step else None,
+                              **({"max_queue": 1000} if self.stream is not None else {}))
     if metrics_cfg.wandb:
       try:
         import wandb
@@ -165,16 +156,20 @@ class MetricWriter:
     if not self.enabled:
       return
     record = {"step": step, **{k: float(v) for k, v in metrics.items() if v is not None}}
-    if self.text is None:
-      with self.path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    if self.stream is None:
+      try:
+        with self.path.open("a") as f:
+          f.write(json.dumps(record) + "\n")
+      except OSError as e:  # a full or failing disk: the run stops by its cause (the checkpoint's save would too)
+        failures.reraise(e, os.fspath(self.path), f"writing step {step}'s metrics",
+                         "the checkpoints are intact: a restart resumes and logs the steps since the newest one")
+        raise
     else:
-      self.text += json.dumps(record) + "\n"
-      self._flush()
+      self.stream.write(json.dumps(record) + "\n")
     for k, v in record.items():
       if k != "step" and self.tb is not None:
         self.tb.add_scalar(k, v, step)
-    if self.tb is not None:
+    if self.tb is not None and self.stream is None:
       self.tb.flush()
     if self.wandb is not None:
       self.wandb.log(record, step=step)
@@ -191,21 +186,9 @@ class MetricWriter:
     else:
       logging.info("step %d/%d | %s", step, self.total_steps, line)
 
-  def _flush(self) -> None:
-    """Writes the object store's ``metrics.jsonl`` whole (a failure is warned about and retried at the next
-    record)."""
-    try:
-      self.path.write_text(self.text)
-    except Exception as e:  # noqa: BLE001 - each store's client raises its own
-      if not self.unwritten:
-        logging.warning("could not write %s (%s); the next record tries again", self.path, e)
-      self.unwritten = True
-    else:
-      self.unwritten = False
-
   def close(self) -> None:
-    if self.text is not None and self.unwritten:
-      self._flush()
+    if self.stream is not None:
+      self.stream.close()
     if self.bar is not None:
       self.bar.close()
     if self.tb is not None:

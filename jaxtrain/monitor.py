@@ -16,6 +16,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from typing import Callable, Literal
@@ -24,7 +25,7 @@ import jax
 import ml_collections
 from absl import logging
 
-from jaxtrain import _compat, exits, restarts
+from jaxtrain import _compat, exits, logs, paths, restarts
 from jaxtrain.errors import check_positive
 from jaxtrain.registry import Registry
 
@@ -213,8 +214,10 @@ class Watchdog:
     evaluator's first), the loop says so with :meth:`compiling`, which also covers the trace before JAX reports it.
 
   When it fires it writes what ``describe()`` says (where the loop is) and every thread's Python stack to stderr and
-  to ``log_path`` (train.log), records the exit (:mod:`jaxtrain.restarts`), then exits 75: crashes are better than
-  hangs, and a hang is something a restart cures (:data:`jaxtrain.exits.RESTART`) up to the restart budget.
+  to ``log_path`` (train.log: a local file, or on an object store its :mod:`jaxtrain.logs` stream, which it writes,
+  with the process's other logs there, for up to :data:`jaxtrain.logs.EXIT_S` seconds), records the exit
+  (:mod:`jaxtrain.restarts`), then exits 75: crashes are better than hangs, and a hang is something a restart cures
+  (:data:`jaxtrain.exits.RESTART`) up to the restart budget.
   """
 
   EXIT_CODE = exits.RESTART
@@ -325,11 +328,12 @@ class Watchdog:
       what = f"no step finished for {waited:.1f}s (limit {self.limit():.1f}s)"
     message = (f"jaxtrain: watchdog: {what}: {where}; stacks of all threads follow, then exit {self.EXIT_CODE} "
                "(restartable)\n")
-    restarts.record("hang", f"{what}: {where}")
+    restarts.record(exits.HANG, f"{what}: {where}")
     targets = [sys.stderr]
+    on_store = bool(self.log_path) and paths.is_url(self.log_path)
     if self.log_path:
-      try:
-        targets.append(open(self.log_path, "a"))  # noqa: SIM115 - the process exits below
+      try:  # faulthandler writes to a file descriptor: a store's train.log gets the report through a temporary file
+        targets.append(tempfile.TemporaryFile("w+") if on_store else open(self.log_path, "a"))  # noqa: SIM115
       except OSError:
         pass  # the console still has it
     for f in targets:
@@ -337,6 +341,11 @@ class Watchdog:
       f.flush()
       faulthandler.dump_traceback(file=f, all_threads=True)
       f.flush()
+    if on_store and len(targets) > 1:
+      targets[1].seek(0)
+      logs.open_stream(self.log_path, "train.log").write(targets[1].read())
+    # The logs on an object store (train.log with this report, metrics, goodput events) written first, boundedly.
+    logs.flush_all(logs.EXIT_S)
     os._exit(self.EXIT_CODE)
 
   def stop(self) -> None:

@@ -93,9 +93,29 @@ def arm(workdir: str, start: str, process: int) -> None:
   _armed.update(folder=folder(workdir), start=start, process=process)
 
 
+_listeners: list = []  # told of every restartable exit (jaxtrain.goodput's recorder names its run's interruption)
+
+
+def listen(listener) -> None:
+  """``listener(cause, detail)`` is called at each :func:`record` of this process from now on (until
+  :func:`unlisten`); it must not raise and should not wait."""
+  _listeners.append(listener)
+
+
+def unlisten(listener) -> None:
+  if listener in _listeners:
+    _listeners.remove(listener)
+
+
 def record(cause: str, detail: str, timeout_s: float = 10.0) -> None:
-  """Records this process's restartable exit (``cause``: a few words; ``detail``: the line it exits with), if
-  :func:`arm` was called; never raises and waits at most ``timeout_s`` for the write (the process is exiting)."""
+  """Records this process's restartable exit (``cause``: one of :data:`jaxtrain.exits.CAUSES`; ``detail``: the line
+  it exits with), if :func:`arm` was called, and tells the listeners (:func:`listen`); never raises and waits at
+  most ``timeout_s`` for the write (the process is exiting)."""
+  for listener in list(_listeners):
+    try:
+      listener(cause, detail)
+    except Exception as e:  # noqa: BLE001 - the exit goes on
+      logging.warning("a listener of the restartable exit failed: %s", e)
   if not _armed:
     return
   entry = {"time": time.time(), "start": _armed["start"], "process": _armed["process"], "cause": cause,

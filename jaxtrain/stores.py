@@ -1,7 +1,7 @@
 """Object stores: ``gs://`` (Google Cloud Storage) and ``s3://`` (Amazon S3 and the S3-compatible servers: MinIO,
 Ceph, Cloudflare R2). Which client library a scheme needs (:func:`check_client`), how TensorStore, under Orbax,
-reaches a store (:func:`tensorstore_kvstore`), and a store that does not answer told apart from other failures
-(:func:`unreachable`).
+reaches a store (:func:`tensorstore_kvstore`), and a store that does not answer (:func:`unreachable`) or refuses the
+caller (:func:`refused`) told apart from other failures.
 
 Python reaches the stores through etils.epath and fsspec (gcsfs, s3fs), the checkpoints' tensors through
 TensorStore's own ``gcs`` and ``s3`` drivers. Both take the endpoint and credentials the way the clouds' own tools
@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 from urllib import parse
 
-from jaxtrain.errors import UserError, find_cause
+from jaxtrain import failures
+from jaxtrain.errors import UserError
 
 # scheme -> (the fsspec client etils.epath needs, the extra of setup.cfg that installs it)
 CLIENTS = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}
@@ -104,18 +104,17 @@ def move_folder(src: str, dst: str) -> None:
   fs.rm(files)
 
 
-# What a store that does not answer (stopped, unreachable, overloaded) says through each client: TensorStore's
-# status codes and curl's messages, aiohttp's and botocore's connection errors, HTTP 5xx answers.
-_UNREACHABLE = re.compile(
-    r"UNAVAILABLE|DEADLINE_EXCEEDED|Couldn't connect|Could not connect|Cannot connect|Connection refused|"
-    r"Connect call failed|Connection reset|Failed to connect|timed out|Timeout|EndpointConnectionError|"
-    r"ServerDisconnected|HTTP response code: 5\d\d|status(?: code)?[=: ]+5\d\d", re.IGNORECASE)
-_CONNECTION_ERRORS = (ConnectionError, TimeoutError)
-
-
 def unreachable(e: BaseException) -> BaseException | None:
   """The error behind ``e`` (itself, its causes or contexts, an exception group's members) that says an object store
-  did not answer, or None. Such a failure passes when the store is back: a restart cures it."""
-  return find_cause(e, lambda x: isinstance(x, _CONNECTION_ERRORS) or type(x).__name__ in (
-      "EndpointConnectionError", "ClientConnectorError", "ConnectTimeoutError", "ReadTimeoutError") or
-      bool(_UNREACHABLE.search(str(x))))
+  did not answer or throttled (:func:`jaxtrain.failures.classify`: refused, reset, timed out, 429, 5xx), or None. Such
+  a failure passes when the store is back: a restart cures it."""
+  failure = failures.classify(e)
+  return failure.error if failure is not None and failure.kind in (failures.UNREACHABLE, failures.THROTTLED) else None
+
+
+def refused(e: BaseException) -> BaseException | None:
+  """The error behind ``e`` that says an object store refused the caller (:func:`jaxtrain.failures.classify`: 401,
+  403, missing or wrong credentials, no permission), or None. A restart does not cure it: the user's credentials or
+  the bucket's permissions do."""
+  failure = failures.classify(e)
+  return failure.error if failure is not None and failure.kind == failures.DENIED else None

@@ -63,11 +63,12 @@ def count_dispatched_steps(monkeypatch) -> list[int]:
 # The files that take longest (measured with --durations=0, cold cache), longest first. pytest-xdist
 # hands whole files to its workers in collection order (--dist loadfile), so starting with these keeps one worker
 # from finishing a long file alone at the end. Files not listed keep their order, after these.
-LONGEST_FIRST = ("test_readme.py", "test_distributed.py", "test_store_runs.py", "test_checkpoint.py",
+LONGEST_FIRST = ("test_readme.py", "test_distributed.py", "test_faults.py", "test_store_runs.py", "test_checkpoint.py",
                  "test_families.py", "test_preference.py", "test_moe.py", "test_monitor.py", "test_deepseek_v3.py",
                  "test_cli.py", "test_evaluate.py", "test_mixture.py", "test_grpo.py", "test_lora.py", "test_stream.py",
                  "test_tpu_compile.py", "test_optimizers.py", "test_store_checkpoint.py", "test_data.py",
-                 "test_pipeline.py", "test_loss_scale.py", "test_gpt_oss.py", "test_prepare_cluster.py")
+                 "test_pipeline.py", "test_loss_scale.py", "test_gpt_oss.py", "test_prepare_cluster.py",
+                 "test_launch.py")
 
 
 _last_module = [None]

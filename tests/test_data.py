@@ -432,6 +432,12 @@ def _truncate(folder):
   shard.write_bytes(shard.read_bytes()[:1000])
 
 
+def _name_a_shard_outside(folder):
+  manifest = json.loads((folder / "manifest.json").read_text())
+  manifest["shards"][-1]["file"] = "../corrupt/train-00000-of-00001.array_record"  # another folder's shard
+  (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
 def _contents(*folders):
   return {os.fspath(f / name): (f / name).read_bytes() for f in folders for name in sorted(os.listdir(f))}
 
@@ -441,17 +447,20 @@ def test_training_bad_data(broken_copies, tmp_path):
   (tmp_path / "empty").mkdir()
   corrupt = broken_copies("corrupt", _flip_byte)
   truncated = broken_copies("truncated", _truncate)
+  outside = broken_copies("outside", _name_a_shard_outside)
   cases = [
       ([f"--config.data.path={tmp_path / 'nope'}"], "nope: no such data folder"),
       ([f"--config.data.path={tmp_path / 'empty'}"], "no manifest.json"),
       ([f"--config.data.path={corrupt}"], "train-00000-of-00001.array_record: shard checksum does not match"),
       ([f"--config.data.path={truncated}"], "train-00000-of-00001.array_record: shard is truncated"),
+      ([f"--config.data.path={outside}"], "outside/manifest.json: names the shard '../corrupt/train-00000-of-"
+                                           "00001.array_record', not a file name in its folder"),
       ([f"--config.data.path={truncated.parent / 'corrupt'}", "--config.data.verify_checksums=False",
         "--config.model.vocab_size=128"], "need vocab_size 256 (tokenizer byte) but model.vocab_size=128"),
       ([f"--config.data.path={corrupt}", "--config.data.verify_checksums=False",
         f"--config.data.tokenizer={tmp_path / 'nope.model'}"], "nope.model: tokenizer file not found"),
   ]
-  before = _contents(corrupt, truncated)
+  before = _contents(corrupt, truncated, outside)
   results = forked.run_many([["-m", "jaxtrain.main", "--config=configs/tiny.py",
                               f"--config.workdir={tmp_path / f'run{i}'}", *args] for i, (args, _) in enumerate(cases)])
   for i, (r, (args, message)) in enumerate(zip(results, cases)):
@@ -460,7 +469,7 @@ def test_training_bad_data(broken_copies, tmp_path):
     assert message in errors[0], errors
     assert "Traceback" not in r.stderr
     assert not (tmp_path / f"run{i}").exists(), args  # refused before the workdir was created
-  assert _contents(corrupt, truncated) == before  # the data is only read
+  assert _contents(corrupt, truncated, outside) == before  # the data is only read
 
 
 def test_tokenizer_mismatch_is_refused(shakespeare, tmp_path):

@@ -625,10 +625,23 @@ def test_slurm_launcher_runs_jaxtrain_main_once_per_task_under_srun_and_requeues
 
 
 def test_tpu_vm_launcher_runs_the_same_jaxtrain_main_on_every_worker_and_again_on_exit_75(tmp_path):
-  bin_dir = _stubs(tmp_path, "pip", "python")
+  bin_dir = _stubs(tmp_path)
+  # python: records every call; answers the store-clients question (STUB_CLIENTS, its exit STUB_CLIENTS_EXIT) and
+  # --config_value; pip installs nothing; a run exits STUB_EXIT_python.
+  (bin_dir / "python").write_text("""#!/bin/bash
+{ printf '%s\\0' "$PWD" "$@"; echo; } >> "$(dirname "$0")/python.calls"
+case "$1 ${2:-}" in
+  "-m pip") exit 0 ;;
+  "tools/launch/store_clients.py "*) printf "${STUB_CLIENTS:-}"; exit "${STUB_CLIENTS_EXIT:-0}" ;;
+esac
+case " $* " in *" --config_value="*) echo 6; exit 0 ;; esac
+exit "${STUB_EXIT_python:-0}"
+""")
+  (bin_dir / "python").chmod(0o755)
   local_home, remote_home = tmp_path / "local", tmp_path / "remote"
   local_home.mkdir()
-  (remote_home / "jaxtrain").mkdir(parents=True)
+  (remote_home / "jaxtrain" / "tools" / "launch").mkdir(parents=True)  # the checkout: the worker's script in it
+  shutil.copy2(ROOT / "tools" / "launch" / "tpu_worker.sh", remote_home / "jaxtrain" / "tools" / "launch")
   path = f"{bin_dir}:{os.environ['PATH']}"
   env = {**{k: v for k, v in os.environ.items() if k != "REPO_DIR"}, "PATH": path, "HOME": str(local_home),
          "TPU_NAME": "my-v5p", "ZONE": "us-east5-a", "PROJECT": "my-proj", "CONFIG": "configs/llama3_8b.py",
@@ -641,18 +654,33 @@ def test_tpu_vm_launcher_runs_the_same_jaxtrain_main_on_every_worker_and_again_o
   assert gcloud[:-1] == ["compute", "tpus", "tpu-vm", "ssh", "my-v5p", "--zone=us-east5-a", "--project=my-proj",
                          "--worker=all"], gcloud
   assert gcloud[-1].startswith("--command="), gcloud
-  # What every worker runs: the command, in the remote user's shell, from the checkout in the remote home.
-  r = subprocess.run(["bash", "-c", gcloud[-1].removeprefix("--command=")], cwd=remote_home, capture_output=True,
-                     env={**os.environ, "PATH": path, "HOME": str(remote_home), "STUB_EXIT_python": "75"},
-                     text=True, timeout=60)
-  assert r.returncode == 75 and r.stdout.splitlines()[-1] == "jaxtrain-exit-code=75", (r.stdout, r.stderr)
-  assert r.stdout.splitlines()[0].startswith("jaxtrain-restart-budget="), r.stdout  # asked of jaxtrain first
+  # What every worker runs: the command, in the remote user's shell, from the checkout in the remote home
+  # (tools/launch/tpu_worker.sh; tests/test_launch.py runs it for real in a fresh virtualenv).
+  def worker(**env):
+    (bin_dir / "python.calls").unlink(missing_ok=True)
+    r = subprocess.run(["bash", "-c", gcloud[-1].removeprefix("--command=")], cwd=remote_home, capture_output=True,
+                       env={**os.environ, "PATH": path, "HOME": str(remote_home), **env}, text=True, timeout=60)
+    return r, [call.split("\0") for call in (bin_dir / "python.calls").read_text().split("\0\n")[:-1]]
+
+  r, calls = worker(STUB_EXIT_python="75", STUB_CLIENTS="gcsfs>=2024.2\\ns3fs[boto3]>=2024.2\\n")
+  assert r.returncode == 75 and r.stdout.splitlines() == ["jaxtrain-restart-budget=6", "jaxtrain-exit-code=75"], \
+      (r.stdout, r.stderr)
   checkout = str(remote_home / "jaxtrain")
-  assert _called(bin_dir, "pip") == [checkout, "install", "-q", "-e", ".[tpu]"]
-  argv = _called(bin_dir, "python")
-  assert argv == [checkout, "-m", "jaxtrain.main", "--config=configs/llama3_8b.py",
-                  "--config.workdir=gs://my-bucket/runs/llama3-8b", *_EXTRA], argv
-  _assert_jaxtrain_flags(argv[3:])
+  argv = ["--config=configs/llama3_8b.py", "--config.workdir=gs://my-bucket/runs/llama3-8b", *_EXTRA]
+  # jaxtrain with the tpu extra, then the store clients its config needs (asked of the config), the budget, the run.
+  assert calls == [[checkout, "-m", "pip", "install", "-q", "-e", ".[tpu]"],
+                   [checkout, "tools/launch/store_clients.py", *argv],
+                   [checkout, "-m", "pip", "install", "-q", "gcsfs>=2024.2", "s3fs[boto3]>=2024.2"],
+                   [checkout, "-m", "jaxtrain.main", *argv, "--config_value=distributed.max_restarts_per_hour"],
+                   [checkout, "-m", "jaxtrain.main", *argv]], calls
+  _assert_jaxtrain_flags(argv)
+  r, calls = worker(ACCELERATOR="")  # no store named; no accelerator's extra (a CPU host)
+  assert r.returncode == 0 and r.stdout.splitlines()[-1] == "jaxtrain-exit-code=0", (r.stdout, r.stderr)
+  assert [c[1:4] for c in calls] == [["-m", "pip", "install"], ["tools/launch/store_clients.py", *argv[:2]],
+                                     ["-m", "jaxtrain.main", argv[0]], ["-m", "jaxtrain.main", argv[0]]], calls
+  assert calls[0][-1] == "."
+  r, calls = worker(STUB_CLIENTS_EXIT="2")  # a mistake in the arguments: reported, nothing more installed or run
+  assert r.returncode == 2 and r.stdout.splitlines() == ["jaxtrain-exit-code=2"] and len(calls) == 2, r.stdout
   # The workers' exit codes, one ssh session after another -> the script's exit code and how many sessions ran:
   # 75, a death by a signal (134: JAX's abort when the coordinator's process is gone) or no report at all (the
   # session or the hosts went away) runs every worker again, at most MAX_RESTARTS times and at most the budget the

@@ -1,17 +1,18 @@
 """Goodput (jaxtrain/goodput.py, tools/goodput.py): the account of a timeline worked out by hand, on a local
-workdir, on an object store that cannot append (gs:// through etils.epath, no bucket) and on a workdir whose first
-run an earlier version recorded; a failed write made good by the next; the tool on a gs:// workdir; a NaN
-rollback's steps counted as lost in a real run."""
+workdir, on an object store that cannot append (gs:// through etils.epath and fsspec, no bucket) and on workdirs
+whose first run an earlier version recorded (locally, and on the store); a failed write made good by a retry; the
+tool on a gs:// workdir; a NaN rollback's steps counted as lost in a real run."""
 
 import json
 import pathlib
 
+import fsspec
 import pytest
 from etils import epath
 from etils.epath import backend as epath_backend
 from fsspec.implementations.memory import MemoryFileSystem
 
-from jaxtrain import goodput
+from jaxtrain import goodput, logs
 
 
 class ObjectStore(MemoryFileSystem):
@@ -35,17 +36,29 @@ class ObjectStore(MemoryFileSystem):
   def _open(self, path, mode="rb", **kwargs):
     if "a" in mode or "+" in mode:
       raise OSError(f"{path}: an object store cannot append")
-    if "w" in mode and self.fail_writes:
-      self.fail_writes -= 1
-      raise OSError(f"{path}: 503 Service Unavailable")
+    if "w" in mode:
+      self._fail()
     return super()._open(path, mode, **kwargs)
+
+  def pipe_file(self, path, value, **kwargs):
+    self._fail()
+    return super().pipe_file(path, value, **kwargs)
+
+  def _fail(self):
+    if self.fail_writes:
+      self.fail_writes -= 1
+      raise OSError("503 Service Unavailable")
 
 
 @pytest.fixture
 def bucket(monkeypatch):
-  """Every gs:// path of etils.epath (fsspec's backend, as without TensorFlow) lands in a fresh ObjectStore."""
+  """Every gs:// path of etils.epath (fsspec's backend, as without TensorFlow) and of fsspec (jaxtrain.logs's
+  segments) lands in a fresh ObjectStore."""
   store = ObjectStore(skip_instance_cache=True)
   monkeypatch.setattr(epath_backend.fsspec_backend, "fs", lambda path: store)
+  url_to_fs = fsspec.core.url_to_fs
+  monkeypatch.setattr(fsspec.core, "url_to_fs", lambda url, **kwargs: (store, store._strip_protocol(url))
+                      if str(url).startswith("gs://") else url_to_fs(url, **kwargs))
   return store
 
 
@@ -94,10 +107,14 @@ WALL = 295 - 100
 
 
 def _record(recorder: goodput.Recorder, clock: Clock, events) -> dict | None:
+  """Records ``events``; a run without an end is killed once its events are in the store (its stream flushed, as its
+  thread does within logs.INTERVAL_S)."""
   summary = None
   for event, t, args in events:
     clock.at(t)
     summary = getattr(recorder, event)(*args)
+  if recorder.stream is not None:
+    assert recorder.stream.flush(10)
   return summary
 
 
@@ -115,18 +132,33 @@ def _legacy(workdir: pathlib.Path, events) -> None:
   (workdir / goodput.LEGACY_EVENTS).write_text("".join(lines) + '{"event": "progress", "t": 21')
 
 
-@pytest.mark.parametrize("where", ["local", "gs", "earlier_version"])
-def test_the_account_equals_a_timeline_worked_out_by_hand(where, tmp_path, monkeypatch, request):
+def _previous_version(workdir: str, events) -> None:
+  """The events as the previous version wrote them on a store: whole objects ``goodput/<run>-<part>.jsonl`` of up to
+  PART_EVENTS events (2 here, so that the run spans several)."""
+  recorded = [{"event": event, "t": t, **fields} for (event, t, _), fields in zip(events, [
+      {}, {"step": 0, "restore_s": 0.0}, {"step": 10, **_spent(15, 2, 0, 1)}, {"step": 20, **_spent(30, 4, 1, 2)},
+      {"step": 20, "reached": 25, **_spent(38, 4, 1, 2)}, {"step": 30, **_spent(52, 6, 1, 3)},
+      {"step": 35, **_spent(60, 6, 1, 4)}])]
+  for part in range(0, len(recorded), 2):
+    epath.Path(f"{workdir}/goodput/0000000100000-7-0-{part // 2:05d}.jsonl").write_text(
+        "".join(json.dumps(e) + "\n" for e in recorded[part:part + 2]))
+
+
+@pytest.mark.parametrize("where", ["local", "gs", "earlier_version", "gs_previous_version"])
+def test_the_account_equals_a_timeline_worked_out_by_hand(where, tmp_path, request):
   """Two runs (a rollback in the first, a kill after its last event, a restart from an older checkpoint) recorded
   with a fake clock: each part of the account is the value worked out from the timeline by hand. On gs:// (an
-  object store that refuses appends) and with objects of two events (so that a run spans several); on a workdir
-  whose first run an earlier version appended to goodput.jsonl (no rollback there: none lost by one)."""
-  monkeypatch.setattr(goodput, "PART_EVENTS", 2)
-  workdir = f"gs://bucket/runs/{where}" if where == "gs" else str(tmp_path / where)
-  store = request.getfixturevalue("bucket") if where == "gs" else None
+  object store that refuses appends: the events as segments); on a workdir whose first run an earlier version
+  appended to goodput.jsonl (no rollback there: none lost by one), and on a store whose first run the previous
+  version wrote as whole objects."""
+  on_store = where.startswith("gs")
+  workdir = f"gs://bucket/runs/{where}" if on_store else str(tmp_path / where)
+  store = request.getfixturevalue("bucket") if on_store else None
   clock = Clock()
   if where == "earlier_version":
     _legacy(pathlib.Path(workdir), RUN_1)
+  elif where == "gs_previous_version":
+    _previous_version(workdir, RUN_1)
   else:
     _record(goodput.Recorder(workdir, clock), clock, RUN_1)  # then killed: no end
     first = goodput.read_events(workdir)
@@ -140,19 +172,25 @@ def test_the_account_equals_a_timeline_worked_out_by_hand(where, tmp_path, monke
   assert summary["steps_trained_again"] == (35 - 30) + (0 if where == "earlier_version" else 25 - 20)
   assert summary["goodput"] == pytest.approx(expected["productive"] / WALL)
   assert json.loads((epath.Path(workdir) / goodput.SUMMARY).read_text()) == summary
-  if store is not None:  # every event in objects written whole, none appended: 7 + 4 events, 2 per object
+  if where == "gs":  # segments, none appended (the store refuses): the killed run's as written, the ended run's one
     names = sorted(p.rsplit("/", 1)[1] for p in store.store if "/goodput/" in p)
-    assert len(names) == 4 + 2 and all(n.endswith(".jsonl") for n in names), names
+    runs = {}
+    for name in names:
+      run, _, span = name.removesuffix(".jsonl").partition(".")
+      runs.setdefault(run, []).append(span)
+    assert len(runs) == 2 and all(len(spans) >= 1 for spans in runs.values()), names
+    assert len(runs[max(runs)]) == 1, names  # merged into one object when the run ended
 
 
-def test_a_failed_write_is_warned_about_once_and_made_good_by_the_next_event(bucket, caplog):
+def test_a_failed_write_is_warned_about_once_and_made_good_by_a_retry(bucket, caplog, monkeypatch):
+  monkeypatch.setattr(logs, "RETRY_S", (0.01, 0.05))
   clock = Clock()
   recorder = goodput.Recorder("gs://bucket/run", clock)
   bucket.fail_writes = 2
   with caplog.at_level("WARNING"):
-    _record(recorder, clock, RUN_1[:3])  # start and ready fail: warned once; the progress writes all three
-  assert caplog.text.count("goodput: could not write events to gs://bucket/run (") == 1, caplog.text
-  assert "503 Service Unavailable" in caplog.text
+    _record(recorder, clock, RUN_1[:3])  # the first two tries fail: warned once; the third writes all three
+  assert caplog.text.count("goodput events: could not write to gs://bucket/run/goodput (") == 1, caplog.text
+  assert "503 Service Unavailable" in caplog.text and caplog.text.count("answers again after") == 1, caplog.text
   assert [e["event"] for e in goodput.read_events("gs://bucket/run")] == ["start", "ready", "progress"]
 
 
@@ -203,3 +241,30 @@ def test_a_nan_rollback_counts_the_steps_it_throws_away_as_lost(make_config):
   final = [e for e in events if e["event"] == "progress"][-1]
   assert final["step"] == 8
   assert summary["seconds"]["productive"] == pytest.approx(final["productive"] - summary["seconds"]["lost"], abs=1e-9)
+
+
+def test_each_interruption_is_named_by_its_cause(tmp_path):
+  """A run that stopped restartably names its cause at its end (a store unreachable) or, exiting at once (a hang, a
+  lost peer), through the restart record's listener; a run that said nothing was killed; the last run ended."""
+  from jaxtrain import restarts
+  t = [100.0]
+  clock = lambda: t[0]  # noqa: E731
+
+  def run(ending):
+    recorder = goodput.Recorder(str(tmp_path), clock=clock)
+    recorder.start()
+    recorder.ready(0, 0.0)
+    t[0] += 10
+    recorder.progress(5, {"productive": 9.0, "checkpoint": 0.0, "eval": 0.0, "data_wait": 0.0})
+    ending(recorder)
+    t[0] += 5
+    restarts.unlisten(recorder.stopped)  # (as the process's exit would: no later run of this test hears it)
+
+  run(lambda r: r.end(5, cause="store unreachable", summarize=False))
+  run(lambda r: restarts.record("hang", "no step finished for 60s"))  # the watchdog's exit: no end
+  run(lambda r: None)  # SIGKILL
+  run(lambda r: r.end(5))
+  summary = goodput.account(goodput.read_events(str(tmp_path)))
+  assert [i["cause"] for i in summary["interruptions"]] == ["store unreachable", "hang", "killed"]
+  assert summary["interrupted_by"] == {"store unreachable": 1, "hang": 1, "killed": 1}
+  assert goodput.describe(summary).endswith("; interrupted by hang x1, killed x1, store unreachable x1")

@@ -1,6 +1,7 @@
 """GRPO (train.objective=grpo): the sampler's log-probabilities against the training forward's, the loss against a
-float64 implementation, sharded equal to one device, the prompt stream's position, bad input, and (slow) a tiny model
-whose held-out reward rises, resumed bitwise after a SIGKILL."""
+float64 implementation, sharded equal to one device, the prompt stream's position, bad input, and (slow) a 2-process
+job equal to one process with a reward drawn at random, a tiny model whose held-out reward rises, resumed bitwise
+after a SIGKILL."""
 
 import json
 import pathlib
@@ -18,7 +19,7 @@ from jaxtrain.metrics import read_records
 from jaxtrain.train import objectives, start, trainer
 from jaxtrain.train.objectives import grpo
 from jaxtrain.train.objectives.logprobs import token_logps
-from tests import forked
+from tests import forked, multiprocess
 from tests.conftest import small_config
 
 LETTERS = "abcdefgh"
@@ -218,6 +219,41 @@ def test_updates_per_batch_update_the_optimizer_twice_and_count_one_step(task, t
   counts = [int(x) for p, x in leaves if "count" in jax.tree_util.keystr(p)]
   assert counts and set(counts) == {4}, counts
   assert all(h["rl/clip_fraction"] > 0 for h in history)  # (the mean over the two updates: the second one clips)
+
+
+
+
+# Logged every step; what two runs of the same job must agree on (timings aside).
+COMPARED = ("loss", "grad_norm", "lr", "rl/reward_mean", "rl/reward_std", "rl/reward/flaky_coin", "rl/kl",
+            "rl/clip_fraction", "rl/completion_length", "rl/logp_mismatch")
+
+
+@pytest.mark.slow  # a 2-process job and a 1-process run
+def test_two_processes_train_as_one_on_a_reward_drawn_at_random_and_stop_as_one_when_it_fails(task, tmp_path):
+  """A 2-process job (1 device each) logs, bitwise, what one process on 2 devices (the same mesh) logs at every
+  step, with a reward drawn at random at every call (tests.grpo_rewards:flaky_coin, seeded by the process index:
+  process 0 draws what the lone process draws, process 1 other values). The rewards are drawn on process 0 alone and
+  broadcast; drawn on each process, process 1's rows would train on advantages of other draws than process 0's and
+  the logged ones (jax's device_put stops such a job at step 1 as a bug). At step 4 the reward fails (NaN) on process
+  0: it ends with the reward's one line and exit 2, and process 1, waiting for the rewards, with the same code and
+  line; the 1-process run ends with that line too."""
+  flags = [*grpo_flags(task), "--config.rl.rewards=tests.grpo_rewards:flaky_coin", "--config.train.steps=5",
+           "--config.checkpoint.every_steps=5", "--config.distributed.heartbeat_timeout_s=5"]
+  two = multiprocess.start_main([*flags, f"--config.workdir={tmp_path / 'two'}"], local_devices=1)
+  one = multiprocess.start_main([*flags, f"--config.workdir={tmp_path / 'one'}"], num_processes=1, local_devices=2)
+  codes = multiprocess.wait_all([*two, *one], 300)
+  errs = [p.err_path.read_text() for p in (*two, *one)]
+  assert codes == [2, 2, 2], [e[-2000:] for e in errs]
+  line = "reward flaky_coin: returned a non-finite value; return finite floats"
+  said = [[x for x in e.splitlines() if x.startswith("jaxtrain: error:")] for e in errs]
+  assert said == [[f"jaxtrain: error: {line}"], [f"jaxtrain: error: process 0 stopped the job: {line}"],
+                  [f"jaxtrain: error: {line}"]], said
+  assert not any("Traceback" in e or "a process of the job is gone" in e for e in errs), errs
+  # Steps 1 and 2 were logged before step 4 failed (metrics are fetched one step late).
+  logged = {name: {r["step"]: tuple(r[k] for k in COMPARED) for r in read_records(tmp_path / name) if "loss" in r}
+            for name in ("one", "two")}
+  assert sorted(logged["one"])[:2] == [1, 2] and logged["two"] == logged["one"], logged
+  assert all(values[COMPARED.index("rl/reward_std")] > 0 for values in logged["one"].values())  # (coins differed)
 
 
 def test_bad_input_is_one_line_exit_2_nothing_written(task, tmp_path):

@@ -2,9 +2,14 @@
 an imported checkpoint equal transformers' (padded batch, packed row), exports load in transformers with the same
 logits, import -> export is bitwise, and bad inputs give one line and exit 2 with nothing written."""
 
+import contextlib
+import http.server
 import importlib.util
 import json
+import os
 import pathlib
+import tempfile
+import threading
 
 import jax
 import numpy as np
@@ -294,3 +299,201 @@ def test_llama3_rope_frequencies_equal_transformers():
   ours = np.asarray(llama.rope_frequencies(128, 500_000.0, (8.0, 1.0, 4.0, 8192)))
   np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6)
   assert not np.allclose(ours, np.asarray(llama.rope_frequencies(128, 500_000.0)))
+
+
+# -- object stores: gs:// and s3:// inputs and outputs (localhost servers, tests/object_store.py)
+
+
+@pytest.fixture(scope="module")
+def servers():
+  """Both servers, their settings in os.environ while the module's store tests run."""
+  from tests import object_store
+  with object_store.serve("gs") as gs, object_store.serve("s3") as s3:
+    yield {"gs": gs, "s3": s3}
+
+
+@contextlib.contextmanager
+def _store_settings(monkeypatch, env):
+  """The clients of this process reach the stores with ``env`` within, and as before after."""
+  from tests import object_store
+  saved = {k: os.environ.get(k) for k in env}
+  for k, v in env.items():
+    monkeypatch.setenv(k, v)
+  object_store.forget_clients()
+  try:
+    yield
+  finally:
+    for k, v in saved.items():
+      if v is None:
+        monkeypatch.delenv(k, raising=False)
+      else:
+        monkeypatch.setenv(k, v)
+    object_store.forget_clients()
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+  """A small Llama (src/) and its import (out/), on a local disk."""
+  folder = tmp_path_factory.mktemp("imported")
+  _hf_model(folder / "src", **CONFIGS["gqa_untied"])
+  hf.import_model(str(folder / "src"), str(folder / "out"))
+  return folder
+
+
+def _convert(*argv):
+  """tools/convert_hf.py's main in this process: its exit code."""
+  spec = importlib.util.spec_from_file_location("convert_hf", ROOT / "tools" / "convert_hf.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.main(list(argv))
+
+
+def test_import_from_a_store_to_another_and_export_back_is_bitwise(servers, tmp_path, monkeypatch):
+  """A Hugging Face folder on gs:// imported to s3://, and exported from there to gs://: the exported folder is the
+  source's weights bitwise, with its tokenizer; the import's config.py names its checkpoint and source on the
+  stores; neither output keeps the unfinished marker."""
+  import fsspec
+  _hf_model(tmp_path / "src", **CONFIGS["mha_tied"])
+  gs, s3 = fsspec.filesystem("gs"), fsspec.filesystem("s3")
+  src, out, exported = servers["gs"].url("src"), servers["s3"].url("imported/tiny"), servers["gs"].url("exported")
+  gs.put(f"{tmp_path / 'src'}/", src.removeprefix("gs://"), recursive=True)
+  assert _convert("import", f"--hf={src}", f"--output={out}") == 0
+  config_py = s3.cat_file(f"{out}/config.py").decode()
+  assert f"SOURCE = {src!r}" in config_py and f"c.checkpoint.restore_from = {out + '/checkpoints'!r}" in config_py
+  assert s3.cat_file(f"{out}/hf/tokenizer.json") == (tmp_path / "src" / "tokenizer.json").read_bytes()
+  assert _convert("export", f"--checkpoint={out}", f"--output={exported}") == 0
+  gs.get(exported.removeprefix("gs://") + "/", f"{tmp_path / 'exported'}/", recursive=True)
+  _exported_equals_source(tmp_path / "src", tmp_path / "exported")
+  assert sorted(os.listdir(tmp_path / "exported")) == ["config.json", "generation_config.json", "model.safetensors",
+                                                       "tokenizer.json", "tokenizer_config.json"]
+  assert json.loads((tmp_path / "exported" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+  assert not s3.exists(f"{out}/{hf.UNFINISHED}") and not gs.exists(f"{exported}/{hf.UNFINISHED}")
+  # An index on the store naming a file outside its folder (the store holds an object by that very name): refused
+  # by its URL before any weight is copied, so nothing is written outside the local copy's temporary folder.
+  bad = servers["gs"].url("outside")
+  gs.pipe_file(f"{bad}/config.json", (tmp_path / "src" / "config.json").read_bytes())
+  gs.pipe_file(f"{bad}/model.safetensors.index.json", b'{"weight_map": {"lm_head.weight": "../x/model.safetensors"}}')
+  gs.pipe_file(f"{bad}/../x/model.safetensors", (tmp_path / "src" / "model.safetensors").read_bytes())
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+  (tmp_path / "tmp").mkdir()
+  with pytest.raises(hf.HFError, match=f"^{bad}/model.safetensors.index.json: maps lm_head.weight to "
+                                       "'../x/model.safetensors', not a file in the folder"):
+    hf.import_model(bad, str(tmp_path / "outside"))
+  assert not (tmp_path / "outside").exists() and os.listdir(tmp_path / "tmp") == []
+
+
+def test_a_store_that_stops_mid_export_leaves_no_complete_looking_output_and_the_same_command_finishes_it(
+    servers, imported, tmp_path, monkeypatch, capsys):
+  """The store stops answering after the first of eight safetensors files is written: one line, exit 75; what is
+  on the store has no config.json (a reader does not take it for a model) and holds the unfinished marker. The same
+  command, once the store answers, clears it and writes the whole folder (the source's weights, bitwise)."""
+  import fsspec
+  from tests import object_store
+  proxy = object_store.Proxy(servers["s3"]).start()
+  exported = servers["s3"].url("stopped")
+  write, written = hf._write_safetensors, []
+
+  def stop_at_the_second_file(*args):
+    if len(written) == 1:
+      proxy.stop()
+    written.append(args[0])
+    write(*args)
+
+  monkeypatch.setattr(hf, "_write_safetensors", stop_at_the_second_file)
+  argv = ("export", f"--checkpoint={imported / 'out'}", f"--output={exported}", "--max_shard_mb=0.05")
+  capsys.readouterr()
+  # AWS_MAX_ATTEMPTS=1: botocore gives up on a refused connection at once instead of after ~10 s of retries.
+  with _store_settings(monkeypatch, {**proxy.env, "AWS_MAX_ATTEMPTS": "1"}):
+    assert _convert(*argv) == 75
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"convert_hf: stopped: {exported}: the object store did not "
+                                                   "answer (") and lines[0].endswith(
+        "run the same command again once it does (it clears an unfinished output) (exit 75)"), lines
+    s3 = fsspec.filesystem("s3", endpoint_url=servers["s3"].endpoint)  # the server itself, not the stopped proxy
+    s3.invalidate_cache()
+    shards = [f"model-{i:05d}-of-00008.safetensors" for i in range(1, 9)]
+    assert sorted(p.rsplit("/", 1)[-1] for p in s3.ls(exported)) == [hf.UNFINISHED, shards[0]]
+    proxy.start()
+    assert _convert(*argv) == 0 and len(written) == 2 + 8
+  s3.invalidate_cache()
+  names = sorted(p.rsplit("/", 1)[-1] for p in s3.ls(exported))
+  assert names == ["config.json", "generation_config.json", *shards, INDEX := "model.safetensors.index.json",
+                   "tokenizer.json", "tokenizer_config.json"], names
+  tensors = {}
+  for f in set(json.loads(s3.cat_file(f"{exported}/{INDEX}"))["weight_map"].values()):
+    s3.get_file(f"{exported}/{f}", str(tmp_path / f))
+    tensors.update(load_file(str(tmp_path / f)))
+  theirs = load_file(str(imported / "src" / "model.safetensors"))
+  assert tensors.keys() == theirs.keys() and all(tensors[k].tobytes() == theirs[k].tobytes() for k in theirs)
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+  """A store that refuses every request (403, as S3 says it: AccessDenied; gcsfs reads the status alone)."""
+
+  def _refuse(self):
+    body = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+    self.send_response(403)
+    self.send_header("Content-Type", "application/xml")
+    self.send_header("Content-Length", str(len(body)))
+    self.end_headers()
+    if self.command != "HEAD":
+      self.wfile.write(body)
+
+  do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _refuse
+
+  def log_message(self, *args):  # quiet
+    pass
+
+
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_a_store_that_refuses_the_credentials_is_one_line_and_exit_2(scheme, imported, tmp_path, monkeypatch,
+                                                                     capsys):
+  """403 on every request (a missing, wrong or expired credential; no permission on the bucket): the export to the
+  store and the import from it are one line naming the URL and the fix, exit 2, with nothing written."""
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+  env = {"STORAGE_EMULATOR_HOST": endpoint, "GOOGLE_CLOUD_PROJECT": "jaxtrain-test",
+         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"} if scheme == "gs" else {
+         "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "wrong", "AWS_SECRET_ACCESS_KEY": "wrong",
+         "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+  capsys.readouterr()
+  try:
+    with _store_settings(monkeypatch, env):
+      for argv in (["export", f"--checkpoint={imported / 'out'}", f"--output={scheme}://bucket/exported"],
+                   ["import", f"--hf={scheme}://bucket/hf/model", f"--output={tmp_path / 'imported'}"]):
+        assert _convert(*argv) == 2, argv
+        lines = capsys.readouterr().err.strip().splitlines()
+        url = argv[-1 if argv[0] == "export" else 1].split("=", 1)[1]
+        assert len(lines) == 1 and lines[0].startswith(f"convert_hf: error: {url}: the object store refused access")
+        assert "check the credentials" in lines[0], lines
+  finally:
+    server.shutdown()
+  assert os.listdir(tmp_path) == []  # no local output either
+
+
+def test_refusals_are_told_apart_from_other_store_failures():
+  """What each client raises when a store refuses the caller (jaxtrain.stores.refused: exit 2, fix the credentials)
+  and what it raises when the store does not answer (stores.unreachable: exit 75, run again): never both."""
+  from gcsfs.retry import HttpError
+  from botocore.exceptions import NoCredentialsError
+  from google.auth.exceptions import DefaultCredentialsError
+  from jaxtrain import stores
+  refusals = [
+      HttpError({"code": 401, "message": "Anonymous caller does not have storage.objects.list access to the Google "
+                                         "Cloud Storage bucket."}),  # gcsfs without credentials
+      OSError("Forbidden: b/o/x\nuser does not have storage.objects.create access"),  # gcsfs, 403
+      PermissionError(13, "The AWS Access Key Id you provided does not exist in our records."),  # s3fs
+      NoCredentialsError(),  # boto3 found no credentials
+      DefaultCredentialsError("Your default credentials were not found."),
+      ValueError("PERMISSION_DENIED: Error writing \"x\": HTTP response code: 403 with body: ..."),  # TensorStore
+  ]
+  failures = [ConnectionRefusedError(111, "Connection refused"), HttpError({"code": 503, "message": "Backend Error"}),
+              ValueError("UNAVAILABLE: HTTP response code: 503"), FileNotFoundError("b/o/x")]
+  for e in refusals:
+    assert stores.refused(e) is not None and stores.unreachable(e) is None, e
+  wrapped = RuntimeError("save failed")
+  wrapped.__cause__ = refusals[0]
+  assert stores.refused(wrapped) is refusals[0]
+  for e in failures:
+    assert stores.refused(e) is None, e

@@ -1,9 +1,11 @@
 """float16 with loss scaling (``optim.loss_scale``, jaxtrain/loss_scale.py): the dynamic scale's rule, a float16
-run that trains as a bfloat16 one does, overflowing steps skipped one by one with the scale halved, the scale
-carried through a SIGKILL and a resume bitwise, and why there is a scaler (float16 gradients underflow without it).
+run that trains as a bfloat16 one does, overflowing steps skipped one by one with the scale halved (a static scale's
+overflows handed to the NaN policy), the scale carried through a SIGKILL and a resume bitwise, and why there is a
+scaler (float16 gradients underflow without it).
 """
 
 import json
+import pathlib
 import signal
 
 import jax
@@ -16,7 +18,7 @@ from jaxtrain import config as config_lib
 from jaxtrain import loss_scale, models
 from jaxtrain.config import ConfigError
 from jaxtrain.data.synthetic import SyntheticSource
-from jaxtrain.train import losses
+from jaxtrain.train import losses, trainer
 from tests import forked, multiprocess
 
 STEPS = 100
@@ -109,6 +111,22 @@ def test_a_sigkill_resumes_with_the_scale_it_had_bitwise(tmp_path):
   r = forked.run(["-m", "jaxtrain.main", *args])
   assert r.returncode == 0 and "resumed from checkpoint step 5" in r.stderr, r.stderr[-3000:]
   assert _records(tmp_path / "run") == want
+
+
+def test_a_static_scale_that_overflows_is_a_non_finite_step_for_the_nan_policy(make_config):
+  """A static scale never moves, so a step whose gradients overflow at it is followed by another: each is a
+  non-finite step, the NaN policy's to act on (here ``stop``: the run ends at the first, with its line), where before
+  every step was skipped silently and the run ended as if it had trained."""
+  config = make_config()
+  config.model.dtype = "float16"
+  config.optim.loss_scale = "1e10"  # (float16's largest number is 65504: every backward pass overflows)
+  config.monitor.nan_policy = "stop"
+  with pytest.raises(trainer.TrainingStopped) as stopped:
+    trainer.train(config, devices=jax.devices()[:1])
+  assert str(stopped.value) == ("step 1: non-finite loss, gradients or updated state and monitor.nan_policy=stop; "
+                                "the last checkpoint is intact (steps: none)")
+  bad = (pathlib.Path(config.workdir) / "bad_batches.jsonl").read_text().splitlines()
+  assert [json.loads(line)["step"] for line in bad] == [1]
 
 
 def test_float16_gradients_underflow_without_a_scale():

@@ -149,6 +149,23 @@ def test_the_tpu_programs_fusion_points_keep_values_and_gradients():
     assert temp() <= plain
 
 
+@pytest.mark.compat  # JAX's user contexts (jax.make_user_context) in jax.jit's cache keys
+def test_the_platform_a_program_is_traced_for_is_part_of_its_cache_key():
+  """One jitted function (llama.rope on bfloat16 q), called on this CPU host and then lowered under
+  compiling_for("tpu"): two programs, the TPU one with its rotation matmul, not the CPU program from jit's cache;
+  and back outside, the CPU program again."""
+  from jaxtrain.models import attention
+  from jaxtrain.models.llama import model as llama
+  rope = jax.jit(llama.rope, static_argnums=2)
+  x, positions = jnp.ones((1, 4, 2, 16), jnp.bfloat16), jnp.zeros((1, 4), jnp.int32)
+  rope(x, positions, 1e4)  # traced, lowered and compiled for the CPU: in every cache of jit
+  cpu = rope.lower(x, positions, 1e4).as_text()
+  with attention.compiling_for("tpu"):
+    tpu = rope.lower(x, positions, 1e4).as_text()
+  assert "dot_general" not in cpu and "dot_general" in tpu
+  assert rope.lower(x, positions, 1e4).as_text() == cpu
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_tpu_programs_train_step_is_the_default_programs_bitwise(make_config, dtype):
   """The whole train step traced for TPU (every TPU-only path: RoPE's rotation matmul, the fusion points, the

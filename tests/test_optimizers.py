@@ -2,17 +2,21 @@
 laid out like the params (factored moments too), and tools/estimate.py predicts its bytes to the byte and the
 update's FLOPs as XLA counts them."""
 
+import functools
 import math
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import metrics, models, optim
+from jaxtrain.train import step as step_lib
 from jaxtrain.train import trainer
+from jaxtrain.train.state import TrainState
 from jaxtrain.config import ConfigError, base_config
 from tests import forked
 from tests.conftest import small_config
@@ -100,6 +104,47 @@ def test_registering_an_optimizer_is_one_call(monkeypatch):
   params = {"w": np.ones(3, np.float32)}
   updates, _ = tx.update({"w": np.full(3, 2.0, np.float32)}, tx.init(params), params)
   np.testing.assert_allclose(updates["w"], -1.0)
+
+
+
+def test_the_logged_lr_is_the_one_the_update_applied_after_steps_that_applied_none(monkeypatch):
+  """Steps that apply no update (a known bad batch replayed: ``skip``; a float16 overflow the dynamic scale skips)
+  leave optax's own count behind the loop's step. Under SGD (the change of a param is -lr x its gradient) with a
+  warmup, each applied step logs the lr its param change shows, and a step not applied logs the rate the next
+  applied one uses. (Logged at the loop's step instead, the last step said 0.75 where 0.375 was applied.)"""
+  monkeypatch.setitem(optim.OPTIMIZERS._entries, "sgd", None)  # removed again after the test
+  optim.OPTIMIZERS.register("sgd", lambda cfg, learning_rate: optax.sgd(learning_rate))
+  c = small_config("unused")
+  c.optim.update(name="sgd", lr=1.0, warmup_steps=8, schedule="constant", clip_norm=0.0, loss_scale="dynamic",
+                 loss_scale_init=4.0)
+  model = models.Model.from_config(c.model)
+  tx, schedule = optim.make(c.optim, 20), optim.schedule(c.optim, 20)
+  params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), model.abstract_params)
+  state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params))
+  update = jax.jit(functools.partial(step_lib.apply_update, model, tx, schedule, scaler=tx))
+  ones = jax.tree.map(jnp.ones_like, params)
+  overflow = jax.tree.map(lambda g: g * jnp.inf, ones)  # (already unscaled: what an overflow at the scale gives)
+  plan = [(ones, False), (ones, False), (ones, True), (overflow, False), (ones, False), (ones, True), (ones, False)]
+  logged, applied = [], []
+  for grads, skip in plan:
+    before = np.asarray(jax.tree.leaves(state.params)[0]).ravel()[0]
+    state, metrics = update(state, grads, jnp.float32(1.0), jnp.float32(1.0), jnp.bool_(skip))
+    after = np.asarray(jax.tree.leaves(state.params)[0]).ravel()[0]
+    assert metrics["nonfinite"] == 0 and bool(metrics["skipped"]) == (skip or grads is overflow)
+    logged.append(float(metrics["lr"]))
+    applied.append(None if metrics["skipped"] else float(before - after))
+  assert int(state.step) == 7 and int(step_lib.schedule_count(state.opt_state)) == 4
+  for i, lr in enumerate(logged):
+    used = applied[i] if applied[i] is not None else next(a for a in applied[i:] if a is not None)
+    assert lr == pytest.approx(used, rel=1e-6, abs=1e-9), (i, logged, applied)
+  assert applied[-1] == pytest.approx(0.375) and logged[-1] == pytest.approx(0.375)  # the 4th update: count 3 of 8
+  # Every built-in optimizer has the count, under a loss scale, with and without LoRA's multi_transform.
+  for name in sorted(optim.OPTIMIZERS._entries):
+    if name != "sgd":
+      c.optim.update(name=name)  # (loss-scaled, as above)
+      for trainable in (None, lambda p: jax.tree.map(lambda _: True, p)):
+        counts = step_lib.schedule_count(optim.make(c.optim, 20, trainable).init(params))
+        assert counts is not None and int(counts) == 0, name
 
 
 def test_muon_matrices():

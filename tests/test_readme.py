@@ -119,6 +119,9 @@ NOT_RUN = {
     "tail -n 3 /shared/runs": "reads a Slurm job's workdir",
     "tools/goodput.py /shared/runs": "reads a Slurm job's workdir (tools/goodput.py runs on runs/long here)",
     "--tasks=hellaswag,arc_easy": "needs the Hugging Face hub (the harness's datasets)",
+    "tools/fault_drill.py --steps=300": "minutes of real runs (eleven starts of a 300-step run through ten faults); "
+                                        "tests/test_faults.py raises every fault of the matrix, and the drill's "
+                                        "figures are benchmarks/results/fault_drill.json",
 }
 
 

@@ -1,5 +1,6 @@
 """One live run per workdir: a second start is refused while the first is alive, a killed run's lock is taken
-over, and the lock tells a live holder on another host from a dead one by its beat alone."""
+over, the lock tells a live holder on another host from a dead one by its beat alone, and a run whose lock was taken
+over commits nothing more and stops (the lease's own tests, on object stores: tests/test_store_runs.py)."""
 
 import json
 import os
@@ -154,3 +155,45 @@ def test_an_empty_lock_left_by_a_run_killed_while_creating_it_is_stale(tmp_path)
   lock = workdir_lib.WorkdirLock(str(tmp_path)).acquire()
   assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
   lock.release()
+
+
+def test_a_run_whose_local_lock_was_taken_over_commits_nothing_and_stops(tmp_path):
+  """Another host's run took the lock over (it judged this run gone: its beat stopped on a shared filesystem). The
+  next checkpoint commit reads the lock back and is refused before its thread has seen anything (the step stays
+  uncommitted), the run's fence says lease lost from then on (exit 75), and leaving the workdir touches nothing of
+  the other run's. Each commit's meta names its holder."""
+  import jax.numpy as jnp
+  from jaxtrain import exits
+  from jaxtrain.checkpoint import PersistentTier, committed_steps
+
+  state = {"w": jnp.arange(8.0)}
+  with pytest.raises(workdir_lib.LeaseLost) as lost:
+    with workdir_lib.hold(str(tmp_path)):  # renewed every 10 s: the takeover is not seen before the commit
+      lock = workdir_lib.held()
+      tier = PersistentTier(tmp_path / "checkpoints", async_save=False, verify=False)  # fenced by the lock held
+      tier.save(1, state, None, {}, {}, force=True)
+      _foreign_lock(tmp_path, generation=2)
+      with pytest.raises(workdir_lib.LeaseLost, match="another run took its lock .run.lock. over .host another-host, "
+                         "PID 4242, since 2026-01-01 00:00:00 UTC."):
+        tier.save(2, state, None, {}, {}, force=True)
+      tier.close()
+      workdir_lib.fence()  # as the loop asks before each step
+  assert lost.value.cause == exits.LEASE_LOST
+  assert committed_steps(tmp_path / "checkpoints") == [1]
+  assert (tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp").is_dir()  # written, never committed
+  meta = json.loads((tmp_path / "checkpoints" / "1" / "meta" / "metadata").read_text())
+  assert meta["lease"] == {"token": lock._token, "generation": 1}
+  assert json.loads((tmp_path / "run.lock").read_text())["token"] == "theirs"  # not released: not this run's
+
+
+def test_a_lock_taken_over_is_seen_by_the_renewal(tmp_path):
+  lock = workdir_lib.WorkdirLock(str(tmp_path), renew_s=0.1).acquire()
+  assert lock.fence() == {"token": lock._token, "generation": 1}
+  _foreign_lock(tmp_path)
+  deadline = time.monotonic() + 30
+  with pytest.raises(workdir_lib.LeaseLost, match="another run took its lock"):
+    while time.monotonic() < deadline:
+      lock.fence()
+      time.sleep(0.02)
+  lock.release()
+  assert json.loads((tmp_path / "run.lock").read_text())["token"] == "theirs"

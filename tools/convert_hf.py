@@ -6,8 +6,11 @@
 
 import: OUT_DIR/checkpoints/0 (the params), OUT_DIR/config.py (train from them: python -m jaxtrain.main
 --config=OUT_DIR/config.py) and OUT_DIR/hf/ (the source's config.json and tokenizer files). export: CKPT_DIR is a
-run's workdir, its checkpoints folder or one step folder. A mistake in the input prints one line
-``convert_hf: error: ...`` and exits 2, and nothing is written. The logic is jaxtrain/hf.py.
+run's workdir, its checkpoints folder or one step folder. Each of HF_DIR, OUT_DIR, CKPT_DIR may be on an object
+store (gs://bucket/..., s3://bucket/...). A mistake in the input, or a store that refuses access (credentials,
+permissions), prints one line ``convert_hf: error: ...`` and exits 2, and nothing is written; a store that does not
+answer prints one line and exits 75: run the same command again (it clears the unfinished output). The logic is
+jaxtrain/hf.py.
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="convert_hf", description=__doc__.split("\n\n")[0])
   sub = p.add_subparsers(dest="command", required=True)
   imp = sub.add_parser("import", help="a Hugging Face model folder -> a jaxtrain checkpoint and config")
-  imp.add_argument("--hf", required=True, help="Hugging Face model folder (config.json, *.safetensors)")
-  imp.add_argument("--output", required=True, help="new folder for the checkpoint, config.py and hf/")
+  imp.add_argument("--hf", required=True, help="Hugging Face model folder (config.json, *.safetensors); local, gs:// "
+                   "or s3://")
+  imp.add_argument("--output", required=True, help="new folder for the checkpoint, config.py and hf/; local, gs:// or "
+                   "s3://")
   exp = sub.add_parser("export", help="a jaxtrain checkpoint -> a Hugging Face folder")
   exp.add_argument("--checkpoint", required=True, help="a run's workdir, its checkpoints folder or a step folder")
   exp.add_argument("--step", type=int, default=None, help="the step to export (default: the newest)")
-  exp.add_argument("--output", required=True, help="new folder for config.json and *.safetensors")
+  exp.add_argument("--output", required=True, help="new folder for config.json and *.safetensors; local, gs:// or "
+                   "s3://")
   exp.add_argument("--max_shard_mb", type=float, default=5000, help="largest safetensors file, in MB")
   exp.add_argument("--dtype", default="auto", help="auto (the imported source's dtype, else float32), float32, "
                    "bfloat16 or float16")
@@ -39,13 +45,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion is host work: never grab an accelerator
-  from jaxtrain import hf, paths
+  from jaxtrain import exits, hf, paths
   from jaxtrain.errors import UserError
-  for name in ("hf", "output", "checkpoint"):  # ~ and relative paths, as everywhere in jaxtrain
-    if getattr(args, name, None):
-      setattr(args, name, paths.resolve(getattr(args, name)))
   t = time.perf_counter()
   try:
+    for name in ("hf", "output", "checkpoint"):  # ~ and relative paths, as everywhere; a URL's store client checked
+      if getattr(args, name, None):
+        setattr(args, name, paths.resolve(getattr(args, name), f"--{name}"))
     if args.command == "import":
       info = hf.import_model(args.hf, args.output)
       what = f"{info['params']:,} params ({info['source_dtype']} source)"
@@ -57,10 +63,12 @@ def main(argv: list[str] | None = None) -> int:
       nbytes = info["bytes"]
   except UserError as e:
     print(f"convert_hf: error: {e}", file=sys.stderr)
-    return 2
+    return exits.USER_ERROR
+  except exits.Restart as e:  # an object store did not answer
+    print(f"convert_hf: stopped: {e} (exit {exits.RESTART})", file=sys.stderr)
+    return exits.RESTART
   seconds = time.perf_counter() - t
-  print(f"convert_hf: {args.command}ed {what} -> {os.path.abspath(args.output)} ({nbytes / 1e6:,.1f} MB in "
-        f"{seconds:.1f}s)")
+  print(f"convert_hf: {args.command}ed {what} -> {args.output} ({nbytes / 1e6:,.1f} MB in {seconds:.1f}s)")
   return 0
 
 

@@ -2,7 +2,8 @@
 
   python tools/plot_metrics.py RUN_OR_JSONL [RUN_OR_JSONL ...] --out=plot.png
 
-Each argument is a workdir (its metrics.jsonl is read) or a JSONL file; runs are labelled by folder name.
+Each argument is a workdir (its metrics.jsonl is read; on ``gs://`` or ``s3://`` the segments every run wrote, as one
+file: jaxtrain.logs) or a JSONL file; runs are labelled by folder name.
 Eval records (eval_loss) are drawn on the loss panel as dots. A data mixture's runs get a third row: each
 component's token share (``mix/<name>``) and its training loss (``loss/<name>``, with ``eval_loss/<name>`` as dots,
 also for ``eval.sets``).
@@ -26,11 +27,11 @@ PANELS = (("loss", "loss"), ("tokens_per_sec", "tokens / s"), ("grad_norm", "gra
 
 def read(path: str) -> tuple[str, list[dict]]:
   p = epath.Path(paths.resolve(path))
-  jsonl = p / "metrics.jsonl" if p.is_dir() else p
-  if not jsonl.exists():
-    raise FileNotFoundError(f"{path}: no metrics.jsonl")
-  records = metrics.read_records(jsonl)  # complete lines only: a live run may be appending one
-  return (p.name if p.is_dir() else p.parent.name), records
+  # Complete lines only (a live run may be appending one); on an object store, every run's segments as one file.
+  records = metrics.read_records(p)
+  if not records:
+    raise FileNotFoundError(f"{path}: no metrics.jsonl records")
+  return (p.parent.name if p.name.endswith(".jsonl") else p.name), records
 
 
 def _components(runs, prefix: str) -> list[str]:

@@ -44,7 +44,9 @@ DataflowRunner, FlinkRunner or SparkRunner, their options after `--`, e.g.
       -- --project=P --region=us-central1 --temp_location=gs://b/tmp
 
 The output folder appears complete or not at all (the manifest is written last). Bad input: one line on stderr
-(file and line for JSONL records), exit code 2, nothing written.
+(file and line for JSONL records), exit code 2, nothing written; so is a storage failure the user fixes (permissions,
+a full disk, a missing bucket). A store that does not answer or throttles, or an I/O error: one line, exit 75 (run
+the same command again).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from absl import app, flags, logging  # noqa: E402
 
+from jaxtrain import exits  # noqa: E402
 from jaxtrain import paths  # noqa: E402
 from jaxtrain.errors import UserError  # noqa: E402
 from jaxtrain.data import prepare  # noqa: E402
@@ -111,7 +114,10 @@ def main(argv):
         runner=_RUNNER.value, pipeline_options=tuple(argv[1:])))
   except UserError as e:
     print(f"prepare_data: error: {e}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(exits.USER_ERROR)
+  except exits.Restart as e:  # a store that did not answer, an I/O error: running the same command again cures it
+    print(f"prepare_data: stopped: {e.cause}: {e}; run the same command again (exit {exits.RESTART})", file=sys.stderr)
+    sys.exit(exits.RESTART)
   splits = manifest["splits"]
   print(f"{manifest['documents']:,} documents ({splits['train']['documents']:,} train, "
         f"{splits['eval']['documents']:,} eval), {manifest['tokens']:,} tokens, "

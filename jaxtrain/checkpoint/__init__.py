@@ -8,8 +8,8 @@ checkpoint or a step folder a tool is given (:mod:`.read`).
   persistent.py    the persistent tier (Orbax), fingerprints checked on restore; committed_steps of a folder
   local.py         the node-local tier (each process's shards on its own disk)
   read.py          restore_from (checkpoint.restore_from), step_dir, saved_config, side_files_dir
-  errors.py        CheckpointError, SaveFailed, StoreUnreachable, CorruptCheckpoint, NonFiniteState; storage
-                   failures told apart
+  errors.py        CheckpointError, SaveFailed, StoreUnreachable, StorageFailed, CorruptCheckpoint,
+                   NonFiniteState, TierUnavailable; a failed read told apart: the environment's, the bytes', a bug
 
 This module holds the ``checkpoint`` config group.
 """
@@ -21,7 +21,8 @@ import ml_collections
 from jaxtrain import paths
 from jaxtrain.checkpoint.checkpointer import Checkpointer, checkpoint_due
 from jaxtrain.checkpoint.errors import (CheckpointError, CorruptCheckpoint, NonFiniteState, SaveFailed,
-                                        StoreUnreachable, describe, storage_error, storage_reason)
+                                        StorageFailed, StoreUnreachable, TierUnavailable, describe, environment_error,
+                                        proven_corrupt, read_failure)
 from jaxtrain.checkpoint.local import LocalTier
 from jaxtrain.checkpoint.persistent import (LIBRARY_LOG_FILTER, PersistentTier, committed_steps, quiet_libraries,
                                             saved_tensors, verify)
@@ -30,7 +31,8 @@ from jaxtrain.checkpoint.tier import TIERS, DataPosition, Tier
 from jaxtrain.errors import ConfigError, check_choice, check_positive
 
 __all__ = ["Checkpointer", "checkpoint_due", "CheckpointError", "CorruptCheckpoint", "NonFiniteState", "SaveFailed",
-           "StoreUnreachable", "describe", "storage_error", "storage_reason", "LocalTier", "LIBRARY_LOG_FILTER",
+           "StorageFailed", "StoreUnreachable", "TierUnavailable", "describe", "environment_error", "proven_corrupt",
+           "read_failure", "LocalTier", "LIBRARY_LOG_FILTER",
            "PersistentTier", "committed_steps", "quiet_libraries", "saved_tensors", "verify", "restore_from", "saved_config",
            "side_files_dir", "step_dir", "TIERS", "DataPosition", "Tier", "defaults", "validate"]
 

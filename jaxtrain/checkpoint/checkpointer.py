@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from jaxtrain import exits
+import jax
+from absl import logging
+
+from jaxtrain.checkpoint.errors import CorruptCheckpoint, TierUnavailable
 from jaxtrain.checkpoint.tier import TIERS, Tier
-from jaxtrain.errors import UserError
 
 
 def checkpoint_due(step: int, last: int, preempted: bool, should_save: Callable[[int], bool]) -> str | None:
@@ -83,28 +85,43 @@ class Checkpointer:
     self._forget_after(restored[0] if restored else 0)
     return restored and restored[1:]
 
-  def rollback(self, abstract_state: Any, data_iterator) -> tuple[Any, dict] | None:
+  def rollback(self, abstract_state: Any, data_iterator, live: Any = None) -> tuple[Any, dict] | None:
     """``(state, meta)`` of the persistent tier's newest step that restores, with the data position; the steps
-    past it are forgotten in every tier. None if there is none (nothing is forgotten then)."""
+    past it are forgotten in every tier. ``live``: the run's state, which leaves the devices (to host memory,
+    :class:`Spilled`) while the checkpoint is restored onto them, since they hold one state, not two; it is freed
+    once a step restored. When none restores (nothing is forgotten then): ``(live, None)``, ``live`` back on the
+    devices as it was, or None without ``live``."""
     offers = [(step, 0, self.persistent) for step in reversed(self.persistent.restorable(abstract_state, 0))]
+    spilled = Spilled(live) if live is not None and offers else None
     restored = self._first_that_restores(offers, abstract_state, data_iterator)
     if restored is None:
-      return None
+      return (spilled.back() if spilled is not None else live, None) if live is not None else None
     self._forget_after(restored[0])
     return restored[1:3]
 
   def _first_that_restores(self, offers, abstract_state: Any,
                            data_iterator) -> tuple[int, Any, dict, str] | None:
     """``(step, state, meta, where)`` of the first of ``offers`` (``(step, _, tier)``, in the order to try) that
-    restores; each that does not read back is set aside by its tier. The user's mistakes (a checkpoint of another
-    model) and the failures a restart cures (an object store that does not answer) are raised."""
+    restores. A step whose own bytes are proven bad (:class:`CorruptCheckpoint`) is set aside by its tier and the next
+    one tried; a tier that cannot be read now (:class:`TierUnavailable`, never the persistent one) is passed over,
+    nothing set aside. Everything else is raised by its cause: the user's mistakes and the environment's failures
+    (exit 2: permissions, a full disk, out of memory; exit 75: a store that does not answer, an I/O error) and bugs,
+    so that no readable step is ever set aside and a run never starts over silently."""
+    skipped = set()
     for step, _, tier in offers:
+      if tier.name in skipped:
+        continue
       try:
         state, meta = tier.restore(step, abstract_state, data_iterator)
-      except (UserError, exits.Restart):
-        raise
-      except Exception as e:  # noqa: BLE001 - corrupt or truncated: fall back to the next one
+      except CorruptCheckpoint as e:
         tier.set_aside(step, e)
+        continue
+      except TierUnavailable as e:
+        if tier is self.persistent:
+          raise
+        logging.warning("the %s tier cannot be read now (%s); restoring from the other tiers, nothing set aside",
+                        tier.name, e)
+        skipped.add(tier.name)
         continue
       return step, state, meta, tier.where
     return None
@@ -120,3 +137,43 @@ class Checkpointer:
   def close(self) -> None:
     for tier in self.tiers:
       tier.close()
+
+
+class Spilled:
+  """A state moved off its devices: this process's distinct shards of every array copied to host memory, then the
+  device buffers freed (:meth:`back` puts them back, bitwise). A rollback restores a checkpoint while the live state
+  would otherwise still hold the devices' memory: two states at once, which a chip sized for one cannot hold (XLA's
+  RESOURCE_EXHAUSTED). Leaves that are not arrays stay as they are."""
+
+  def __init__(self, state: Any):
+    leaves, self.treedef = jax.tree.flatten(state)
+    self.leaves = []
+    for leaf in leaves:
+      if not isinstance(leaf, jax.Array):
+        self.leaves.append(leaf)
+        continue
+      host: dict[Any, Any] = {}  # a shard's index -> its values (a replicated array: one copy for its devices)
+      placed = []
+      for shard in leaf.addressable_shards:
+        key = tuple((s.start, s.stop, s.step) for s in shard.index)
+        if key not in host:
+          host[key] = jax.device_get(shard.data)
+        placed.append((shard.device, key))
+      self.leaves.append(_OnHost(leaf.shape, leaf.sharding, host, placed))
+    for leaf in leaves:
+      if isinstance(leaf, jax.Array):
+        leaf.delete()
+
+  def back(self) -> Any:
+    """The state on its devices again, as it was."""
+    return jax.tree.unflatten(self.treedef, [leaf.back() if isinstance(leaf, _OnHost) else leaf
+                                             for leaf in self.leaves])
+
+
+class _OnHost:
+  def __init__(self, shape, sharding, host, placed):
+    self.shape, self.sharding, self.host, self.placed = shape, sharding, host, placed
+
+  def back(self) -> jax.Array:
+    return jax.make_array_from_single_device_arrays(self.shape, self.sharding, [
+        jax.device_put(self.host[key], device) for device, key in self.placed])

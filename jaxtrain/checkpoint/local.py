@@ -20,8 +20,9 @@ tier is switched off for the rest of the run, on every process.
 On restart every process lists the committed local steps that fit this run's layout (the same process count,
 mesh and shardings: each process reads back exactly its shards) and are newer than the newest persistent step;
 the processes agree on the newest step that all of them have (one gather), restore it and check the fingerprints
-on the whole state (a step any process cannot read, or whose fingerprints differ, is set aside everywhere and the
-next one tried). A replaced host, with an empty local disk, has no such step: every process then resumes from the
+on the whole state (a step whose bytes are proven bad on any process, a file that does not decode or is missing or
+fingerprints that differ, is set aside everywhere and the next one tried; a disk that fails a read has the tier passed
+over, nothing set aside). A replaced host, with an empty local disk, has no such step: every process then resumes from the
 persistent tier, which restores onto any layout (:meth:`jaxtrain.checkpoint.Checkpointer.restore` tries the
 tiers' steps newest first). Whatever a run resumes or rolls back to, :meth:`LocalTier.forget_after` then deletes the
 local steps newer than it on every process before training goes on: they belong to the abandoned timeline, and a
@@ -42,6 +43,7 @@ import os
 import shutil
 import threading
 import time
+import zipfile
 from typing import Any
 
 import jax
@@ -49,9 +51,11 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
+from jaxtrain import failures
 from jaxtrain import integrity
 from jaxtrain import paths
-from jaxtrain.checkpoint.errors import CorruptCheckpoint, NonFiniteState, describe
+from jaxtrain.checkpoint.errors import (CorruptCheckpoint, NonFiniteState, TierUnavailable, describe,
+                                        environment_error, proven_corrupt)
 from jaxtrain.checkpoint.tier import TIERS, DataPosition
 
 _MAX_STEPS = 32  # local steps each process offers for the agreement on restore
@@ -268,15 +272,28 @@ class LocalTier:
 
   def restore(self, step: int, abstract_state: Any, data_iterator) -> tuple[Any, dict]:
     """``step`` (one of :meth:`restorable`) onto ``abstract_state``'s shardings, its fingerprints checked on the
-    whole state, and the data position set. Raises CorruptCheckpoint on every process if any process cannot read
-    its part or the fingerprints differ (the same verdict everywhere)."""
-    loaded, problem = None, None
+    whole state, and the data position set. The processes agree on one verdict, the worst of theirs: a part whose
+    bytes are proven bad on any process (a file that does not decode or is missing, a fingerprint that differs)
+    raises CorruptCheckpoint everywhere (set aside on every process); a disk that failed a read (EIO, ESTALE,
+    permissions) raises TierUnavailable everywhere (the run resumes from the persistent tier, nothing set aside: the
+    tier is optional); a device or host out of memory raises that failure everywhere (exit 2); a bug raises itself on
+    its process and TierUnavailable on the others."""
+    loaded, verdict, error = None, _OK, None
     try:
       loaded = self._load(step, abstract_state)
-    except Exception as e:  # noqa: BLE001 - unreadable: every process sets it aside
-      problem = describe(e)
-    if not _everywhere(loaded is not None):
-      raise CorruptCheckpoint(problem or "another process cannot read its part")
+    except Exception as e:  # noqa: BLE001 - judged below, on every process together
+      error, verdict = e, _verdict(e)
+    worst = _worst(verdict)
+    if worst != _OK:
+      mine = f"{describe(error)}" if error is not None else "another process's part"
+      if worst == _CORRUPT:
+        raise CorruptCheckpoint(mine if verdict == _CORRUPT else "another process's part does not read back")
+      if worst == _OUT_OF_MEMORY and verdict == _OUT_OF_MEMORY:
+        raise environment_error(error, self.directory, f"restoring local checkpoint step {step}",
+                                "the step is intact") from error
+      if verdict == _BUG:
+        raise error
+      raise TierUnavailable(f"local checkpoint step {step} in {self.directory}: {mine}")
     state, record = loaded
     fingerprints, nonfinite = integrity.summarize(state)  # on the whole state: the same verdict everywhere
     wrong = [k for k, v in record["fingerprints"].items() if fingerprints.get(k) != v]
@@ -408,6 +425,28 @@ def _common(steps: list[int]) -> list[int]:
   own[:len(steps)] = steps
   every = np.asarray(multihost_utils.process_allgather(own))
   return sorted(set.intersection(*[{int(s) for s in row if s >= 0} for row in every]))
+
+
+# Verdicts on a local step's read, worst last: agreed across processes (the maximum).
+_OK, _UNAVAILABLE, _BUG, _OUT_OF_MEMORY, _CORRUPT = range(5)
+
+
+def _verdict(e: BaseException) -> int:
+  """What a failed read of this process's part says (see :meth:`LocalTier.restore`)."""
+  failure = failures.classify(e)
+  if failure is not None and failure.kind in (failures.DEVICE_OOM, failures.HOST_OOM):
+    return _OUT_OF_MEMORY
+  if proven_corrupt(e) or isinstance(e, (zipfile.BadZipFile, KeyError)) or (
+      failure is not None and failure.kind in (failures.MISSING, failures.CORRUPT)):
+    return _CORRUPT  # (a committed step's file missing: its meta.json names what it holds)
+  return _UNAVAILABLE if failure is not None else _BUG
+
+
+def _worst(verdict: int) -> int:
+  """The worst verdict of every process (a gather on a multi-process job: every process must call it)."""
+  if jax.process_count() == 1:
+    return verdict
+  return int(np.asarray(multihost_utils.process_allgather(np.int32(verdict))).max())
 
 
 def _everywhere(ok: bool) -> bool:

@@ -6,9 +6,10 @@ Each checkpoint step holds four items: ``state`` (the train state pytree: params
 loss, tokens seen, wall time, seed) and ``config`` (the resolved config). Saves are written into
 ``<step>.orbax-checkpoint-tmp`` and committed by rename, so a killed save is never mistaken for a checkpoint; on an
 object store, which has no rename, into ``<step>`` and committed by writing ``<step>/commit_success.txt`` last
-(Orbax's commit file: a step without it is not listed). A store that does not answer (stopped, unreachable) fails a
-save, a listing or a restore within a bounded time (:mod:`jaxtrain.stores`) and ends the run restartable
-(:class:`StoreUnreachable`, exit 75), never as a corrupt step.
+(Orbax's commit file: a step without it is not listed). Each commit first asks the workdir's lock
+(:func:`fenced_commits`): a run that no longer holds its workdir commits nothing. A store that does not answer
+(stopped, unreachable) fails a save, a listing or a restore within a bounded time (:mod:`jaxtrain.stores`) and ends the
+run restartable (:class:`StoreUnreachable`, exit 75), never as a corrupt step.
 This module knows nothing of the trainer: it saves the pytree it is given and restores against the abstract
 pytree (ShapeDtypeStructs with the *current* shardings) it is handed, which is what makes restoring onto
 another mesh work. Before reading a step it compares the saved tensor shapes with that pytree: another model
@@ -21,11 +22,14 @@ number of processes is re-split by the iterator itself. Creating a tier also qui
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import inspect
 import json
 import logging as std_logging
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -39,8 +43,10 @@ from jaxtrain import _compat
 from jaxtrain import integrity
 from jaxtrain import paths
 from jaxtrain import stores
-from jaxtrain.checkpoint.errors import (CheckpointError, CorruptCheckpoint, NonFiniteState, SaveFailed,
-                                        StoreUnreachable, describe, storage_error, storage_reason)
+from jaxtrain import workdir as workdir_lib
+from jaxtrain.errors import UserError
+from jaxtrain.checkpoint.errors import (CheckpointError, CorruptCheckpoint, NonFiniteState, SaveFailed, describe,
+                                        environment_error, read_failure)
 from jaxtrain.checkpoint.tier import TIERS, DataPosition
 
 
@@ -81,6 +87,38 @@ def _saved_position(data_iterator: DataPosition) -> dict:
 _STORE_CLIENT_LOGGERS = ("gcsfs", "s3fs")
 
 
+# Orbax's background writes that failed, as its threads logged them ((monotonic time, the exception), newest last):
+# what PersistentTier.wait raises when Orbax's own wait does not return (see _wait_bounded).
+_BACKGROUND_FAILURES: collections.deque = collections.deque(maxlen=16)
+FAILED_WAIT_S = 10.0  # how long a wait goes on after a background write was seen to fail
+
+
+def _wait_bounded(manager, since: float) -> None:
+  """``manager.wait_until_finished()``, but when a background write of the save started at ``since`` has failed and
+  the wait has not returned ``FAILED_WAIT_S`` later, that failure is raised. Orbax (0.12.x) runs a save's writes as
+  threads that wait for each other's signals; when one fails before it sends its signal, the others wait for it until
+  their barrier's timeout (300 s), and so does wait_until_finished before it reports the failure: a failed save would
+  hold the run for minutes. Its threads log the failure when it happens (_QuietLibraries sees the record): that error
+  is the save's, raised here. (A thread still blocked in Orbax is left behind: the run stops on the error.)"""
+  done, outcome = threading.Event(), {}
+
+  def wait():
+    try:
+      manager.wait_until_finished()
+    except BaseException as e:  # noqa: BLE001 - handed to the caller
+      outcome["error"] = e
+    finally:
+      done.set()
+
+  threading.Thread(target=wait, name="jaxtrain-checkpoint-wait", daemon=True).start()
+  while not done.wait(0.2):
+    failed = [(t, e) for t, e in list(_BACKGROUND_FAILURES) if t >= since]
+    if failed and time.monotonic() - failed[0][0] > FAILED_WAIT_S:
+      raise failed[0][1]
+  if "error" in outcome:
+    raise outcome["error"]
+
+
 class _QuietLibraries(std_logging.Filter):
   """Orbax logs every save phase at INFO; keep its warnings and errors, drop the rest. A failed background write
   (disk full, permissions, an object store that does not answer) is logged with whole tracebacks by Orbax, by
@@ -90,6 +128,9 @@ class _QuietLibraries(std_logging.Filter):
   def filter(self, record: std_logging.LogRecord) -> bool:
     from_orbax = "/orbax/" in record.pathname
     folded = from_orbax or record.name == "asyncio" or record.name.split(".")[0] in _STORE_CLIENT_LOGGERS
+    if from_orbax and record.levelno >= std_logging.ERROR and record.exc_info and record.exc_info[1] is not None \
+        and "Future" not in type(record.exc_info[1]).__name__ and not isinstance(record.exc_info[1], TimeoutError):
+      _BACKGROUND_FAILURES.append((time.monotonic(), record.exc_info[1]))  # (see _wait_bounded)
     if (folded and record.levelno >= std_logging.ERROR and record.exc_info
         and record.exc_info[1] is not None):
       first = record.getMessage().splitlines()[0]
@@ -159,10 +200,14 @@ class PersistentTier:
   failures = 0
 
   def __init__(self, directory: str, *, every_steps: int = 0, every_minutes: float = 0, keep_last: int = 3,
-               keep_every: int = 0, async_save: bool = True, verify: bool = True):
+               keep_every: int = 0, async_save: bool = True, verify: bool = True,
+               fence: workdir_lib.WorkdirLock | None = None):
     """``verify``: fingerprint every array at save time (in ``meta``) and, on restore, check the arrays against
     them and for non-finite values; a mismatch is treated as corruption. A data position saved by another
-    process count is re-split by the iterator (:meth:`DataPosition.resplit`). Installs :func:`quiet_libraries`."""
+    process count is re-split by the iterator (:meth:`DataPosition.resplit`). ``fence``: the workdir lock whose
+    holder alone may save and commit (:func:`fenced_commits`); default: the one this process holds
+    (:func:`jaxtrain.workdir.held`: process 0 of a run, which commits every step), none elsewhere. Installs
+    :func:`quiet_libraries`."""
     quiet_libraries()
     if jax.default_backend() == "cpu":  # CPU devices share nothing by splitting a save among replicas
       _compat.orbax_one_replica_writes()
@@ -175,9 +220,11 @@ class PersistentTier:
     # Object stores have no rename: a step is committed by its commit file (Orbax's default on gs://, asked for here
     # on s3://, where Orbax would otherwise copy every object of the step to "rename" it, and not atomically).
     atomicity = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE) if self.on_store else None
+    self.fence = fence if fence is not None else workdir_lib.held()
+    fenced = fenced_commits(self.fence, self.directory, self.on_store) if self.fence is not None else None
     options = ocp.CheckpointManagerOptions(save_decision_policy=save_policy, preservation_policy=keep_policy,
                                            enable_async_checkpointing=async_save, create=True,
-                                           atomicity_options=atomicity)
+                                           atomicity_options=atomicity, temporary_path_class=fenced)
     # state, meta and config get Orbax's handlers for their args; data gets this process's own file.
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     positions = _position_handler(jax.process_index(), jax.process_count())
@@ -186,28 +233,27 @@ class PersistentTier:
     try:
       self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
     except Exception as e:
-      self._raise_if_unreachable(e, "opening the checkpoint folder")
-      if not isinstance(e, OSError):
-        raise
-      raise CheckpointError(os.fspath(directory), f"cannot use the checkpoint folder ({e.strerror or e})",
-                            "set checkpoint.dir to a writable folder") from None
+      self._raise_environment(e, "opening the checkpoint folder")
+      raise
     self.last_save_blocked_s = 0.0
     self._warned_data = False
+    self._started = time.monotonic()  # the newest save's start (its background failures are those after it)
+    self._failed = False  # a save failed and was raised
 
   def steps(self) -> list[int]:
     try:
       return sorted(self.manager.all_steps())
     except Exception as e:
-      self._raise_if_unreachable(e, "listing the checkpoints")
+      self._raise_environment(e, "listing the checkpoints")
       raise
 
-  def _raise_if_unreachable(self, e: BaseException, doing: str) -> None:
-    """Raises :class:`StoreUnreachable` when ``e`` says that the object store holding the checkpoints did not
-    answer."""
-    cause = stores.unreachable(e) if self.on_store else None
-    if cause is not None:
-      raise StoreUnreachable(f"{doing} in {self.where} failed: the object store did not answer ({describe(cause)}); "
-                             "earlier checkpoints are intact") from e
+  def _raise_environment(self, e: BaseException, doing: str) -> None:
+    """Raises what the run stops with when ``e`` is the storage's or the memory's failure (see
+    :func:`jaxtrain.checkpoint.errors.environment_error`: exit 2 for the user's to fix, 75 for what a restart
+    cures)."""
+    stop = environment_error(e, self.where, doing, "earlier checkpoints are intact")
+    if stop is not None:
+      raise stop from e
 
   def should_save(self, step: int) -> bool:
     return self.manager.should_save(step)
@@ -218,8 +264,10 @@ class PersistentTier:
     :func:`jaxtrain.integrity.read` if the train step already computed it (else it is computed here, one
     pass over the state). Raises NonFiniteState (nothing written) if the state has non-finite values, and
     CheckpointError when the previous async save failed: that is where disk-full and permission errors
-    surface."""
+    surface. A run that no longer holds its workdir (``fence``) raises LeaseLost, nothing written."""
     t = time.perf_counter()
+    if self.fence is not None:  # the holder's token and generation, in the step's meta
+      meta = {**meta, "lease": self.fence.fence()}
     if self.verify:
       fingerprints, nonfinite = summary if summary is not None else integrity.summarize(state)
       if nonfinite:
@@ -235,30 +283,32 @@ class PersistentTier:
                       "DataPosition); checkpoints will not hold the data position", type(data_iterator).__name__)
       self._warned_data = True
     args = ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items)
+    self.wait()  # the previous save's outcome first (Orbax's save() waits for it too, but unbounded: see wait)
+    self._started = time.monotonic()
     try:
       saved = self.manager.save(step, args=args, force=force)
     except Exception as e:  # an earlier async write failed, or this one could not start
-      self._raise_if_unreachable(e, "saving a checkpoint")
+      self._failed = True
+      _raise_lease_lost(e)
+      self._raise_environment(e, "saving a checkpoint")
       raise self._write_error(e) from e
     self.last_save_blocked_s = time.perf_counter() - t
     return saved
 
   def wait(self) -> None:
-    """Blocks until pending saves are committed; raises CheckpointError if one failed."""
+    """Blocks until pending saves are committed; raises what the run stops with if one failed (see
+    :func:`jaxtrain.checkpoint.errors.environment_error`, :class:`SaveFailed`)."""
     try:
-      self.manager.wait_until_finished()
+      _wait_bounded(self.manager, self._started)
     except Exception as e:
-      self._raise_if_unreachable(e, "saving a checkpoint")
+      self._failed = True
+      _raise_lease_lost(e)
+      self._raise_environment(e, "saving a checkpoint")
       raise self._write_error(e) from e
 
   def _write_error(self, e: Exception) -> Exception:
-    """A storage failure is the user's to fix (CheckpointError, exit 2); anything else is reported as what it
-    is (SaveFailed, with the original error as its cause) and never blamed on the disk."""
-    cause = storage_error(e)
-    if cause is not None:
-      return CheckpointError(os.fspath(self.directory), f"saving a checkpoint failed: {storage_reason(cause)} "
-                             f"({describe(cause)})",
-                             "free disk space or fix permissions; earlier checkpoints are intact")
+    """A failed save that is not the storage's nor the memory's (those are raised by :meth:`_raise_environment`):
+    reported as what it is (SaveFailed, with the original error as its cause), never blamed on the disk."""
     failed = SaveFailed(f"{os.fspath(self.directory)}: saving a checkpoint failed ({describe(e)}); this is not a "
                         "storage problem but a bug in jaxtrain or a library it uses; earlier checkpoints are intact")
     failed.__cause__ = e
@@ -281,11 +331,13 @@ class PersistentTier:
       if self.verify:
         verify(restored["state"], restored["meta"])
       self._restore_data_position(step, data_iterator, restored["meta"])
-    except CorruptCheckpoint:
+    except (CorruptCheckpoint, UserError):  # bad bytes; another model's checkpoint, another global batch
       raise
-    except Exception as e:  # a store that does not answer is no reason to set a step aside
-      self._raise_if_unreachable(e, f"restoring checkpoint step {step}")
-      raise
+    except Exception as e:  # only bytes proven bad set a step aside: a 403, a 503, an EIO, an OOM raise by cause
+      failure = read_failure(e, self.where, step)
+      if failure is e:
+        raise
+      raise failure from e
     return restored["state"], dict(restored["meta"])
 
   def check_compatible(self, step: int, abstract_state: Any) -> None:
@@ -319,13 +371,17 @@ class PersistentTier:
                     "one", step, self.directory, describe(error))
     if jax.process_index() == 0:
       src, dst = self.directory / str(step), self.directory / f"corrupt-{step}-{int(time.time())}"
-      if src.exists() and self.on_store:
-        # Uncommitted first (Orbax's commit file, see the module's docstring), so that a move cut short leaves no
-        # listed step behind; then its objects are moved one by one.
-        (src / _COMMIT_FILE).unlink(missing_ok=True)
-        stores.move_folder(os.fspath(src), os.fspath(dst))
-      elif src.exists():
-        src.rename(dst)
+      try:
+        if src.exists() and self.on_store:
+          # Uncommitted first (Orbax's commit file, see the module's docstring), so that a move cut short leaves no
+          # listed step behind; then its objects are moved one by one.
+          (src / _COMMIT_FILE).unlink(missing_ok=True)
+          stores.move_folder(os.fspath(src), os.fspath(dst))
+        elif src.exists():
+          src.rename(dst)
+      except Exception as e:
+        self._raise_environment(e, f"setting checkpoint step {step} aside")
+        raise
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"jaxtrain_set_aside_{step}")
     self.manager.reload()
@@ -334,10 +390,52 @@ class PersistentTier:
     """Deletes the committed steps past ``step``. A run goes on from this tier's newest step that restores or
     from a newer step of another tier, so there are none unless a step was added behind the run's back."""
     for newer in [s for s in self.steps() if s > step]:
-      self.manager.delete(newer)
+      try:
+        self.manager.delete(newer)
+      except Exception as e:
+        self._raise_environment(e, f"deleting checkpoint step {newer} (past the step the run goes on from)")
+        raise
 
   def close(self) -> None:
-    self.manager.close()
+    """Waits for the saves in flight and releases Orbax's manager. After a failed save (already raised, by
+    :meth:`save` or :meth:`wait`: the run is stopping on it) nothing is waited for: Orbax would raise it again, over
+    the error being handled, or wait for its stuck threads (see :func:`_wait_bounded`)."""
+    if not self._failed:
+      self.manager.close()
+
+
+def fenced_commits(fence: workdir_lib.WorkdirLock, directory: epath.Path, on_store: bool) -> type:
+  """Orbax's temporary path class for the steps in ``directory`` (committed by a commit file on an object store, by a
+  rename on a local disk) with each step's commit asking ``fence`` first (:meth:`jaxtrain.workdir.WorkdirLock.confirm`:
+  this run still holds the workdir, the lock read back naming it). A run that lost the workdir raises LeaseLost there,
+  in Orbax's commit (on the primary process, where the lock is): the step stays uncommitted, which restore ignores and
+  the next save of that step replaces, and the save fails (exit 75). The steps' items commit inside the step, unseen
+  until it commits: only the step's own commit asks.
+
+  Why a class: Orbax's one hook before a commit is the temporary path class that ``CheckpointManagerOptions``
+  takes (``temporary_path_class``: public, deprecated since orbax-checkpoint 0.12.3 for ``AtomicityOptions``, whose
+  modes take no class; there from 0.12.0, read in its source, to 0.12.8, run); the subclass commits as its base does,
+  after the fence."""
+  atomicity = ocp.path.atomicity
+  base = atomicity.CommitFileTemporaryPath if on_store else atomicity.AtomicRenameTemporaryPath
+  root = os.fspath(directory)
+
+  class FencedCommit(base):
+
+    async def finalize(self, *args, **kwargs):
+      if os.fspath(self.get_final().parent) == root:
+        await asyncio.to_thread(fence.confirm)
+      await super().finalize(*args, **kwargs)
+
+  return FencedCommit
+
+
+def _raise_lease_lost(e: BaseException) -> None:
+  """Raises the LeaseLost behind ``e`` (a commit the fence refused, surfacing at the next save or wait) as itself: a
+  restart cures it (exit 75); it is neither the storage's failure nor a bug."""
+  lost = workdir_lib.lease_lost(e)
+  if lost is not None:
+    raise lost from None
 
 
 @TIERS.register("persistent")

@@ -14,7 +14,7 @@ from etils import epath
 
 from jaxtrain import integrity
 from jaxtrain import paths
-from jaxtrain.checkpoint.errors import CheckpointError, CorruptCheckpoint, describe
+from jaxtrain.checkpoint.errors import CheckpointError, CorruptCheckpoint, describe, read_failure
 from jaxtrain.checkpoint.persistent import (committed_steps, quiet_libraries, reach, saved_tensors, shape_mismatch,
                                             verify)
 
@@ -66,6 +66,13 @@ def restore_from(path: str, abstract_state: Any, params_only: bool,
   except CheckpointError:
     raise
   except Exception as e:
+    # The storage's or the memory's failure by its cause (exit 2 or 75: a store that does not answer is no mismatch);
+    # bytes that do not decode are a corrupt checkpoint; anything else most likely another model's layout.
+    stop = read_failure(e, os.fspath(step_dir), int(step_dir.name) if step_dir.name.isdigit() else -1)
+    if isinstance(stop, CorruptCheckpoint):
+      raise CheckpointError(os.fspath(step_dir), f"is corrupt ({stop})", "restore from another step or run") from None
+    if stop is not e:
+      raise stop from e
     raise CheckpointError(os.fspath(step_dir), f"cannot restore ({describe(e)})",
                           "check that the checkpoint matches this model config") from None
   return restored, int(step_dir.name) if step_dir.name.isdigit() else -1

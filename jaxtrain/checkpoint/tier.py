@@ -82,9 +82,14 @@ class Tier(Protocol):
 
   def restore(self, step: int, abstract_state: Any, data_iterator) -> tuple[Any, dict]:
     """``(state, meta)`` of ``step``, onto ``abstract_state``'s shardings (ShapeDtypeStructs), checked against its
-    fingerprints when it has them; moves ``data_iterator`` to the saved position. Raises a
-    :class:`jaxtrain.errors.UserError` for the user's mistake (a checkpoint of another model: nothing is touched)
-    and anything else for a step that does not read back (the checkpointer sets it aside and falls back)."""
+    fingerprints when it has them; moves ``data_iterator`` to the saved position. Raises
+    :class:`jaxtrain.checkpoint.CorruptCheckpoint` when the step's own bytes are proven bad (a fingerprint mismatch,
+    non-finite values, bytes that do not decode, files missing: the checkpointer sets it aside and falls back to the
+    next step); a tier other than the persistent one may raise :class:`jaxtrain.checkpoint.TierUnavailable` when it
+    cannot be read now (the checkpointer passes over its steps, nothing set aside). Anything else is raised by its
+    cause and ends the run: a :class:`jaxtrain.errors.UserError` for the user's mistake (a checkpoint of another
+    model), the storage's and the memory's failures (:func:`jaxtrain.checkpoint.environment_error`), a bug. A
+    readable step is never set aside."""
     ...
 
   def set_aside(self, step: int, error: Exception) -> None:

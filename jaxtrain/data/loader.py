@@ -23,6 +23,7 @@ import numpy as np
 from absl import flags
 from etils import epath
 
+from jaxtrain import failures
 from jaxtrain.data import batch as batch_lib
 from jaxtrain import paths
 from jaxtrain.data import packing as packing_lib
@@ -36,14 +37,21 @@ def load_manifest(path: str, verify_checksums: bool = True, formats: tuple[str, 
   """Reads ``path/manifest.json`` and checks that every shard is there, whole and (optionally) intact.
   ``formats``: the record formats the reader takes (default: token documents and SFT examples)."""
   root = epath.Path(path)
-  if not root.exists():
-    raise DataError(path, "no such data folder", "run tools/prepare_data.py --output=" + path + " first")
   manifest_path = root / prepare.MANIFEST
-  if not manifest_path.exists():
-    raise DataError(path, "no manifest.json (no prepared shards here)", "point data.path at the --output of "
-                    "tools/prepare_data.py")
+  # Read, not looked for first: fsspec's exists() answers False for any error, so a store's 403 or 503 would read as
+  # a missing folder. Each failure is told by its cause (jaxtrain.failures): exit 2 or 75, never "missing" for it.
   try:
-    manifest = json.loads(manifest_path.read_text())
+    text = manifest_path.read_text()
+  except FileNotFoundError:
+    if not root.exists():
+      raise DataError(path, "no such data folder", "run tools/prepare_data.py --output=" + path + " first") from None
+    raise DataError(path, "no manifest.json (no prepared shards here)", "point data.path at the --output of "
+                    "tools/prepare_data.py") from None
+  except Exception as e:
+    failures.reraise(e, path, "reading the prepared data's manifest")
+    raise
+  try:
+    manifest = json.loads(text)
     assert manifest["format"] in prepare.RECORD_FORMATS
     assert isinstance(manifest["shards"], list)
   except Exception:
@@ -56,11 +64,17 @@ def load_manifest(path: str, verify_checksums: bool = True, formats: tuple[str, 
                       "=lm does not read", "train it with train.objective=dpo, simpo or orpo")
     raise DataError(path, f"holds no preference pairs (its records are {manifest['format']})",
                     "prepare chosen/rejected pairs with tools/prepare_data.py --format=preference")
+  for shard in manifest["shards"]:  # its names checked before any becomes a path (a shared bucket's manifest)
+    shard_cache.check_entry(os.fspath(manifest_path), shard)
   for shard in manifest["shards"]:
     f = root / shard["file"]
-    if not f.exists():
-      raise DataError(os.fspath(f), "shard listed in the manifest is missing", "re-run tools/prepare_data.py")
-    size = f.stat().length
+    try:
+      size = f.stat().length
+    except FileNotFoundError:
+      raise DataError(os.fspath(f), "shard listed in the manifest is missing", "re-run tools/prepare_data.py") from None
+    except Exception as e:
+      failures.reraise(e, os.fspath(f), "reading a prepared shard")
+      raise
     if size != shard["bytes"]:
       raise DataError(os.fspath(f), f"shard is truncated or changed ({size} bytes, manifest says "
                       f"{shard['bytes']})", "re-run tools/prepare_data.py")

@@ -42,6 +42,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from tqdm import tqdm
 
 from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import failures
 from jaxtrain import sampling
 from jaxtrain.data import chat
 from jaxtrain.data import tokenizers
@@ -329,10 +330,19 @@ def evaluate(lm: JaxtrainLM, tasks: Sequence[str], *, include_path=None, num_few
   try:
     results = evaluator.simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit,
                                         task_manager=manager, **kwargs)
-  except (ConnectionError, OSError, FileNotFoundError) as e:
-    raise HarnessError(",".join(names), f"its data cannot be loaded ({type(e).__name__}: {str(e)[:160]})",
-                       "a task from the hub needs the network (HF_DATASETS_OFFLINE unset); a local task needs its "
-                       "data files where its YAML says") from None
+  except Exception as e:  # noqa: BLE001 - told apart by cause below; a bug is raised as it is
+    failure = failures.classify(e)
+    if failure is not None and failure.kind in (failures.DEVICE_OOM, failures.HOST_OOM):
+      raise HarnessError(",".join(names), f"scoring ran out of memory ({failures.describe(failure.error)})",
+                         "the harness's batch is a training microbatch's rows: raise train.microbatches (or lower "
+                         "eval.harness_limit)") from None
+    if failure is not None and failure.kind == failures.IO:  # the disk under the task's files: a restart cures it
+      raise failures.error_for(failure, ",".join(names), "reading the harness's task data") from e
+    if isinstance(e, (ConnectionError, OSError)):
+      raise HarnessError(",".join(names), f"its data cannot be loaded ({type(e).__name__}: {str(e)[:160]})",
+                         "a task from the hub needs the network (HF_DATASETS_OFFLINE unset); a local task needs its "
+                         "data files where its YAML says") from None
+    raise
   if results is None:
     raise HarnessError(",".join(names), "the harness returned no results", "see its log above")
   logging.info("harness: %s scored (%d programs compiled)", ",".join(names), lm.compiles)

@@ -351,21 +351,23 @@ def _windowed(q, k, v, segment_ids, positions, block, variant, with_lse: bool = 
 
 # Splash attention: the TPU Pallas kernel ---------------------------------------------------------------------------
 
-_TARGET = {"platform": None}  # the platform programs are compiled for, when not this process's (a topology dry run)
+# The platform programs are compiled for, when not this process's (a topology dry run). A JAX user context, not a
+# module global: its value is part of jax.jit's tracing, lowering and compilation cache keys, so a function jitted
+# on this host's CPU and then lowered under compiling_for("tpu") is traced again, for TPU, instead of handing back
+# the CPU program from its cache (tests/test_models.py).
+_TARGET = jax.make_user_context(default_value=None)
 
 
 @contextlib.contextmanager
 def compiling_for(platform: str):
-  """Within: backends compile for ``platform`` (e.g. ``"tpu"`` when lowering for a TPU topology on a CPU host)."""
-  previous, _TARGET["platform"] = _TARGET["platform"], platform
-  try:
+  """Within (this thread): backends compile for ``platform`` (e.g. ``"tpu"`` when lowering for a TPU topology on a
+  CPU host), and jitted functions are traced again for it."""
+  with _TARGET(platform):
     yield
-  finally:
-    _TARGET["platform"] = previous
 
 
 def target_platform() -> str:
-  return _TARGET["platform"] or jax.default_backend()
+  return _TARGET.value or jax.default_backend()
 
 
 SPLASH_MIN_BLOCK = 128  # the kernel's tiles: the sequence must be a multiple of this

@@ -33,6 +33,7 @@ from jaxtrain import integrity
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import monitor
 from jaxtrain import workdir as workdir_lib
+from jaxtrain.errors import UserError
 from jaxtrain.train import hooks as hooks_lib
 from jaxtrain.train import objectives
 from jaxtrain.train import state as state_lib
@@ -44,6 +45,18 @@ from jaxtrain.train.run import Run
 class TrainingStopped(Exception):
   """Training stopped on purpose (``monitor.nan_policy=stop``, or a problem that rollbacks do not cure); main
   prints it as one line, exit code 1."""
+
+
+def stop_cause(e: BaseException) -> str:
+  """Why a run stopped early, in goodput's words: a restartable exit's cause (:data:`jaxtrain.exits.CAUSES`), or
+  ``user error`` (exit 2), ``stopped`` (the NaN policy, exit 1), ``interrupted`` (Ctrl-C), ``bug``."""
+  if isinstance(e, exits.Restart):
+    return e.cause
+  if isinstance(e, UserError):
+    return "user error"
+  if isinstance(e, TrainingStopped):
+    return "stopped"
+  return "interrupted" if isinstance(e, (KeyboardInterrupt, SystemExit)) else "bug"
 
 
 # What is saved with each checkpoint ----------------------------------------------------------------------------
@@ -238,19 +251,25 @@ class Loop:
                                      compile_s=m.watchdog_compile_s).start()
     self._clock = (time.perf_counter(), self.counts.wall_time)
     preempted = False
-    try:  # the hooks (the profiler's trace), watchdog and writers must not outlive the loop, whatever ends it
-      self._tell("start")
-      with PreemptionGuard() as preemption:
-        while self.counts.step < self.last_step:
-          if not self._step(preemption):
-            preempted = True  # its step saved (unless in a run of non-finite steps)
-            break
-    finally:
-      self._tell("close")
-      self.watchdog.stop()
-      self.writer.close()
-    self.checkpointer.wait()
-    self.account = self.goodput.end(self.counts.step)
+    try:
+      try:  # the hooks (the profiler's trace), watchdog and writers must not outlive the loop, whatever ends it
+        self._tell("start")
+        with PreemptionGuard() as preemption:
+          while self.counts.step < self.last_step:
+            if not self._step(preemption):
+              preempted = True  # its step saved (unless in a run of non-finite steps)
+              break
+      finally:
+        self._tell("close")
+        self.watchdog.stop()
+        self.writer.close()
+      self.checkpointer.wait()
+    except BaseException as e:
+      # The run's end and why, for goodput's account of the interruptions (the account itself is the next run's to
+      # write: the storage may be what failed).
+      self.goodput.end(self.counts.step, cause=stop_cause(e), summarize=False)
+      raise
+    self.account = self.goodput.end(self.counts.step, cause=exits.PREEMPTED if preempted else None)
     if preempted:
       steps = self.checkpointer.steps()
       raise exits.Restart(f"preempted after step {self.counts.step} of {self.last_step}; newest checkpoint: "
@@ -269,6 +288,7 @@ class Loop:
   def _step(self, preemption) -> bool:
     """Step N: dispatched, then step N-1 settled while it runs (or N itself before N's checkpoint). False when
     preempted (N saved)."""
+    workdir_lib.fence()  # a run that lost its workdir writes nothing more (LeaseLost, exit 75)
     step, metrics = self._dispatch()
     if self._settle(self.buffer.push(step, metrics)):
       return True  # rolled back: step N was dropped with the steps after the checkpoint
@@ -340,6 +360,7 @@ class Loop:
   def _log(self, step: int) -> None:
     record = None
     if step % self.config.train.log_every == 0 or step == self.last_step:
+      workdir_lib.fence()  # the lease may have run out while the step ran
       record = self.interval.record(self.plan, self.flops, self.peak, self.counts.skipped_steps)
       for hook in self.hooks:
         record.update(hook.metrics(self, step, record))
@@ -383,13 +404,21 @@ class Loop:
     skipping the bad ones. False if there is none (a policy rollback then goes on, the update skipped)."""
     why = why or (f"{self.nonfinite.streak} non-finite step(s) in a row" if action == "escalate" else
                   "a non-finite step")
-    self.limits.check(action, bad_step, why, self.checkpointer.steps())
-    plan = self.plan
-    restored = self.checkpointer.rollback(state_lib.abstract(plan.model, plan.tx, plan.state_shardings), self.data)
-    if restored is None:
+    steps = self.checkpointer.steps()
+    self.limits.check(action, bad_step, why, steps)
+    if not steps:
       logging.warning("rollback at step %d: no checkpoint yet; the update was skipped instead", bad_step)
       return False
-    self.state, meta = restored
+    plan = self.plan
+    # The live state leaves the devices while the checkpoint is restored onto them (Checkpointer.rollback: they hold
+    # one state, not two); it comes back if no checkpoint restores.
+    live, self.state = self.state, None
+    self.state, meta = self.checkpointer.rollback(state_lib.abstract(plan.model, plan.tx, plan.state_shardings),
+                                                  self.data, live=live)
+    del live
+    if meta is None:
+      logging.warning("rollback at step %d: no checkpoint restores; the update was skipped instead", bad_step)
+      return False
     reached, self.counts = self.counts.step, self.counts.rewound_to(LoopState.from_meta(meta, int(self.state.step)))
     logging.warning("rollback at step %d (%s): back to checkpoint step %d; the batches of the non-finite steps "
                     "will be skipped", bad_step, why, self.counts.step)

@@ -13,7 +13,6 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 import optax
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

@@ -96,3 +96,4 @@ def _init(model: Model, tx, rng) -> TrainState:
 def make_init(model: Model, tx, state_shardings: TrainState):
   """A jitted ``rng -> TrainState`` that creates every array directly in its sharded layout."""
   return jax.jit(lambda rng: _init(model, tx, rng), out_shardings=state_shardings)
+

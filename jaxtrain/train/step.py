@@ -184,6 +184,22 @@ def value_and_trained_grad(model: Model, fn, params, *args):
   return jax.value_and_grad(lambda t: fn(model.join_trainable(t, frozen), *args), has_aux=True)(trained)
 
 
+# The optax states that count the updates a learning-rate schedule is evaluated at: scale_by_schedule's (every
+# optimizer that takes a schedule as its lr: adamw, lion, adafactor, muon's two parts, sgd) and inject_hyperparams'.
+SCHEDULE_STATES = (optax.ScaleByScheduleState, optax.InjectStatefulHyperparamsState, optax.InjectHyperparamsState)
+
+
+def schedule_count(opt_state):
+  """The updates the optimizer has applied, as its learning-rate schedule counts them: the ``count`` of the first of
+  :data:`SCHEDULE_STATES` found in ``opt_state`` (all of them move together: an update replaces the whole state or
+  none of it), or None for an optimizer without one (a constant lr)."""
+  for kind in SCHEDULE_STATES:
+    found = optax.tree_utils.tree_get_all_with_path(opt_state, kind.__name__)
+    if found:
+      return found[0][1].count
+  return None
+
+
 def apply_update(model: Model, tx: optax.GradientTransformation, lr_schedule: optax.Schedule, state: TrainState,
                  grads, loss_sum, count, skip, update_shardings=None,
                  scaler: loss_scale_lib.LossScaled | None = None) -> tuple[TrainState, dict]:
@@ -192,10 +208,13 @@ def apply_update(model: Model, tx: optax.GradientTransformation, lr_schedule: op
   of the new trained params and optimizer state are finite (one fused reduction per device,
   :func:`jaxtrain.integrity.all_finite`) and ``skip`` (a host-side decision: a known bad batch being replayed) is
   false; otherwise params and optimizer state stay as they were and only the step counter advances. Returns the new
-  state and ``{loss, grad_norm, lr, nonfinite, skipped}``. With a loss ``scaler`` (``grads`` already unscaled), an
-  overflow of the scaled gradients is the scaler's to handle: the step is skipped and the scale adjusted, and only
-  a non-finite loss, or gradients that overflow at the smallest scale (1), count as ``nonfinite`` for the NaN
-  policy; metrics ``loss_scale`` (the scale this step used) and ``overflow`` are added."""
+  state and ``{loss, grad_norm, lr, nonfinite, skipped}``; ``lr`` is the rate the update was computed with, the
+  schedule at the optimizer's own count (:func:`schedule_count`), which a step that is not applied does not
+  advance. With a loss ``scaler`` (``grads`` already unscaled), an overflow of the scaled gradients skips the step
+  and adjusts the scale; a dynamic scale handles it (halving), and only a non-finite loss, or gradients that
+  overflow at the smallest scale (1), count as ``nonfinite`` for the NaN policy; a static scale never moves, so
+  there every overflow is ``nonfinite``. Metrics ``loss_scale`` (the scale this step used) and ``overflow`` are
+  added."""
   trained, frozen = model.split_trainable(state.params)
   # The optimizer sees the whole params tree (frozen params: zero gradients it ignores, no state).
   full_grads = model.join_trainable(grads, jax.tree.map(jnp.zeros_like, frozen))
@@ -209,10 +228,18 @@ def apply_update(model: Model, tx: optax.GradientTransformation, lr_schedule: op
   else:
     grads_finite = jnp.isfinite(grad_norm) & integrity.all_finite((new_trained, opt_state), update_shardings)
     finite = jnp.isfinite(loss) & grads_finite
-    nonfinite = ~jnp.isfinite(loss) | (~grads_finite & (state.opt_state.scale <= 1.0))
+    if scaler.dynamic:  # an overflow halves the scale and the next step tries again, unless it is 1 already
+      nonfinite = ~jnp.isfinite(loss) | (~grads_finite & (state.opt_state.scale <= 1.0))
+    else:  # a static scale never moves: the next batch overflows like this one, and only the NaN policy can act
+      nonfinite = ~finite
   apply = finite & ~skip
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)  # noqa: E731
-  metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step),
+  # The lr this update was computed with: the schedule at the optimizer's own count, not at the loop's step (a step
+  # that is not applied leaves the count where it was, so after one the two differ for good). A step not applied
+  # logs that same rate, the one its batch would have had and the next applied update uses: 0 would say the
+  # schedule dropped, which it did not (``skipped`` says the update was dropped), and would bend every plot of it.
+  counted = schedule_count(state.opt_state)
+  metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step if counted is None else counted),
              "nonfinite": nonfinite.astype(jnp.float32), "skipped": (~apply).astype(jnp.float32)}
   params = model.join_trainable(keep(new_trained, trained), frozen)
   opt_state = keep(opt_state, state.opt_state)

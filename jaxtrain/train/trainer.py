@@ -192,6 +192,18 @@ def _train(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Checkpoi
   config = run.config
   recorder = goodput.Recorder(config.workdir)
   recorder.start()
+  try:
+    return _compile_restore_and_loop(run, data, checkpointer, recorder)
+  except BaseException as e:
+    # A start that stops before its loop ends (a restore the store did not answer) names why, as the loop's end does
+    # (goodput's account of the interruptions; the loop's own end was recorded first, if it ran).
+    recorder.end(None, cause=loop_lib.stop_cause(e), summarize=False)
+    raise
+
+
+def _compile_restore_and_loop(run: Run, data: Iterator[dict], checkpointer: checkpoint_lib.Checkpointer,
+                              recorder: goodput.Recorder):
+  config = run.config
   write_config(config)
   report(run)
   t0 = time.perf_counter()

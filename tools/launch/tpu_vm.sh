@@ -4,7 +4,9 @@
 #
 # Needs: gcloud with access to the project; a TPU VM slice (e.g. v5p-128: 64 chips) whose workers can read the code (a
 # git checkout in the same path on every worker, or the repo copied there first) and the data / checkpoint
-# bucket. The run's workdir should be a gs:// path so that every worker writes the same checkpoints:
+# bucket. Each worker runs tools/launch/tpu_worker.sh there: it installs jaxtrain (the tpu extra) and the clients of
+# the object stores the config names (gcsfs for gs://, s3fs for s3://), then trains. The run's workdir should be a
+# gs:// path so that every worker writes the same checkpoints:
 #
 #   TPU_NAME=my-v5p ZONE=us-east5-a PROJECT=my-proj CONFIG=configs/llama3_8b.py \
 #   WORKDIR=gs://my-bucket/runs/llama3-8b tools/launch/tpu_vm.sh --config.mesh.fsdp=-1
@@ -20,22 +22,16 @@ set -euo pipefail
 : "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}" "${PROJECT:?set PROJECT}"
 : "${CONFIG:=configs/llama3_8b.py}" "${WORKDIR:?set WORKDIR (a gs:// path)}" "${REPO_DIR:=~/jaxtrain}"
 
-extra=""
-for arg in "$@"; do extra+=" $(printf '%q' "$arg")"; done
+args=""  # jaxtrain.main's arguments, quoted for the workers' shell
+for arg in "--config=$CONFIG" "--config.workdir=$WORKDIR" "$@"; do args+=" $(printf '%q' "$arg")"; done
 
 output=$(mktemp)
 trap 'rm -f "$output"' EXIT
 restarted=()  # when this script ran the workers again (seconds since the epoch)
 for ((restart = 0; ; restart++)); do
-  gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --project="$PROJECT" --worker=all --command="
-    cd $REPO_DIR && pip install -q -e '.[tpu]' || exit 1
-    echo jaxtrain-restart-budget=\$(python -m jaxtrain.main --config=$CONFIG --config.workdir=$WORKDIR$extra \
-      --config_value=distributed.max_restarts_per_hour)
-    python -m jaxtrain.main --config=$CONFIG --config.workdir=$WORKDIR$extra
-    code=\$?
-    echo jaxtrain-exit-code=\$code
-    exit \$code
-  " 2>&1 | tee "$output" || true
+  # Each worker installs jaxtrain and the store clients the config needs, trains, and reports its exit code.
+  gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --project="$PROJECT" --worker=all \
+    --command="cd $REPO_DIR && bash tools/launch/tpu_worker.sh$args" 2>&1 | tee "$output" || true
   codes=$({ grep -o 'jaxtrain-exit-code=[0-9]*' "$output" || true; } | cut -d= -f2 | sort -un | tr '\n' ' ')
   reported=$(grep -c 'jaxtrain-exit-code=' "$output" || true)
   echo "jaxtrain exit codes of the workers: ${codes:-none}" >&2

@@ -20,7 +20,9 @@ from jaxtrain.data.prepare import local
 from jaxtrain.data.prepare.algorithm import (FORMAT, FORMAT_PREFERENCE, FORMAT_SFT, FORMATS,  # noqa: F401
                                              MANIFEST, RECORD_FORMATS, TEXT_SPLITS, Options, encoder, finalize,
                                              make_plan)
-from jaxtrain.errors import DataError
+from jaxtrain import exits
+from jaxtrain import failures
+from jaxtrain.errors import DataError, UserError
 
 BUNDLED = epath.Path(__file__).parent.parent / "corpus" / "tinyshakespeare.txt"
 
@@ -41,18 +43,27 @@ def _beam_runner(opts: Options):
 
 def prepare(opts: Options) -> dict:
   """Runs the whole preparation and returns the manifest. Raises UserError (DataError) on bad input, having
-  written nothing: the output appears complete (manifest last) or not at all."""
+  written nothing: the output appears complete (manifest last) or not at all. A failure of the storage it reads or
+  writes (a disk, a store) is told by its cause (:mod:`jaxtrain.failures`): a UserError for the user's to fix
+  (permissions, a full disk, a missing bucket), a :class:`jaxtrain.exits.Restart` for what running it again cures
+  (a store that does not answer or throttles, an I/O error)."""
   runner = _beam_runner(opts) if opts.runner else local
   plan = make_plan(opts)
   work, output = epath.Path(plan.work), epath.Path(opts.output)
-  work.mkdir(parents=True)
   try:
-    entries = runner.run(plan)
-    manifest = finalize(plan, entries)
-    _move_into_place(work, output, opts.overwrite)
-  finally:
-    if work.exists():
-      _remove(work)
+    work.mkdir(parents=True)
+    try:
+      entries = runner.run(plan)
+      manifest = finalize(plan, entries)
+      _move_into_place(work, output, opts.overwrite)
+    finally:
+      if work.exists():
+        _remove(work)
+  except (UserError, exits.Restart):
+    raise
+  except Exception as e:
+    failures.reraise(e, opts.output, "preparing the data", "no half-written output is read (its manifest comes last)")
+    raise
   return manifest
 
 

@@ -61,6 +61,7 @@ import numpy as np
 from etils import epath
 
 import jaxtrain
+from jaxtrain import failures
 from jaxtrain.errors import DataError
 from jaxtrain.data import chat, dedup, pairs, tokenizers
 
@@ -380,8 +381,12 @@ def scatter(plan: Plan, index: int) -> Iterator[tuple]:
   def flush():
     for (split, bucket), records in sorted(buffers.items()):
       part = plan.part(split, bucket, index, chunk)
-      part.parent.mkdir(parents=True, exist_ok=True)
-      part.write_bytes(b"".join(records))
+      try:
+        part.parent.mkdir(parents=True, exist_ok=True)
+        part.write_bytes(b"".join(records))
+      except Exception as e:  # the output's storage, not the input file: told by its cause (jaxtrain.failures)
+        failures.reraise(e, opts.output, "writing the prepared data")
+        raise
       yield "part", (split, bucket), os.fspath(part)
     buffers.clear()
 

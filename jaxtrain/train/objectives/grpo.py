@@ -8,8 +8,9 @@ A step (one loop step, one rollout):
      ``rl.temperature`` within the nucleus ``rl.top_p``, up to ``rl.max_new_tokens`` tokens or a stop token
      (``rl.stop`` and the tokenizer's EOS). Row r of step s draws with a key derived from (``train.seed``, s): a
      resumed run samples what the uninterrupted one did.
-  2. rewards, on the host: ``rl.rewards`` (:mod:`.rewards`), weighted and summed per completion; the advantage of
-     completion i of a group is ``(r_i - mean(r)) / (std(r) + 1e-4)`` over its group (sample std, ddof=1).
+  2. rewards, on the host of process 0 (:func:`score_once`): ``rl.rewards`` (:mod:`.rewards`), weighted and summed
+     per completion; the advantage of completion i of a group is ``(r_i - mean(r)) / (std(r) + 1e-4)`` over its
+     group (sample std, ddof=1); the advantages and the reward metrics are broadcast to every other process.
   3. scoring: the training forward (:func:`.logprobs.token_logps`) gives the completion tokens' log-probabilities
      under the policy (the "old" ones the ratio divides by) and under the reference (``rl.reference``: the starting
      params frozen, or with LoRA the base with the adapters off). ``rl/logp_mismatch`` is the largest difference
@@ -159,6 +160,29 @@ def _host(x) -> np.ndarray:
   if jax.process_count() == 1:
     return np.asarray(jax.device_get(x))
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def score_once(rewards: list[rewards_lib.Reward], texts: list[str], records: list[dict], group_size: int
+               ) -> tuple[np.ndarray, dict[str, float]]:
+  """(The advantages of the step's completions, float32 ``[n]``; the reward metrics ``rl/reward_mean``,
+  ``rl/reward_std``, ``rl/reward/<name>``), computed on process 0 alone and broadcast to the others. Each process
+  places its own rows of the advantages from its own copy, so the copies must be the same: computed on each
+  process, a reward that does not answer the same twice (code run under a timeout) would train each process's rows
+  on other draws than the logged ones (jax's device_put stops the job at copies that differ, as a bug), and a costly
+  reward would run once per process. A reward that fails on process 0 ends the job there, and jaxtrain.main tells
+  the other processes, waiting in the broadcast, to stop with its line and code."""
+  n, names = len(texts), [r.name for r in rewards]
+  packed = np.zeros(n + 2 + len(names), np.float64)  # advantages, reward mean and std, each reward's mean
+  if jax.process_index() == 0:
+    total, parts = rewards_lib.score(rewards, texts, records)
+    packed[:] = [*group_advantages(total, group_size), total.mean(), total.std(), *(parts[k].mean() for k in names)]
+  if jax.process_count() > 1:
+    # As its bits: with 64-bit types off a float64 array would travel as float32 (and int32 adds the others' 0s
+    # exactly), so that every process logs what one process alone would.
+    packed = np.asarray(multihost_utils.broadcast_one_to_all(packed.view(np.int32))).view(np.float64)
+  metrics = {"rl/reward_mean": float(packed[n]), "rl/reward_std": float(packed[n + 1]),
+             **{f"rl/reward/{k}": float(v) for k, v in zip(names, packed[n + 2:])}}
+  return packed[:n].astype(np.float32), metrics
 
 
 def sampling_seed(seed: int, step: int) -> int:
@@ -366,9 +390,9 @@ class Trainer:
       done = Completions(self.generator(state.params, batch, sampling_seed(c.train.seed, step)), self.stops, self.tok)
     rollout_s = time.perf_counter() - t0
     records = [self.table.records[i] for i in prompts_lib.record_indices(host)]
-    total, parts = rewards_lib.score(self.rewards, done.texts, records)
+    advantages, reward_metrics = score_once(self.rewards, done.texts, records, c.rl.group_size)
     t1 = time.perf_counter()
-    local = update_batch(host, done, group_advantages(total, c.rl.group_size))
+    local = update_batch(host, done, advantages)
     rows_sharding = sharding.batch_sharding(run.mesh, run.rules, ndim=1)
     on_device = {k: jax.device_put(v, rows_sharding if k == "advantages" else run.batch_sharding)
                  for k, v in local.items()}
@@ -378,9 +402,8 @@ class Trainer:
       state, metrics = self.update(state, {**on_device, "old_logps": old, "ref_logps": ref}, skip)
       jax.block_until_ready(metrics)
     update_s = time.perf_counter() - t1
-    metrics = {**metrics, "rl/reward_mean": float(total.mean()), "rl/reward_std": float(total.std()),
-               **{f"rl/reward/{name}": float(v.mean()) for name, v in parts.items()},
-               "rl/completion_length": float(done.produced.mean()), "rl/logp_mismatch": mismatch,
+    metrics = {**metrics, **reward_metrics, "rl/completion_length": float(done.produced.mean()),
+               "rl/logp_mismatch": mismatch,
                "rl/rollout_s": rollout_s, "rl/rollout_tokens_per_s": float(done.produced.sum()) / rollout_s,
                "rl/update_s": update_s,
                "rl/update_tokens_per_s": rows * c.data.seq_len * c.rl.updates_per_batch / update_s}

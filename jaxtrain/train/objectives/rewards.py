@@ -6,7 +6,9 @@ completion: ``records[i]`` is the prompts file's record completion i answers (it
 holds: an ``answer``, test cases). A registered reward is a factory, ``rl_config -> reward function`` (so that it can
 read its own keys of the ``rl`` group); a ``module:function`` is the reward function itself. ``rl.rewards`` names
 them with weights, ``"exact_match,format=0.1,my_rewards:brevity=0.5"`` (weight 1 when none is given); a
-completion's reward is the weighted sum, and each is logged as ``rl/reward/<name>``.
+completion's reward is the weighted sum, and each is logged as ``rl/reward/<name>``. In a job of several processes
+the rewards run on process 0 alone, on every process's completions, and what derives from them is broadcast
+(:func:`jaxtrain.train.objectives.grpo.score_once`); only the check at start calls each on every process.
 
 Built in:
   exact_match  1 when the completion's final answer equals the record's ``rl.answer_field`` (default ``answer``),
