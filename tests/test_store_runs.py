@@ -794,14 +794,18 @@ def test_kills_at_ten_random_moments_resume_exactly(servers, scheme, uninterrupt
   # A lease of 4 s (renewed every second): a run whose renewals all failed for 3 s would stop. Each start takes the
   # killed run's lease over at once: its holder is gone from this host.
   args = ["--config.train.steps=20", "--config.checkpoint.every_steps=2", f"--config.workdir_lease_s={LEASE_S:g}"]
-  # The store's metrics object is rewritten at each flush, which a kill inside the save may come before. Each look at
-  # the steps logged is a request to the store's server: every 0.1 s (local files are read every 0.02 s).
+  # The store's metrics arrive as segments at most once a second, which a kill inside the save may come before. Each
+  # look at the steps logged is a few requests to the store's server: every 0.25 s (local files: every 0.02 s).
   kill_at_random_moments(workdir, args, 10, 4, lambda: _committed(checkpoints),
-                         lambda: [r["step"] for r in _records(workdir)], logged_in_save=False, poll_s=0.1)
+                         lambda: [r["step"] for r in _records(workdir)], logged_in_save=False, poll_s=0.25)
   newest = _committed(checkpoints)
   err = _run(workdir, *args)
-  if newest:
+  # The store's metrics arrive up to a flush interval late, so the last kill can come after step 20 committed (the
+  # run was still shutting down): the restart then says it is done instead.
+  if newest and newest[-1] < 20:
     assert f"resumed from checkpoint step {newest[-1]}" in err
+  elif newest:
+    assert "is already at step 20 (train.steps=20): nothing to train" in err, err[-2000:]
   assert _committed(checkpoints)[-1] == 20
   assert _losses(workdir)[20] == uninterrupted[20]
 
