@@ -41,7 +41,7 @@ import time
 from typing import Iterator
 from urllib import parse
 
-import portpicker
+from tests import object_store
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -168,7 +168,7 @@ def _read_body(sock: socket.socket, rest: bytearray, headers: dict[str, str]) ->
   return bytes(rest[:n])
 
 
-class FaultyStore:
+class FaultyStore(object_store.Proxy):
   """An HTTP proxy on its own localhost port in front of ``store`` (a :class:`tests.object_store.Store`): each request
   is read whole, matched against the rules (:meth:`fail`) and either answered with its fault or forwarded to the
   store on a connection of its own (every answer closes its connection, so that each request is seen here).
@@ -179,18 +179,12 @@ class FaultyStore:
   """
 
   def __init__(self, store):
-    self.store, self.scheme = store, store.scheme
-    self.port = portpicker.pick_unused_port()
-    self.endpoint = f"http://127.0.0.1:{self.port}"
-    self.env = {**store.env, **{k: self.endpoint for k in ("AWS_ENDPOINT_URL", "STORAGE_EMULATOR_HOST",
-                                                            "TENSORSTORE_GCS_HTTP_URL") if k in store.env}}
+    super().__init__(store)  # its port, endpoint and env; start() and stop() open and close it as the TCP proxy's
+    self.scheme = store.scheme
     self.rules: list[Rule] = []
     self.requests: list[str] = []  # every request seen, as matched (without bodies)
     self.sizes: list[int] = []  # the bytes of each of them as the client sent it (its head and body)
-    self._lock = threading.Lock()
     self._released = threading.Event()  # ends the silent answers held
-    self._listener: socket.socket | None = None
-    self._open: set[socket.socket] = set()
 
   # control
 
@@ -219,7 +213,6 @@ class FaultyStore:
   @contextlib.contextmanager
   def use(self) -> Iterator[FaultyStore]:
     """This process's store clients go through the proxy for the block (see tests/object_store.forget_clients)."""
-    from tests import object_store
     saved = {k: os.environ.get(k) for k in self.env}
     os.environ.update(self.env)
     object_store.forget_clients()
@@ -233,23 +226,9 @@ class FaultyStore:
           os.environ[k] = v
       object_store.forget_clients()
 
-  def start(self) -> FaultyStore:
-    self._listener = socket.create_server(("127.0.0.1", self.port))
-    threading.Thread(target=self._accept, args=(self._listener,), daemon=True, name="faulty-store").start()
-    return self
-
   def stop(self) -> None:
-    self.heal()
-    listener, self._listener = self._listener, None
-    if listener is not None:
-      with contextlib.suppress(OSError):
-        listener.shutdown(socket.SHUT_RDWR)
-      listener.close()
-    with self._lock:
-      for s in list(self._open):
-        with contextlib.suppress(OSError):
-          s.close()
-      self._open.clear()
+    self.heal()  # (releases the silent answers held)
+    super().stop()
 
   def __enter__(self) -> FaultyStore:
     return self.start()
