@@ -140,6 +140,12 @@ def final(workdir: str) -> tuple[float, dict]:
 def main(argv):
   del argv
   every, steps = _EVERY.value, _STEPS.value
+  slots = len(range(every, steps, every)) if every > 0 else 0
+  if not 0 < _FAULTS.value <= slots:
+    print(f"fault_drill: error: --faults={_FAULTS.value} needs a checkpoint step of its own for each fault, and "
+          f"--steps={steps} with --every={every} has {slots}: ask for 1 to {slots} faults, or more steps",
+          file=sys.stderr)
+    sys.exit(2)
   drawn = draw(_FAULTS.value, _SEED.value, steps, every)
   with tempfile.TemporaryDirectory(prefix="fault-drill-") as tmp, object_store.serve("gs") as gs, \
        faults.FaultyStore(gs) as proxy:
