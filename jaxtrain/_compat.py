@@ -109,6 +109,16 @@ def qwix_quantized_training():
                for name in ("dot_general_qt", "ragged_dot_qt"))
 
 
+def lm_eval_yaml_loader():
+  """``lm_eval.tasks._yaml_loader.load_yaml``: the reader the harness's task index reads task YAMLs with (its
+  includes and ``!function`` tags), to name a YAML the index skips without a word (checked on lm-eval 0.4.13;
+  jaxtrain.evaluate and eval.harness_tasks). None where it moved: the caller falls back to YAML's syntax alone."""
+  try:
+    return _attribute("lm_eval.tasks._yaml_loader", "load_yaml", "the harness's task check", "lm-eval", ("0.4.13",))
+  except PrivateAPIMissing:
+    return None
+
+
 # Orbax on object stores ---------------------------------------------------------------------------------------------
 
 

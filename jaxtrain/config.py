@@ -96,12 +96,15 @@ def base_config(model: str = "llama") -> ml_collections.ConfigDict:
       # Benchmark scores during the run (lm-evaluation-harness, the eval extra; jaxtrain.train.hooks.Harness): these
       # harness tasks on the live params every harness_every steps and at the last, logged as
       # harness/<task>/<metric>; harness_limit documents per task (0: all), harness_include_path a folder of task
-      # YAMLs (local tasks), harness_num_fewshot few-shot examples (-1: the task's own).
+      # YAMLs (local tasks), harness_num_fewshot few-shot examples (-1: the task's own); harness_apply_chat_template
+      # and harness_fewshot_as_multiturn as jaxtrain.evaluate's --apply_chat_template / --fewshot_as_multiturn.
       harness_tasks=(),
       harness_every=0,
       harness_limit=0,
       harness_include_path="",
       harness_num_fewshot=-1,
+      harness_apply_chat_template=False,
+      harness_fewshot_as_multiturn=False,
       **data.eval_set_defaults(),  # eval.sets: named eval data (jaxtrain/data)
   ))
   for group, module in COMPONENTS:

@@ -13,9 +13,10 @@ The scores are printed as the harness's table; ``--output`` writes its results J
 Hugging Face hub need the network; a task YAML with local files (``--include_path``) works offline.
 
 ``--max_length`` (tokens per row) defaults to the imported model's ``max_position_embeddings`` (what the harness's
-``hf`` model uses), else the run's ``data.seq_len``. A mistake (an unknown task, a checkpoint without a tokenizer, a
-task whose data cannot be had offline, a bad flag) prints one line ``evaluate: error: ...`` and exits 2, writing
-nothing.
+``hf`` model uses), else the run's ``data.seq_len``. A mistake (an unknown task, a task YAML the harness cannot read
+or build, a template that names a field the task's data lacks, a checkpoint without a tokenizer, a task whose data
+cannot be had offline, a bad flag) prints one line ``evaluate: error: ...`` and exits 2, writing nothing; the
+tasks are built (their data loaded, their templates tried) before the params are loaded.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def main(argv: list[str]) -> None:
     harness.text_of(generate.run_config(saved, FLAGS.set), saved, step_dir,
                     paths.resolve(FLAGS.tokenizer) if FLAGS.tokenizer else "")
     manager = harness.task_manager([paths.resolve(p) for p in FLAGS.include_path], [FLAGS.tasks])
-    harness.check_tasks([FLAGS.tasks], manager)
+    harness.build_tasks([FLAGS.tasks], manager)  # known, their data there, their templates fit it
     t = time.perf_counter()
     lm = CheckpointLM(FLAGS.checkpoint, FLAGS.step, FLAGS.set, FLAGS.tokenizer, FLAGS.batch_size,
                       FLAGS.max_length, FLAGS.max_gen_toks)

@@ -1,7 +1,7 @@
 """Text generation from a checkpoint: KV-cache decoding through the model's own attention, sharded on the mesh.
 
   python -m jaxtrain.generate --checkpoint=RUN_OR_CHECKPOINT_DIR --prompt="ROMEO:" [--prompt=...]
-      [--prompts_file=FILE] [--max_new_tokens=64] [--temperature=0 (greedy) --top_k=0 --top_p=1 --seed=0]
+      [--prompts_file=FILE|FILE.jsonl] [--chat] [--max_new_tokens=64] [--temperature=0 (greedy) --top_k=0 --top_p=1 --seed=0]
       [--step=N] [--set=mesh.data=2 ...] [--tokenizer=FILE] [--format=text|jsonl] [--no_cache]
 
 ``--checkpoint`` is a run's workdir, its checkpoints folder or one step folder (the newest step unless ``--step``).
@@ -16,10 +16,14 @@ of probability ``top_p``; row r of step i draws with ``fold_in(fold_in(key(seed)
 depend on the other prompts of the batch. ``--no_cache`` recomputes the whole forward for every new token (to
 measure the cache, and the oracle of the tests).
 
-Tokenizer: the import's (``tools/convert_hf.py import``: ``tokenizer.json`` or ``tokenizer.model`` in its ``hf/``
-folder, with ``bos_token_id`` prepended and ``eos_token_id`` ending a row, from its ``generation_config.json`` or
-``config.json``), else the run's ``data.tokenizer``, else the data's (byte-level for the bundled corpus), or
-``--tokenizer=FILE``. Completions go to stdout, one line per prompt in the order given (the ``--prompt`` ones, then
+Tokenizer: the one the run's lineage carries (its ``hf/`` folder, copied from its parent's at its start, back to an
+import: jaxtrain.checkpoint.lineage; ``tokenizer.json`` or ``tokenizer.model`` with ``bos_token_id`` prepended to a
+plain prompt, from ``generation_config.json`` or ``config.json``), else the run's ``data.tokenizer``, else the
+data's (byte-level for the bundled corpus), or ``--tokenizer=FILE``. A row ends at the generation config's EOS ids
+and at the tokenizer's own EOS token, the same ids as the GRPO sampler's and the harness's. ``--chat`` renders each
+prompt as the user's message with the tokenizer's chat template and its generation prompt; a ``.jsonl``
+``--prompts_file`` holds ``{"prompt": ...}`` records (a prompt may hold newlines) or ``{"messages": [...]}``
+conversations. Completions go to stdout, one line per prompt in the order given (the ``--prompt`` ones, then
 the file's; newlines written as ``\\n``; ``--format=jsonl`` writes JSON objects). A mistake (no checkpoint, an empty
 prompt, a bad flag value) prints one line ``generate: error: ...`` and exits 2.
 
@@ -168,8 +172,11 @@ def _define_flags():
   flags.DEFINE_string("checkpoint", None, "A run's workdir, its checkpoints folder or one step folder.")
   flags.DEFINE_integer("step", None, "The step to load (default: the newest).")
   flags.DEFINE_multi_string("prompt", [], "A prompt (repeatable).")
-  flags.DEFINE_string("prompts_file", None, "A file of prompts, one per line (blank lines skipped), after the "
-                      "--prompt ones.")
+  flags.DEFINE_string("prompts_file", None, "A file of prompts after the --prompt ones: *.jsonl, one JSON object "
+                      "per line ({\"prompt\": TEXT} or {\"messages\": [{\"role\", \"content\"}, ...]}: prompts with "
+                      "newlines, conversations); any other file, one prompt per line (blank lines skipped).")
+  flags.DEFINE_bool("chat", False, "Render each prompt with the tokenizer's chat template (a prompt is the user's "
+                    "message; a JSONL record's messages are the conversation), with the generation prompt.")
   flags.DEFINE_integer("max_new_tokens", 64, "New tokens per prompt (at most; a row ends at an EOS token).")
   flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
   flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens (0: all).")
@@ -218,17 +225,58 @@ def _parse(argv: list[str]) -> list[str]:
   return rest
 
 
-def _prompts(FLAGS) -> list[str]:
-  prompts = list(FLAGS.prompt)
+def _prompts(FLAGS) -> list[str | list[dict]]:
+  """The prompts: texts, and conversations (lists of messages) from a JSONL file's ``messages`` records."""
+  prompts: list[str | list[dict]] = list(FLAGS.prompt)
   if FLAGS.prompts_file:
     path = paths.resolve(FLAGS.prompts_file)
     try:
-      text = open(path, encoding="utf-8").read()
+      text = epath.Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
       raise GenerateError(FLAGS.prompts_file, f"cannot be read ({e.__class__.__name__}: "
-                          f"{getattr(e, 'strerror', None) or e})", "pass a UTF-8 text file, one prompt per line")
-    prompts += [line for line in text.splitlines() if line.strip()]
+                          f"{getattr(e, 'strerror', None) or e})", "pass a UTF-8 text file, one prompt per line, or "
+                          "a .jsonl file of {\"prompt\": TEXT} records")
+    if not path.endswith(".jsonl"):
+      return prompts + [line for line in text.splitlines() if line.strip()]
+    for n, line in enumerate(text.splitlines(), 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except ValueError as e:
+        raise GenerateError(f"{FLAGS.prompts_file}:{n}", f"is not JSON ({e})", "write one JSON object per line")
+      if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+        prompts.append(record["prompt"])
+      elif isinstance(record, dict) and isinstance(record.get("messages"), list) and all(
+          isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+          for m in record["messages"]) and record["messages"]:
+        prompts.append(record["messages"])
+      else:
+        got = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
+        raise GenerateError(f"{FLAGS.prompts_file}:{n}", f"has no 'prompt' text nor 'messages' list (it has {got})",
+                            "write {\"prompt\": TEXT} or {\"messages\": [{\"role\": ..., \"content\": ...}]}")
   return prompts
+
+
+def encode(tok, prompts: list[str | list[dict]], chat: bool, vocab_size: int) -> list[list[int]]:
+  """The prompts' ids: plain texts as the tokenizer encodes them, or (``chat``, and every conversation) rendered by
+  the chat template with the generation prompt."""
+  if not chat and any(not isinstance(p, str) for p in prompts):
+    raise GenerateError("--prompts_file", "holds conversations ('messages' records)", "pass --chat to render them "
+                        "with the chat template")
+  if not chat:
+    return encode_prompts(tok, prompts, vocab_size)
+  out = []
+  for i, p in enumerate(prompts):
+    messages = [{"role": "user", "content": p}] if isinstance(p, str) else p
+    if not any(m["content"] for m in messages):
+      raise GenerateError(f"prompt {i + 1}", "is empty", "give every prompt some text")
+    ids = tok.encode_chat(messages)
+    if max(ids) >= vocab_size:
+      raise GenerateError(f"prompt {i + 1}", f"has token id {max(ids)}, outside the model's vocab_size "
+                          f"{vocab_size}", f"use the tokenizer the model was trained with (this is {tok.where})")
+    out.append(ids)
+  return out
 
 
 def main(argv: list[str]) -> None:
@@ -241,7 +289,7 @@ def main(argv: list[str]) -> None:
       raise GenerateError("--prompt", "no prompt given", "pass --prompt=TEXT or --prompts_file=FILE")
     loaded = load(FLAGS.checkpoint, FLAGS.step, FLAGS.set)
     tok = tokenizer_for(loaded.config, loaded.saved, loaded.step_dir, FLAGS.tokenizer)
-    ids = encode_prompts(tok, prompts, loaded.config.model.vocab_size)
+    ids = encode(tok, prompts, FLAGS.chat, loaded.config.model.vocab_size)
     with jax.set_mesh(loaded.mesh):
       gen = Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings,
                       rows=padded_rows(len(ids), loaded.mesh, loaded.rules), prompt_len=max(map(len, ids)),
@@ -261,7 +309,8 @@ def main(argv: list[str]) -> None:
   for prompt, c in zip(prompts, completions):
     text = tok.decode(c)
     if FLAGS.format == "jsonl":
-      print(json.dumps({"prompt": prompt, "completion": text, "tokens": len(c)}, ensure_ascii=False))
+      key = "prompt" if isinstance(prompt, str) else "messages"
+      print(json.dumps({key: prompt, "completion": text, "tokens": len(c)}, ensure_ascii=False))
     else:
       print(text.replace("\\", "\\\\").replace("\n", "\\n"))
   sys.stdout.flush()

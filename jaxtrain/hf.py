@@ -51,6 +51,7 @@ from etils import epath
 from safetensors import SafetensorError, safe_open
 
 from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain.checkpoint import lineage
 from jaxtrain import exits
 from jaxtrain import models
 from jaxtrain import paths
@@ -61,8 +62,7 @@ from jaxtrain.models import hf_adapter, lora
 from jaxtrain.models.hf_adapter import HFError
 from jaxtrain.train.state import TrainState
 
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+SIDE_FILES = lineage.SIDE_FILES  # the model's config.json and its tokenizer's, chat template's, generation's files
 _DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "F64": np.dtype(np.float64)}
 _EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 # Read from the file's bytes (quantized checkpoints: DeepSeek-V3's fp8 weights, jaxtrain/models/deepseek_v3/hf.py).
@@ -523,10 +523,12 @@ def import_model(hf_dir: str, output: str) -> dict:
       nbytes = sum(a.nbytes for a in jax.tree.leaves(params))
       count = sum(a.size for a in jax.tree.leaves(params))
       del params
-      for f in SIDE_FILES:
-        if os.path.exists(os.path.join(local, f)):
-          with out.file(f"hf/{f}") as copy:
-            shutil.copy2(os.path.join(local, f), copy)
+      side = [f for f in SIDE_FILES if os.path.exists(os.path.join(local, f))]
+      for f in side:
+        with out.file(f"hf/{f}") as copy:
+          shutil.copy2(os.path.join(local, f), copy)
+      with out.file(lineage.FILE) as written:
+        lineage.record_import(written, source, dtype, config.to_dict(), side)
       with out.file("config.py") as written, open(written, "w") as fh:  # last: the output is complete
         fh.write(_CONFIG_PY.format(  # every string a repr(): a path may hold quotes, backslashes, anything
             source=source, path=out.final("config.py"), workdir=config.workdir, family=model.name,
@@ -548,20 +550,30 @@ def _named_as(local: str, url: str):
 # Export.
 
 def export_model(checkpoint: str, output: str, step: int | None = None, max_shard_mb: float = 5000,
-                 dtype: str = "auto") -> dict:
+                 dtype: str = "auto", tokenizer: str = "") -> dict:
   """Writes the jaxtrain checkpoint ``checkpoint`` (a workdir, its checkpoints folder or a step folder; the newest
   step unless ``step``) as an HF folder ``output``: config.json, model.safetensors (shards of at most
   ``max_shard_mb`` MB plus model.safetensors.index.json when larger) and the imported source's tokenizer and
-  generation files. ``dtype``: float32, bfloat16, float16 or auto (the imported source's dtype, else float32)."""
+  generation files (its lineage's ``hf/``: jaxtrain.checkpoint.lineage), or those of ``tokenizer`` (a Hugging Face
+  tokenizer folder or file) instead. A checkpoint whose lineage carries no tokenizer is refused without ``tokenizer``
+  (an export is a complete Hugging Face folder: transformers loads a folder without one as an empty tokenizer).
+  ``dtype``: float32, bfloat16, float16 or auto (the imported source's dtype, else float32)."""
   if dtype not in _EXPORT_DTYPES + ("auto",):
     raise HFError("--dtype", f"'{dtype}' is not one of auto, {', '.join(_EXPORT_DTYPES)}", "pick one of them")
   if max_shard_mb <= 0:
     raise HFError("--max_shard_mb", f"must be > 0, got {max_shard_mb}", "fix the value")
+  tokenizer = paths.resolve(tokenizer, "--tokenizer") if tokenizer else ""
+  if tokenizer and not epath.Path(tokenizer).exists():
+    raise HFError(f"--tokenizer={tokenizer}", "does not exist", "pass a Hugging Face tokenizer folder or its "
+                  "tokenizer.json")
+  if tokenizer and epath.Path(tokenizer).is_dir() and not lineage.has_tokenizer(tokenizer):
+    raise HFError(f"--tokenizer={tokenizer}", "is a folder without tokenizer.json or tokenizer.model",
+                  "pass a Hugging Face tokenizer folder")
   with _store_faults(checkpoint):
-    return _export(checkpoint, output, step, max_shard_mb, dtype)
+    return _export(checkpoint, output, step, max_shard_mb, dtype, tokenizer)
 
 
-def _export(checkpoint: str, output: str, step: int | None, max_shard_mb: float, dtype: str) -> dict:
+def _export(checkpoint: str, output: str, step: int | None, max_shard_mb: float, dtype: str, tokenizer: str) -> dict:
   step_dir = checkpoint_lib.step_dir(checkpoint, step)
   config = checkpoint_lib.saved_config(step_dir)
   name = (config.get("model") or {}).get("name")
@@ -576,6 +588,11 @@ def _export(checkpoint: str, output: str, step: int | None, max_shard_mb: float,
     raise HFError(step_dir, f"holds a {name} model that {why}", f"only what the {exporter.model_type} "
                   "architecture computes can be exported")
   side = checkpoint_lib.side_files_dir(step_dir, config)
+  if not tokenizer and not lineage.has_tokenizer(side):
+    raise HFError(step_dir, "carries no tokenizer (" + (f"{side} has neither {' nor '.join(lineage.TOKENIZER_FILES)}"
+                  if side else "its run and the runs it started from have no hf/ folder") + ")",
+                  "pass --tokenizer=a Hugging Face tokenizer folder (an export without one loads as an empty "
+                  "tokenizer)")
   meta_file = epath.Path(step_dir) / "meta" / "metadata"  # local or on an object store
   meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
   if dtype == "auto":
@@ -638,11 +655,17 @@ def _export(checkpoint: str, output: str, step: int | None, max_shard_mb: float,
     if len(shards) > 1:
       with out.file(INDEX) as written, open(written, "w") as fh:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
-    if side:
-      for f in SIDE_FILES:
-        if f != "config.json" and (epath.Path(side) / f).exists():
-          with out.file(f) as written:
-            (epath.Path(side) / f).copy(written)
+    carried = {}  # name -> where from: the lineage's side files, the tokenizer's over them
+    tokenizer_dir = tokenizer if tokenizer and epath.Path(tokenizer).is_dir() else None
+    for folder in filter(None, (side, tokenizer_dir)):
+      carried.update({f: epath.Path(folder) / f for f in SIDE_FILES[1:] if (epath.Path(folder) / f).exists()})
+    if tokenizer and not tokenizer_dir:
+      name = "tokenizer.json" if tokenizer.endswith(".json") else "tokenizer.model"
+      carried = {f: p for f, p in carried.items() if f not in lineage.TOKENIZER_FILES}
+      carried[name] = epath.Path(tokenizer)
+    for f, source in carried.items():
+      with out.file(f) as written:
+        source.copy(written)
     with out.file("config.json") as written, open(written, "w") as fh:  # last: what a reader opens first
       json.dump(exporter.hf_config(model, base, dtype), fh, indent=2)
   return {"step_dir": step_dir, "bytes": total, "shards": len(shards), "dtype": dtype}

@@ -120,9 +120,13 @@ class MetricWriter:
   them back as one file. TensorBoard's event files are tensorboardX's: it writes them to ``gs://`` and ``s3://``
   itself, whole at each flush, there every two minutes (its ``flush_secs``) rather than at every record."""
 
-  def __init__(self, workdir: str, total_steps: int, start_step: int, metrics_cfg, config_dict: dict):
+  def __init__(self, workdir: str, total_steps: int, start_step: int, metrics_cfg, config_dict: dict,
+               console: tuple[str, ...] = ()):
+    """``console``: the objective's own metrics the console line shows after loss and grad_norm (those a record
+    holds)."""
     self.enabled = jax.process_index() == 0
     self.total_steps = total_steps
+    self.console = tuple(console)
     self.path = epath.Path(workdir) / METRICS
     self.tb = self.wandb = self.bar = None
     self.stream: logs.Stream | None = None  # an object store's metrics.jsonl (None: a local file)
@@ -177,7 +181,8 @@ class MetricWriter:
       logging.info("step %d | %s", step, " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
       return
     mfu = f" | MFU {100 * record['mfu']:.1f}%" if "mfu" in record else ""
-    line = (f"loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.3f} | lr {record['lr']:.2e} | "
+    own = "".join(f" | {k} {record[k]:.4f}" for k in self.console if k in record)
+    line = (f"loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.3f}{own} | lr {record['lr']:.2e} | "
             f"{record['tokens_per_sec']:,.0f} tok/s | {record['tflops_per_device']:.3g} TFLOP/s/device{mfu} | "
             f"{record['step_time']:.3f}s/step")
     if self.bar is not None:

@@ -103,6 +103,8 @@ def schedule(optim_cfg, train_steps: int) -> optax.Schedule:
   lr, warmup = optim_cfg.lr, optim_cfg.warmup_steps
   steps = max((optim_cfg.decay_steps or train_steps) - warmup, 1)
   after = SCHEDULES.get(optim_cfg.schedule)(optim_cfg, steps)
+  if not warmup:  # (optax logs about a linear schedule of no steps)
+    return after
   return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
 
 
@@ -189,6 +191,8 @@ def _wsd(cfg, steps: int) -> optax.Schedule:
   """Warmup-stable-decay: ``lr`` until the last ``round(wsd_decay_fraction * horizon)`` steps of the horizon
   (``horizon = warmup_steps + steps``; at most ``steps``), then linearly down to ``lr * end_lr_ratio``."""
   decay = min(round(cfg.wsd_decay_fraction * (cfg.warmup_steps + steps)), steps)
+  if not decay:  # (optax logs about a linear schedule of no steps)
+    return optax.constant_schedule(cfg.lr)
   return optax.join_schedules([optax.constant_schedule(cfg.lr),
                                optax.linear_schedule(cfg.lr, cfg.lr * cfg.end_lr_ratio, decay)], [steps - decay])
 

@@ -22,12 +22,15 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import data as data_lib
 from jaxtrain import models
+from jaxtrain import paths
 from jaxtrain import sharding
+from jaxtrain.data import chat
 from jaxtrain.data import tokenizers
 from jaxtrain.errors import UserError
 
@@ -279,16 +282,31 @@ def padded_rows(count: int, mesh, rules) -> int:
 
 @dataclasses.dataclass
 class Tokenizer:
-  """Text <-> ids for generation: the tokenizer, the id prepended to every prompt (None: none) and the ids that
-  end a row."""
+  """Text <-> ids for generation: the tokenizer, the id prepended to every plain prompt (None: none), the ids that
+  end a row (the generation config's EOS ids and the tokenizer's own EOS token), and the chat template (with the
+  special tokens it names) that renders a conversation (:meth:`encode_chat`)."""
   tokenizer: Any
   bos_id: int | None = None
   eos_ids: tuple[int, ...] = ()
   where: str = ""
+  chat_template: str | None = None
+  special_tokens: dict = dataclasses.field(default_factory=dict)
 
   def encode(self, text: str) -> list[int]:
     ids = [int(i) for i in self.tokenizer.encode(text)]
     return ([self.bos_id] if self.bos_id is not None else []) + ids
+
+  def encode_chat(self, messages: list[dict]) -> list[int]:
+    """The ids of ``messages`` rendered by the chat template with the generation prompt (the template writes any
+    BOS itself, as transformers' ``apply_chat_template`` does)."""
+    if not self.chat_template:
+      raise GenerateError("--chat", f"the tokenizer ({self.where}) has no chat template", "drop --chat, or pass "
+                          "--tokenizer=a folder whose tokenizer_config.json or chat_template.jinja has one")
+    try:
+      text = chat.ChatTemplate(self.chat_template, self.special_tokens).render(messages, add_generation_prompt=True)[0]
+    except chat.RecordError as e:
+      raise GenerateError("--chat", str(e), "give messages of {\"role\", \"content\"}") from None
+    return [int(i) for i in self.tokenizer.encode(text)]
 
   def decode(self, ids) -> str:
     return self.tokenizer.decode(ids)
@@ -300,40 +318,55 @@ def _ids(value) -> tuple[int, ...]:
   return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
 
 
+def _generation_ids(side: str | None) -> dict:
+  """``bos_token_id`` / ``eos_token_id`` of a side folder's config.json, its generation_config.json winning."""
+  found = {}
+  for name in ("config.json", "generation_config.json"):
+    file = epath.Path(side) / name if side else None
+    try:
+      if file and file.exists():
+        found.update({k: v for k, v in json.loads(file.read_text()).items()
+                      if k in ("bos_token_id", "eos_token_id") and v is not None})
+    except (OSError, ValueError):
+      pass
+  return found
+
+
 def tokenizer_for(config: ml_collections.ConfigDict, saved: dict | None = None, step_dir: str | None = None,
                   override: str = "") -> Tokenizer:
-  """The tokenizer of a run (see the module docstring for the order they are looked for)."""
+  """The tokenizer of a checkpoint (``step_dir``) or of the running run (``config``): ``override`` (a tokenizer
+  file or folder), else the Hugging Face side files its lineage carries (jaxtrain.checkpoint.lineage: a folder, with
+  its special tokens and chat template), else ``data.tokenizer``, else the data source's. A row ends at the side
+  files' generation-config EOS ids and at the tokenizer's own EOS token, whichever tokenizer it is."""
   saved = saved if saved is not None else config.to_dict()
-  side = checkpoint_lib.side_files_dir(step_dir or os.path.join(config.workdir, "checkpoints", "0"), saved)
-  hf_config = {}
-  if side:
-    for name in ("config.json", "generation_config.json"):  # generation_config.json wins
-      try:
-        hf_config.update({k: v for k, v in json.loads(open(os.path.join(side, name)).read()).items()
-                          if k in ("bos_token_id", "eos_token_id") and v is not None})
-      except (OSError, ValueError):
-        pass
+  side = (checkpoint_lib.side_files_dir(step_dir, saved) if step_dir
+          else checkpoint_lib.lineage.run_side_dir(saved))
+  ids = _generation_ids(side)
+  bos = None
   if override:
-    return Tokenizer(tokenizers.load(override), None, _ids(hf_config.get("eos_token_id")), override)
-  for name in ("tokenizer.json", "tokenizer.model"):
-    if side and os.path.exists(os.path.join(side, name)):
-      path = os.path.join(side, name)
-      bos = hf_config.get("bos_token_id")
-      return Tokenizer(tokenizers.load(path), None if bos is None else int(bos), _ids(hf_config.get("eos_token_id")),
-                       path)
-  data = config.data
-  if data.tokenizer:
-    return Tokenizer(tokenizers.load(data.tokenizer), where=f"data.tokenizer={data.tokenizer}")
-  try:
-    spec = data_lib.tokenizer_of(config)  # the source's (jaxtrain.data.Source.tokenizer)
-  except UserError as e:
-    raise GenerateError(e.subject, e.problem, e.fix) from None
-  if spec is None:
-    raise GenerateError(f"data.source={data.source}", "generation does not know this source's tokenizer",
-                        "pass --tokenizer=FILE")
-  if spec != "byte":
-    return Tokenizer(tokenizers.load(spec), where=f"data.source={data.source}'s tokenizer {spec}")
-  return Tokenizer(tokenizers.ByteTokenizer(), where="byte-level")
+    tok, where = tokenizers.load(override), override
+  elif checkpoint_lib.lineage.has_tokenizer(side):
+    json_file = paths.join(side, "tokenizer.json")
+    where = json_file if epath.Path(json_file).exists() else paths.join(side, "tokenizer.model")
+    tok = tokenizers.load(side if where == json_file else where)
+    bos = None if ids.get("bos_token_id") is None else _ids(ids["bos_token_id"])[0]
+  elif config.data.tokenizer and config.data.tokenizer != "byte":
+    tok, where = tokenizers.load(config.data.tokenizer), f"data.tokenizer={config.data.tokenizer}"
+  else:
+    try:
+      spec = data_lib.tokenizer_of(config)  # the source's (jaxtrain.data.Source.tokenizer)
+    except UserError as e:
+      raise GenerateError(e.subject, e.problem, e.fix) from None
+    if spec is None:
+      raise GenerateError(f"data.source={config.data.source}", "generation does not know this source's tokenizer",
+                          "pass --tokenizer=FILE")
+    tok, where = ((tokenizers.load(spec), f"data.source={config.data.source}'s tokenizer {spec}") if spec != "byte"
+                  else (tokenizers.ByteTokenizer(), "byte-level"))
+  special = dict(getattr(tok, "special_tokens", {}) or {})
+  own_eos = special.get("eos_token")
+  own_eos = tok.token_to_id(own_eos) if own_eos is not None and hasattr(tok, "token_to_id") else None
+  eos = tuple(dict.fromkeys(_ids(ids.get("eos_token_id")) + ((int(own_eos),) if own_eos is not None else ())))
+  return Tokenizer(tok, bos, eos, where, getattr(tok, "chat_template", None), special)
 
 
 def encode_prompts(tok: Tokenizer, prompts: Sequence[str], vocab_size: int) -> list[list[int]]:

@@ -541,7 +541,7 @@ def shards_cell(row: faults.Row, ctx: Context) -> Seen:
 
 
 def _hf_folder(folder: str) -> str:
-  """A one-layer Llama as a Hugging Face folder (config.json and safetensors, made with numpy)."""
+  """A one-layer Llama as a Hugging Face folder (config.json, a tokenizer.json and safetensors, made with numpy)."""
   from safetensors.numpy import save_file
   os.makedirs(folder, exist_ok=True)
   d, f, v, heads, kv, hd = 16, 32, 64, 2, 1, 8
@@ -550,6 +550,8 @@ def _hf_folder(folder: str) -> str:
                "num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": 1, "vocab_size": v,
                "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 128,
                "tie_word_embeddings": False, "head_dim": hd, "torch_dtype": "float32"}, out)
+  with open(os.path.join(folder, "tokenizer.json"), "w") as out:  # (an export carries its tokenizer, or refuses)
+    out.write('{"model": {"type": "BPE"}}')
   r = np.random.default_rng(0)
   normal = lambda *shape: r.normal(size=shape).astype(np.float32)  # noqa: E731
   p = "model.layers.0."

@@ -115,15 +115,16 @@ def _child(argv: list[str], out: str, err: str, timeout: int) -> None:
   _run_and_leave(argv, out, err)
 
 
-def run_entry(argv: list[str], env: dict[str, str], out: str, err: str, new_session: bool = False) -> None:
+def run_entry(argv: list[str], env: dict[str, str], out: str, err: str, new_session: bool = False,
+              cwd: str | None = None) -> None:
   """The target of a process forked by multiprocessing's forkserver (``Forked``): ``python *argv`` in ``env``, in
-  the repository root, stdout to the file ``out`` and stderr to ``err``; in a session (and process group) of its
-  own if ``new_session``."""
+  ``cwd`` (default: the repository root), stdout to the file ``out`` and stderr to ``err``; in a session (and
+  process group) of its own if ``new_session``."""
   if new_session:
     os.setsid()
   os.environ.clear()
   os.environ.update(env)
-  os.chdir(ROOT)
+  os.chdir(cwd or ROOT)
   _run_and_leave(argv, out, err)
 
 
@@ -143,7 +144,7 @@ class Forked:
   _context = None
 
   def __init__(self, argv: list[str], env: dict[str, str], err_path: pathlib.Path,
-               out_path: pathlib.Path | None = None, new_session: bool = False):
+               out_path: pathlib.Path | None = None, new_session: bool = False, cwd: str | None = None):
     if Forked._context is None:
       Forked._context = multiprocessing.get_context("forkserver")
       Forked._context.set_forkserver_preload(list(PRELOAD))
@@ -153,7 +154,8 @@ class Forked:
       self.out_path.write_text("")
     self._process = Forked._context.Process(
         target=run_entry,
-        args=(argv, env, os.fspath(self.out_path or os.devnull), os.fspath(self.err_path), new_session))
+        args=(argv, env, os.fspath(self.out_path or os.devnull), os.fspath(self.err_path), new_session,
+              cwd and os.fspath(cwd)))
     self._process.start()
     self.pid = self._process.pid
 
@@ -194,19 +196,19 @@ def run_env(env: dict[str, str] | None = None, optimized: bool = True) -> dict[s
   return {**env, "PYTHONPATH": str(ROOT), "XLA_FLAGS": flags}
 
 
-def popen(argv: list[str], env: dict[str, str] | None = None, optimized: bool = True) -> Forked:
-  """``subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=PIPE, stderr=PIPE, env=run_env(env,
+def popen(argv: list[str], env: dict[str, str] | None = None, optimized: bool = True, cwd=None) -> Forked:
+  """``subprocess.Popen([sys.executable, *argv], cwd=cwd or ROOT, stdout=PIPE, stderr=PIPE, env=run_env(env,
   optimized))``, forked."""
   folder = tempfile.mkdtemp(prefix="jaxtrain-forked-")  # in TMPDIR, a throwaway folder under CI
-  return Forked(argv, run_env(env, optimized), pathlib.Path(folder, "err"), pathlib.Path(folder, "out"))
+  return Forked(argv, run_env(env, optimized), pathlib.Path(folder, "err"), pathlib.Path(folder, "out"), cwd=cwd)
 
 
-def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 300, optimized: bool = True
-        ) -> subprocess.CompletedProcess:
-  """``subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 300, optimized: bool = True,
+        cwd=None) -> subprocess.CompletedProcess:
+  """``subprocess.run([sys.executable, *argv], cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout,
   env=run_env(env, optimized))``, forked (``popen``): a run still going after ``timeout`` seconds is killed and
   raises TimeoutExpired."""
-  p = popen(argv, env, optimized)
+  p = popen(argv, env, optimized, cwd)
   try:
     out, err = p.communicate(timeout)
   except subprocess.TimeoutExpired:

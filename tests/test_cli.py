@@ -90,7 +90,8 @@ def test_user_mistake_gives_one_line_and_exit_2(case, mistakes):
 # Every shipped config, by whether a CPU can train it (a new config must be added to one list).
 CPU_CONFIGS = ["configs/tiny.py", "configs/tiny.py:dp", "configs/tiny.py:tp", "configs/cpu_50m.py",
                "configs/moe_tiny.py", "configs/tiny_family.py:gemma2", "configs/tiny_family.py:qwen3_moe",
-               "configs/grpo_math.py", "configs/tiny_family.py:gpt_oss", "configs/tiny_family.py:deepseek_v3"]
+               "configs/grpo_math.py", "configs/tiny_family.py:gpt_oss", "configs/tiny_family.py:deepseek_v3",
+               "configs/grpo_letters.py:sft", "configs/grpo_letters.py:grpo"]
 POD_CONFIGS = ["configs/llama3_1b.py", "configs/llama3_8b.py", "configs/llama3_70b.py", "configs/mixtral_8x7b.py",
                "configs/olmoe_1b_7b.py", "configs/qwen2_5_7b.py", "configs/qwen3_8b.py", "configs/qwen3_30b_a3b.py",
                "configs/mistral_7b.py", "configs/gemma2_9b.py", "configs/gemma3_1b.py", "configs/gpt_oss_20b.py",
@@ -98,8 +99,10 @@ POD_CONFIGS = ["configs/llama3_1b.py", "configs/llama3_8b.py", "configs/llama3_7
 
 
 # CPU configs whose training command in the docs tests/test_readme.py runs as typed (plus --config.train.steps,
-# and the same checks: steps clipped, a checkpoint, the summary line): not trained a second time here.
-TRAINED_BY_THE_DOCS = ["configs/tiny.py", "configs/tiny.py:tp", "configs/moe_tiny.py", "configs/grpo_math.py"]
+# and the same checks: steps clipped, a checkpoint, the summary line), or tests/test_grpo.py does (grpo_letters, its
+# whole runs): not trained a second time here.
+TRAINED_BY_THE_DOCS = ["configs/tiny.py", "configs/tiny.py:tp", "configs/moe_tiny.py", "configs/grpo_math.py",
+                       "configs/grpo_letters.py:sft", "configs/grpo_letters.py:grpo"]
 
 
 def test_every_config_is_listed():

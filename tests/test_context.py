@@ -1,13 +1,17 @@
 """Context parallelism (mesh.context): the sequence split over devices gives one device's losses on packed data,
 alone and with fsdp, tensor and pipeline parallelism; activations are really split (each device holds its share
-of the tokens, keys and values are all-gathered); the load-balanced chunk order; one-line validation."""
+of the tokens, keys and values are all-gathered); the load-balanced chunk order; one-line validation; docs/models.md's
+column agrees with what each family registers. (The MoE families' run: tests/test_moe.py's expert2_context2_fsdp2.)"""
 
+import dataclasses
+import pathlib
 import re
 
 import jax
 import numpy as np
 import pytest
 
+from jaxtrain import models
 from jaxtrain.config import ConfigError, base_config, validate_values
 from jaxtrain.parallel import context
 from jaxtrain.train import trainer
@@ -65,14 +69,41 @@ def test_load_balanced_order():
   assert context.balance_order(16, 1).tolist() == list(range(16))
 
 
-def test_validation_is_one_line():
+def test_validation_is_one_line(monkeypatch):
   c = base_config()
   c.workdir = "/tmp/unused"
   c.mesh.context, c.data.seq_len = 4, 100
   with pytest.raises(ConfigError, match=r"mesh.context: data.seq_len=100 does not split into 2 x 4 equal chunks.*"
                                         "make data.seq_len a multiple of 8"):
     validate_values(c)
-  c = base_config(model="moe")
-  c.workdir, c.mesh.context = "/tmp/unused", 2
-  with pytest.raises(ConfigError, match="mesh.context: context parallelism is not supported by the moe family"):
+  for name in ("moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3"):  # the MoE families split the sequence too
+    c = base_config(model=name)
+    c.workdir, c.mesh.context = "/tmp/unused", 2
     validate_values(c)
+  # A family that registers context_parallel=False (what it can do, not its name) is refused in one line.
+  monkeypatch.setitem(models.FAMILIES._entries, "no_context",  # noqa: SLF001 - removed again after the test
+                      dataclasses.replace(models.get("llama"), context_parallel=False))
+  c = base_config(model="no_context")
+  c.workdir, c.mesh.context = "/tmp/unused", 2
+  with pytest.raises(ConfigError, match=r"^mesh.context: the 'no_context' model family cannot split the sequence "
+                                        r"over devices \(it registers context_parallel=False\).*set mesh.context=1"):
+    validate_values(c)
+  c.mesh.context = 1
+  validate_values(c)
+
+
+def test_the_models_page_says_which_families_split_the_sequence():
+  """docs/models.md's "context parallel" column: "yes" for exactly the families whose registration says
+  context_parallel, and every built-in family in a row (not the ones tests register)."""
+  page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
+  table = page.split("| family | train |", 1)[1].split("\n\n", 1)[0]
+  header, rows = ("| family | train |" + table).splitlines()[0], table.splitlines()[2:]
+  column = [c.strip() for c in header.strip("|").split("|")].index("context parallel")
+  said = {}
+  for row in rows:
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    for name in cells[0].split(","):
+      said[name.strip()] = cells[column]
+  assert sorted(said) == [n for n in models.names() if models.get(n).module.__module__.startswith("jaxtrain.")]
+  for name, cell in said.items():
+    assert cell == ("yes" if models.get(name).context_parallel else "no"), (name, cell)

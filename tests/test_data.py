@@ -16,7 +16,7 @@ from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import data as data_lib
 from jaxtrain.config import DataError
 from jaxtrain.data import batch as batch_lib
-from jaxtrain.data import loader, prepare
+from jaxtrain.data import loader, prepare, tokenizers
 from jaxtrain.train import trainer
 from tests import forked, multiprocess
 
@@ -458,7 +458,7 @@ def test_training_bad_data(broken_copies, tmp_path):
       ([f"--config.data.path={truncated.parent / 'corrupt'}", "--config.data.verify_checksums=False",
         "--config.model.vocab_size=128"], "need vocab_size 256 (tokenizer byte) but model.vocab_size=128"),
       ([f"--config.data.path={corrupt}", "--config.data.verify_checksums=False",
-        f"--config.data.tokenizer={tmp_path / 'nope.model'}"], "nope.model: tokenizer file not found"),
+        f"--config.data.tokenizer={tmp_path / 'nope.model'}"], "nope.model: no such tokenizer file or folder"),
   ]
   before = _contents(corrupt, truncated, outside)
   results = forked.run_many([["-m", "jaxtrain.main", "--config=configs/tiny.py",
@@ -470,6 +470,28 @@ def test_training_bad_data(broken_copies, tmp_path):
     assert "Traceback" not in r.stderr
     assert not (tmp_path / f"run{i}").exists(), args  # refused before the workdir was created
   assert _contents(corrupt, truncated, outside) == before  # the data is only read
+
+
+def test_a_wrong_tokenizer_folder_says_what_a_tokenizer_folder_holds(tmp_path):
+  """A folder without tokenizer.json: one line with the files a tokenizer folder needs, what this one holds, and the
+  folder or file inside it to pass instead when there is one."""
+  model = tmp_path / "model"
+  (model / "hf").mkdir(parents=True)
+  for name in ("config.json", "model.safetensors", "hf/tokenizer.json"):
+    (model / name).write_text("{}")
+  (tmp_path / "sp").mkdir()
+  (tmp_path / "sp" / "tokenizer.model").write_bytes(b"")
+  needs = "is not a tokenizer folder: a folder needs tokenizer.json (tokenizer_config.json for the special tokens " \
+          "and the chat template), and this one holds "
+  for spec, line in [(model, f"{model}: {needs}config.json, hf/, model.safetensors; pass {model / 'hf'}, the folder "
+                              "that holds tokenizer.json"),
+                     (tmp_path / "sp", f"{tmp_path / 'sp'}: {needs}tokenizer.model; pass the SentencePiece model "
+                                       f"{tmp_path / 'sp' / 'tokenizer.model'} itself"),
+                     (model / "hf" / "nope", "nope: no such tokenizer file or folder; pass a Hugging Face tokenizer "
+                                             "folder (tokenizer.json, with tokenizer_config.json")]:
+    with pytest.raises(DataError) as e:
+      tokenizers.load(os.fspath(spec))
+    assert line in str(e.value), str(e.value)
 
 
 def test_tokenizer_mismatch_is_refused(shakespeare, tmp_path):

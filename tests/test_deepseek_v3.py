@@ -293,6 +293,7 @@ def test_the_choice_bias_moves_the_load_toward_uniform(tmp_path):
       layer.mlp.gate.weight.copy_(torch.linspace(-4.0, 4.0, 8)[:, None] * direction[None] / 8)
       layer.mlp.gate.e_score_correction_bias.zero_()
   model.save_pretrained(tmp_path / "src", safe_serialization=True)
+  (tmp_path / "src" / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')  # (an export carries one)
   hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
   runs = {}
   for speed in (0.0, 0.01):

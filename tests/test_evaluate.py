@@ -192,23 +192,60 @@ def no_tokenizer(llama, tmp_path_factory):
   return folder
 
 
-@pytest.mark.parametrize("case", ["no_tokenizer", "not_a_checkpoint", pytest.param("unknown_task", marks=SLOW),
+def _field_task(folder: pathlib.Path, tasks: pathlib.Path) -> pathlib.Path:
+  """jt_mc as jt_field, whose doc_to_target names a field ('label') that its data lacks."""
+  folder.mkdir(parents=True, exist_ok=True)
+  (folder / "field.yaml").write_text((tasks / "jt_mc.yaml").read_text().replace("task: jt_mc", "task: jt_field")
+                                     .replace("{{answer}}", "{{label}}"))
+  return folder
+
+
+@pytest.mark.parametrize("case", ["no_tokenizer", "not_a_checkpoint", "field_the_data_lacks",
+                                  pytest.param("unknown_task", marks=SLOW),
                                   pytest.param("hub_task_offline", marks=SLOW)])
 def test_bad_input_gives_one_line_and_exit_2(case, llama, no_tokenizer, tasks, tmp_path):
-  """The checkpoint is checked before the tasks, the tasks before any params are loaded; a name the include path
-  does not hold makes the harness index all of its own tasks (~14 s: slow-marked)."""
+  """The checkpoint is checked before the tasks, the tasks (built: their data loaded, their templates tried on a
+  document) before any params are loaded; a name the include path does not hold makes the harness index all of its
+  own tasks (~14 s: slow-marked)."""
   checkpoint = {"no_tokenizer": no_tokenizer, "not_a_checkpoint": tmp_path / "nothing"}.get(case, llama / "out")
-  task = {"unknown_task": "jt_mcq", "hub_task_offline": "arc_easy"}.get(case, "jt_mc")
+  task = {"unknown_task": "jt_mcq", "hub_task_offline": "arc_easy", "field_the_data_lacks": "jt_field"}.get(case,
+                                                                                                         "jt_mc")
+  include = _field_task(tmp_path / "field", tasks) if case == "field_the_data_lacks" else tasks
   out = tmp_path / "results.json"
-  result = _cli(f"--checkpoint={checkpoint}", f"--tasks={task}", f"--include_path={tasks}", f"--output={out}")
+  result = _cli(f"--checkpoint={checkpoint}", f"--tasks={task}", f"--include_path={include}", f"--output={out}")
   lines = [line for line in result.stderr.splitlines() if line.startswith("evaluate: error:")]
   assert result.returncode == 2, result.stderr[-3000:]
   assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
   print(case, "->", lines[0])
   expected = {"unknown_task": "jt_mcq: is not a task", "no_tokenizer": "carries no tokenizer",
-              "hub_task_offline": "arc_easy: its data cannot be loaded", "not_a_checkpoint": "does not exist"}
+              "hub_task_offline": "arc_easy: its data cannot be loaded", "not_a_checkpoint": "does not exist",
+              "field_the_data_lacks": "jt_field: its doc_to_target names a field the data lacks ('label' is "
+                                      "undefined); the data's fields are question, choices, answer: fix the task YAML"}
   assert expected[case] in lines[0]
   assert not out.exists()
+
+
+def test_task_yaml_mistakes_are_one_line(tasks, tmp_path):
+  """A task YAML that is not YAML (the harness's index skips it without a word), an output type the harness does not
+  have, a template naming a field the data lacks: each a HarnessError naming the file or the task, when the tasks
+  are built (what jaxtrain.evaluate and the run's config check do before anything is loaded)."""
+  broken = tmp_path / "broken"
+  broken.mkdir()
+  (broken / "jt_broken.yaml").write_text('task: jt_broken\ndoc_to_text: "{{question}}\n')
+  typo = tmp_path / "typo"
+  typo.mkdir()
+  (typo / "typo.yaml").write_text((tasks / "jt_mc.yaml").read_text().replace("task: jt_mc", "task: jt_typo")
+                                  .replace("output_type: multiple_choice", "output_type: multiple_choise"))
+  for folder, name, line in [
+      (broken, "jt_broken", f"jt_broken: is not a task the harness knows, and the include path's {broken}/"
+                            "jt_broken.yaml cannot be read (while scanning a quoted scalar: found unexpected end of "
+                            "stream at line 3"),
+      (typo, "jt_typo", "jt_typo: the harness cannot build the task (ValueError: Got invalid output_type "
+                        "'multiple_choise'"),
+      (_field_task(tmp_path / "field", tasks), "jt_field", "jt_field: its doc_to_target names a field the data lacks")]:
+    with pytest.raises(harness.HarnessError) as e:
+      harness.build_tasks([name], harness.task_manager([str(folder)], [name]))
+    assert line in str(e.value), str(e.value)
 
 
 # (e) Inside a run: eval.harness_tasks ------------------------------------------------------------------------------
@@ -309,6 +346,10 @@ def test_two_processes_give_the_scores_of_one(harness_run, tasks, tmp_path):
     pytest.param(dict(harness_tasks=("shakespeare_mcq",), harness_every=2, harness_include_path=str(
         pathlib.Path(__file__).parents[1] / "docs/examples/tasks")), "eval.harness_tasks: shakespeare_mcq: is not a "
         "task the harness knows; see `lm_eval ls tasks` (did you mean shakespeare_mc", marks=SLOW),
+    (dict(harness_tasks=("jt_mc",), harness_every=2, harness_fewshot_as_multiturn=True),
+     "eval.harness_fewshot_as_multiturn: needs eval.harness_apply_chat_template=True"),
+    (dict(harness_tasks=("jt_mc",), harness_every=2, harness_apply_chat_template=True),
+     "eval.harness_apply_chat_template: the run's tokenizer (byte-level) has no chat template"),
 ])
 def test_bad_harness_keys_are_one_line(override, problem):
   """The eval.harness_* keys are checked with the config, before anything is written, the task names too (a name

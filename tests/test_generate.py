@@ -1,9 +1,10 @@
-"""Text generation (jaxtrain/generate.py): greedy decoding equals transformers' on an imported model, KV-cache logits
-equal a full recompute at every step, sampling is reproducible, a sharded mesh generates what one device does, the
-command line prints completions (one line and exit 2 for mistakes), and training logs samples."""
+"""Text generation (jaxtrain/generate.py): KV-cache logits equal a full recompute at every step, sampling is reproducible, a sharded mesh generates what one device does, the
+command line prints completions (one line and exit 2 for mistakes), every tokenizer ends a row at its EOS, and
+training logs samples. Greedy decoding equal to transformers' on an export: tests/test_lineage.py."""
 
 import json
 import pathlib
+import types
 
 import jax
 import numpy as np
@@ -154,51 +155,8 @@ def test_sharded_mesh_generates_what_one_device_does(tiny):
 # (a) transformers ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_greedy_equals_transformers_generate(tmp_path):
-  torch = pytest.importorskip("torch", reason="torch (test-only) is not installed: the comparison with "
-                              "transformers needs it")
-  pytest.importorskip("transformers", reason="transformers (test-only) is not installed: the comparison needs it")
-  from jaxtrain import hf
-  from tests.test_hf import CONFIGS, _hf_model
-  ref = _hf_model(tmp_path / "src", **CONFIGS["gqa_untied"])
-  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
-  loaded = generate.load(str(tmp_path / "out"))
-  assert dict(loaded.mesh.shape)["fsdp"] == 8  # the import's config: fsdp=-1 over the 8 devices
-  eos = ref.config.eos_token_id
-  prompts = [[p % 128 for p in ids] for ids in PROMPTS]
-  new = 16
-  gen = sampling_lib.Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings,
-                           rows=sampling_lib.padded_rows(len(prompts), loaded.mesh, loaded.rules), prompt_len=7,
-                           max_new_tokens=new, eos_ids=(eos,))
-  ours = gen.generate(loaded.params, prompts)
-  batch = gen.batch(prompts)
-  with torch.no_grad():
-    theirs = ref.generate(input_ids=torch.tensor(batch.tokens[:3]), attention_mask=torch.tensor(batch.segment_ids[:3]),
-                          do_sample=False, max_new_tokens=new, pad_token_id=0, eos_token_id=eos).numpy()[:, 7:]
-  for row, ids in zip(theirs, ours):
-    expected = row.tolist()
-    if eos in expected:
-      expected = expected[:expected.index(eos)]
-    assert ids == expected
-  print("new tokens:", ours)
-  assert sum(map(len, ours)) >= 12
-  # The import's tokenizer (hf/tokenizer.json) and its BOS / EOS ids from hf/config.json.
-  import tokenizers
-  vocab = {f"w{i}": i for i in range(128)}
-  word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
-  word_level.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-  word_level.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins the words with spaces
-  word_level.save(str(tmp_path / "out" / "hf" / "tokenizer.json"))
-  tok = sampling_lib.tokenizer_for(loaded.config, loaded.saved, loaded.step_dir)
-  assert tok.where.endswith("hf/tokenizer.json") and tok.bos_id == 1 and tok.eos_ids == (eos,)
-  assert tok.encode("w12 w99 w3") == [1, 12, 99, 3]
-  assert tok.decode([12, 99]) == "w12 w99"
-  result = _cli(f"--checkpoint={tmp_path / 'out'}", "--prompt=w12 w99 w3", f"--max_new_tokens={new}")
-  assert result.returncode == 0, result.stderr[-3000:]
-  gen = sampling_lib.Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings, rows=8, prompt_len=4,
-                           max_new_tokens=new, eos_ids=(eos,))
-  assert result.stdout == tok.decode(gen.generate(loaded.params, [[1, 12, 99, 3]])[0]) + "\n"
+# Greedy tokens equal transformers' generate on an export, prompts of different lengths in one batch on an 8-way
+# FSDP mesh, through the command line's --chat: tests/test_lineage.py.
 
 
 # (e) The command line --------------------------------------------------------------------------------------------
@@ -261,6 +219,11 @@ CLI_ERRORS = [
     (["--checkpoint={run}", "--prompt=a", "--set=model.num_layers=2"], "model.num_layers: cannot be overridden"),
     (["--checkpoint={run}", "--prompt=a", "--config.mesh.fsdp=3"], "mesh: ICI mesh data=1 x pipeline=1 x fsdp=3"),
     (["--checkpoint={run}", "--prompt=a", "--prompts_file={tmp}/missing.txt"], "missing.txt: cannot be read"),
+    (["--checkpoint={run}", "--prompts_file={tmp}/bad.jsonl"], "bad.jsonl:2: has no 'prompt' text nor 'messages' "
+     "list (it has text)"),
+    (["--checkpoint={run}", "--prompts_file={tmp}/chats.jsonl"], "--prompts_file: holds conversations ('messages' "
+     "records); pass --chat"),
+    (["--checkpoint={run}", "--prompt=a", "--chat"], "--chat: the tokenizer (byte-level) has no chat template"),
     (["--prompt=a"], "--checkpoint: is required"),
 ]
 
@@ -270,6 +233,9 @@ def cli_mistakes(trained_run, tmp_path_factory):
   """The result of every CLI_ERRORS command ({tmp}: an empty folder of its own), run as forks of one process
   (tests/forked.py)."""
   folders = [tmp_path_factory.mktemp("mistake") for _ in CLI_ERRORS]
+  for folder in folders:
+    (folder / "bad.jsonl").write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    (folder / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "a"}]}\n')
   return forked.run_many([["-m", "jaxtrain.generate", *(a.format(tmp=tmp, run=trained_run) for a in args)]
                           for (args, _), tmp in zip(CLI_ERRORS, folders)])
 
@@ -282,6 +248,47 @@ def test_cli_mistakes_give_one_line_and_exit_2(case, cli_mistakes):
   assert result.returncode == 2, result.stderr[-3000:]
   assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
   assert "Traceback" not in result.stderr and not result.stdout
+
+
+def test_every_tokenizer_ends_a_row_at_its_eos_and_renders_its_chat_template(tmp_path):
+  """A run's data.tokenizer (a folder), or --tokenizer, ends a row at its own EOS token, as an import's does, and
+  the GRPO sampler stops at the same ids; --chat renders the template with the generation prompt; a JSONL prompts
+  file holds prompts with newlines and conversations."""
+  from jaxtrain.train.objectives import grpo
+  from tests import harness_data
+  from tests.conftest import small_config
+  tok, config = harness_data.bpe_tokenizer(qwen=True)  # ChatML: <|im_end|> (id 2) ends a turn
+  (tmp_path / "tok").mkdir()
+  tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+  (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
+  c = small_config(tmp_path / "run")
+  c.data.tokenizer = str(tmp_path / "tok")
+  found = sampling_lib.tokenizer_for(c)
+  assert found.eos_ids == (2,)
+  c.data.tokenizer = "byte"
+  assert sampling_lib.tokenizer_for(c, override=str(tmp_path / "tok")).eos_ids == (2,)
+  c.data.tokenizer = str(tmp_path / "tok")
+  c.rl.stop = ("\n",)
+  assert set(grpo.stop_ids(c, found.tokenizer)) == {2, *found.tokenizer.encode("\n").tolist()}
+  ids = found.encode_chat([{"role": "user", "content": "the cat"}])
+  assert found.decode(ids) == "user\nthe cat\nassistant\n"  # the special tokens are skipped when decoding
+  assert ids == tok.encode("<|im_start|>user\nthe cat<|im_end|>\n<|im_start|>assistant\n").ids
+  (tmp_path / "p.jsonl").write_text('{"prompt": "two\\nlines"}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+  flags = types.SimpleNamespace(prompt=["first"], prompts_file=str(tmp_path / "p.jsonl"))
+  assert generate._prompts(flags) == ["first", "two\nlines", [{"role": "user", "content": "hi"}]]
+  # The tokenizer a checkpoint's lineage carries (an import's hf/ folder): BOS prepended to a plain prompt and EOS
+  # from its config.json, generation_config.json winning.
+  import tokenizers
+  word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
+  word_level.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  word_level.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins the words with spaces
+  (tmp_path / "import" / "hf").mkdir(parents=True)
+  word_level.save(str(tmp_path / "import" / "hf" / "tokenizer.json"))
+  (tmp_path / "import" / "hf" / "config.json").write_text('{"bos_token_id": 1, "eos_token_id": 9}')
+  (tmp_path / "import" / "hf" / "generation_config.json").write_text('{"eos_token_id": [5, 6]}')
+  imported = sampling_lib.tokenizer_for(c, {}, str(tmp_path / "import" / "checkpoints" / "0"))
+  assert imported.where.endswith("hf/tokenizer.json") and imported.bos_id == 1 and imported.eos_ids == (5, 6)
+  assert imported.encode("w12 w99 w3") == [1, 12, 99, 3] and imported.decode([12, 99]) == "w12 w99"
 
 
 # (f) Samples during training ---------------------------------------------------------------------------------------

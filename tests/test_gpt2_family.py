@@ -4,6 +4,7 @@ transformers generate, exports a trained run that transformers loads with jaxtra
 transformers-built GPT-2 with transformers' logits and exports it back bitwise."""
 
 import json
+import pathlib
 
 import jax
 import numpy as np
@@ -34,6 +35,7 @@ def _transformers_gpt2(folder, seed=0):
     for p in model.parameters():
       p.add_(torch.randn_like(p) * 0.05)
   model.save_pretrained(folder, safe_serialization=True)
+  (pathlib.Path(folder) / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')  # (an export carries one)
   return model
 
 
@@ -66,8 +68,14 @@ def test_gpt2_trains_generates_and_exports_what_transformers_computes(tmp_path):
   assert np.max(np.abs(results[True][1])) > 0.1  # logits that are not all ~0
 
   # Export: transformers loads the run and computes jaxtrain's logits, and generates jaxtrain's tokens greedily.
-  info = hf.export_model(cfg.workdir, str(tmp_path / "exported"))
-  assert info["dtype"] == "float32"
+  # A run trained from scratch carries no tokenizer: the export takes one (--tokenizer; without it, it refuses).
+  from tests import harness_data
+  harness_data.bpe_tokenizer()[0].save(str(tmp_path / "tokenizer.json"))
+  with pytest.raises(hf.HFError, match="carries no tokenizer"):
+    hf.export_model(cfg.workdir, str(tmp_path / "refused"))
+  assert not (tmp_path / "refused").exists()
+  info = hf.export_model(cfg.workdir, str(tmp_path / "exported"), tokenizer=str(tmp_path / "tokenizer.json"))
+  assert info["dtype"] == "float32" and (tmp_path / "exported" / "tokenizer.json").exists()
   config = json.loads((tmp_path / "exported" / "config.json").read_text())
   assert config["architectures"] == ["GPT2LMHeadModel"] and config["n_inner"] == 128
   loaded = _loads_cleanly(tmp_path / "exported")

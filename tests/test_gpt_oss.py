@@ -165,6 +165,7 @@ def test_import_export_is_bitwise_and_loads_in_transformers(imported, tmp_path):
   np.testing.assert_array_equal(_hf_logits(loaded.eval(), tokens), _hf_logits(ref, tokens))
   # The released form's dtype: a bf16 folder imports and exports back bf16, bit for bit.
   copy.deepcopy(ref).to(torch.bfloat16).save_pretrained(tmp_path / "bf16", safe_serialization=True)
+  (tmp_path / "bf16" / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')  # (an export carries one)
   hf.import_model(str(tmp_path / "bf16"), str(tmp_path / "bf16_out"))
   hf.export_model(str(tmp_path / "bf16_out" / "checkpoints"), str(tmp_path / "bf16_exported"))
   _exported_equals_source(tmp_path / "bf16", tmp_path / "bf16_exported")

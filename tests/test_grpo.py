@@ -1,10 +1,13 @@
 """GRPO (train.objective=grpo): the sampler's log-probabilities against the training forward's, the loss against a
 float64 implementation, sharded equal to one device, the prompt stream's position, bad input, and (slow) a 2-process
-job equal to one process with a reward drawn at random, a tiny model whose held-out reward rises, resumed bitwise
-after a SIGKILL."""
+job equal to one process with a reward drawn at random, docs/post_training.md's letter-reversal commands as written
+(a tiny model whose held-out reward rises), resumed bitwise after a SIGKILL."""
 
 import json
+import os
 import pathlib
+import runpy
+import shlex
 import signal
 import time
 
@@ -19,27 +22,20 @@ from jaxtrain.metrics import read_records
 from jaxtrain.train import objectives, start, trainer
 from jaxtrain.train.objectives import grpo
 from jaxtrain.train.objectives.logprobs import token_logps
-from tests import forked, multiprocess
+from tests import forked, multiprocess, readme
 from tests.conftest import small_config
 
-LETTERS = "abcdefgh"
-# The task: "xy>" -> "yx" then a newline; 48 pairs train, 16 held out (each letter seen in both places).
-PAIRS = [a + b for a in LETTERS for b in LETTERS]
-np.random.default_rng(0).shuffle(PAIRS)
-HELD_OUT, TRAIN = PAIRS[:16], PAIRS[16:]
+# The task (tools/letter_prompts.py, docs/post_training.md's GRPO example): "xy>" -> "yx" then a newline; 48 pairs
+# train, 16 held out (each letter seen in both places). MODEL: configs/grpo_letters.py's.
 MODEL = {"num_layers": 2, "d_model": 64, "num_heads": 8, "num_kv_heads": 4, "head_dim": 16, "mlp_dim": 128,
          "vocab_size": 256}
+# The page's commands (a unique part of each): the prompts written, the format fine-tuned, GRPO from it.
+LETTERS_DATA, LETTERS_SFT, LETTERS_GRPO = ("tools/letter_prompts.py", "configs/grpo_letters.py:sft",
+                                           "configs/grpo_letters.py:grpo")
 
 
 def write_task(folder: pathlib.Path) -> pathlib.Path:
-  folder.mkdir(parents=True, exist_ok=True)
-  with open(folder / "sft.jsonl", "w") as f:
-    for p in TRAIN * 4:
-      f.write(json.dumps({"text": f"{p}>{p[::-1]}\n"}) + "\n")
-  for name, pairs in (("train", TRAIN), ("held_out", HELD_OUT)):
-    with open(folder / f"{name}.jsonl", "w") as f:
-      for p in pairs:
-        f.write(json.dumps({"prompt": f"{p}>", "answer": p[::-1]}) + "\n")
+  runpy.run_path(str(readme.ROOT / "tools" / "letter_prompts.py"))["write"](folder)
   return folder
 
 
@@ -205,16 +201,22 @@ def test_a_lora_run_on_fsdp_x_tensor_measures_kl_against_the_adapters_off_refere
   assert all(np.isfinite(h["loss"]) and h["rl/completion_length"] >= 1 for h in history)
 
 
-def test_updates_per_batch_update_the_optimizer_twice_and_count_one_step(task, tmp_path):
+def test_updates_per_batch_update_the_optimizer_twice_and_count_one_step(task, tmp_path, caplog):
   """rl.updates_per_batch=2: two optimizer updates per rollout (the optimizer's own count is 4 after 2 steps, the
-  second update of a batch sees a ratio away from 1), one loop and TrainState step each."""
+  second update of a batch sees a ratio away from 1), one loop and TrainState step each. The console line and the
+  run's last line show GRPO's own figure, the mean reward (the objective's console_metrics)."""
   c = grpo_config(tmp_path, task, data=1, fsdp=1)
   c.model.update(**MODEL)
   c.train.update(steps=2)
   c.rl.update(updates_per_batch=2, rewards="tests.grpo_rewards:letters", clip_epsilon=0.01)
   c.optim.update(lr=1e-2)
-  state, history = trainer.train(config_lib.resolve(c), devices=jax.devices()[:1])
+  with caplog.at_level("INFO"):
+    state, history = trainer.train(config_lib.resolve(c), devices=jax.devices()[:1])
   assert int(state.step) == 2 and [h["step"] for h in history] == [1, 2]
+  said = [r.getMessage() for r in caplog.records]
+  reward = f"rl/reward_mean {history[-1]['rl/reward_mean']:.4f}"
+  assert [m for m in said if m.startswith("step 2/2 | loss ") and f"| {reward} |" in m], said[-5:]
+  assert [m for m in said if m.startswith("done: step 2/2, loss ") and f", {reward}" in m], said[-5:]
   leaves = jax.tree_util.tree_leaves_with_path(state.opt_state)
   counts = [int(x) for p, x in leaves if "count" in jax.tree_util.keystr(p)]
   assert counts and set(counts) == {4}, counts
@@ -257,12 +259,25 @@ def test_two_processes_train_as_one_on_a_reward_drawn_at_random_and_stop_as_one_
 
 
 def test_bad_input_is_one_line_exit_2_nothing_written(task, tmp_path):
+  """Every record of the prompts files is checked for the fields its rewards read (not the first alone): a record
+  without its answer, or an rl.answer_field that names no field, is one line naming the file, line and field."""
   base = grpo_flags(task)
+  lines = (task / "train.jsonl").read_text().splitlines()
+  (tmp_path / "unanswered.jsonl").write_text("\n".join([*lines[:5], "", json.dumps({"prompt": "ab>"}), *lines[5:]]))
+  held_out = (task / "held_out.jsonl").read_text().splitlines()
+  (tmp_path / "held_out.jsonl").write_text("\n".join([*held_out[:3], json.dumps({"prompt": "ab>", "ans": "ba"})]))
   cases = [  # (flags, what the line names)
       (["--config=configs/tiny.py", "--config.train.objective=grpo"], "data.source"),
       ([*base, "--config.rl.rewards=no_such_module:reward"], "rl.rewards: 'no_such_module:reward': module"),
       ([*base, "--config.rl.rewards=tests.grpo_rewards:wrong_shape"], "reward wrong_shape: returned shape (3,)"),
       ([*base, "--config.rl.rewards=exact_match,nope=2"], "rl.rewards: 'nope' is not a registered reward"),
+      ([*base, f"--config.data.path={tmp_path / 'unanswered.jsonl'}"],
+       "unanswered.jsonl:7: has no 'answer' field, which reward exact_match reads (its fields: prompt); add 'answer' "
+       "to every record, or set rl.answer_field to the field that holds it"),
+      ([*base, "--config.rl.answer_field=answr"], "train.jsonl:1: has no 'answr' field, which reward exact_match "
+       "reads (its fields: prompt, answer)"),
+      ([*base, f"--config.data.eval_path={tmp_path / 'held_out.jsonl'}", "--config.eval.every_steps=2"],
+       "held_out.jsonl:4: has no 'answer' field, which reward exact_match reads (its fields: prompt, ans)"),
   ]
   workdirs = [tmp_path / f"run{i}" for i in range(len(cases))]
   results = forked.run_many([["-m", "jaxtrain.main", *flags, f"--config.workdir={w}"]
@@ -277,44 +292,54 @@ def test_bad_input_is_one_line_exit_2_nothing_written(task, tmp_path):
 # End to end (slow) ----------------------------------------------------------------------------------------------
 
 
-def _sft(task: pathlib.Path, workdir: pathlib.Path, steps: int = 60):
-  """The tiny model fine-tuned briefly to the task's format (lm objective on the training pairs' text)."""
-  c = small_config(workdir, data=1, fsdp=1)
-  c.model.update(**MODEL)
-  c.data.update(source="raw", path=str(task / "sft.jsonl"), seq_len=32, tokenizer="byte")
-  c.train.update(steps=steps, global_batch_size=16, log_every=10)
-  c.optim.update(lr=3e-3, warmup_steps=5)
-  trainer.train(config_lib.resolve(c), devices=jax.devices()[:1])
-  return workdir / "checkpoints"
+def _page_command(part: str, folder: pathlib.Path, *extra: str) -> str:
+  """docs/post_training.md's command containing ``part``, run as written (plus ``extra`` flags) in ``folder`` on one
+  device, as a CPU has: forked (tests/forked.py) from a process with the libraries imported; returns its output."""
+  command = readme.command(part)
+  argv = shlex.split(command)
+  assert argv[0] == "python", command
+  env = {**os.environ, "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=1"}
+  r = forked.run([*argv[1:], *extra], env, timeout=600, cwd=folder)
+  assert r.returncode == 0, f"{command}\n{r.stdout[-1000:]}\n{r.stderr[-3000:]}"
+  return r.stdout + r.stderr
 
 
 @pytest.fixture(scope="module")
-def sft(task, tmp_path_factory):
-  return _sft(task, tmp_path_factory.mktemp("sft"))
+def letters(tmp_path_factory):
+  """A fresh folder (the repository's configs/ and tools/ linked in) where the page's first two commands have run:
+  the prompts written, the format fine-tuned (runs/letters_sft)."""
+  folder = tmp_path_factory.mktemp("letters")
+  for name in ("configs", "tools"):
+    (folder / name).symlink_to(readme.ROOT / name)
+  assert "48 training and 16 held-out prompts -> data/letters" in _page_command(LETTERS_DATA, folder)
+  assert "done: step 60/60" in _page_command(LETTERS_SFT, folder)
+  return folder
+
+
+@pytest.fixture(scope="module")
+def sft(letters):
+  return letters / "runs" / "letters_sft" / "checkpoints"
 
 
 @pytest.mark.slow
-def test_grpo_raises_the_held_out_reward(task, sft, tmp_path):
-  """From a model fine-tuned briefly to the format (held-out reward < 0.5), GRPO raises the mean reward on held-out
-  prompts by >= 0.3 within 300 steps (here 100), with the sampler's log-probabilities equal to the training
-  forward's within 1e-5 at every step."""
-  c = grpo_config(tmp_path, task, data=1, fsdp=1)
-  c.model.update(**MODEL)
-  c.data.eval_path = str(task / "held_out.jsonl")
-  c.train.update(steps=100, log_every=1)
-  c.rl.update(kl_weight=0.0)
-  c.eval.every_steps = 20
-  c.checkpoint.restore_from = str(sft)
-  c = config_lib.resolve(c)
-  run = trainer.build(c, jax.devices()[:1])
-  before = objectives.of(c).make_evaluator(run)(start.starting_state(run).params)()["eval_reward_mean"]
-  _, history = trainer.train(c, devices=jax.devices()[:1])
-  evals = {r["step"]: r["eval_reward_mean"] for r in read_records(tmp_path) if "eval_reward_mean" in r}
+def test_grpo_raises_the_held_out_reward(letters, task):
+  """docs/post_training.md's GRPO example as written (one device; every step logged): from the model fine-tuned
+  briefly to the format (held-out reward < 0.5 at the first eval), GRPO raises the mean reward on held-out prompts
+  by >= 0.3 within 100 steps, with the sampler's log-probabilities equal to the training forward's within 1e-5 at
+  every step. The page's data are the suite's task."""
+  for name in ("train", "held_out", "sft"):
+    assert (letters / "data" / "letters" / f"{name}.jsonl").read_text() == (task / f"{name}.jsonl").read_text()
+  assert "done: step 100/100" in _page_command(LETTERS_GRPO, letters, "--config.train.log_every=1")
+  records = read_records(letters / "runs" / "grpo_letters")
+  evals = {r["step"]: r["eval_reward_mean"] for r in records if "eval_reward_mean" in r}
+  history = [r for r in records if "loss" in r]
   mismatch = max(h["rl/logp_mismatch"] for h in history)
-  print(f"held-out reward: step 0 {before:.3f}, " + ", ".join(f"step {s} {v:.3f}" for s, v in evals.items())
+  print("held-out reward: " + ", ".join(f"step {s} {v:.3f}" for s, v in evals.items())
         + f"; rl/logp_mismatch max {mismatch:.2e}")
-  assert before < 0.5
-  assert max(evals.values()) - before >= 0.3, (before, evals)
+  assert sorted(evals) == [20, 40, 60, 80, 100] and [h["step"] for h in history] == list(range(1, 101))
+  first = evals[20]
+  assert first < 0.5
+  assert max(evals.values()) - first >= 0.3, evals
   assert mismatch < 1e-5
   assert all(h["rl/completion_length"] >= 1 for h in history)
 

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import shutil
 import tempfile
 import threading
 
@@ -159,6 +160,7 @@ def test_sharded_source_and_sharded_export(tmp_path):
   """A source in several safetensors files with an index; an export past --max_shard_mb is sharded likewise."""
   ref = _hf_model(tmp_path / "one", **CONFIGS["gqa_untied"])
   ref.save_pretrained(tmp_path / "src", safe_serialization=True, max_shard_size="100KB")
+  shutil.copy(tmp_path / "one" / "tokenizer.json", tmp_path / "src")
   assert (tmp_path / "src" / "model.safetensors.index.json").exists()
   hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
   info = hf.export_model(str(tmp_path / "out"), str(tmp_path / "exported"), max_shard_mb=0.1)

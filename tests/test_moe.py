@@ -175,7 +175,10 @@ def one_device(tmp_path_factory):
   return state, history
 
 
-LAYOUTS = {"expert8": dict(expert=8), "expert2_fsdp2_tensor2": dict(fsdp=2, expert=2, tensor=2),
+# fsdp 2 x expert 2: the checkpoint test's first run, against the same one-device losses. Context parallelism: each
+# device routes and dispatches its own half of every row's tokens (in the load-balanced order), the all-to-all over
+# expert and the psum over tensor as without it.
+LAYOUTS = {"expert8": dict(expert=8), "expert2_context2_tensor2": dict(context=2, expert=2, tensor=2),
            "expert2_pipeline2": dict(fsdp=2, expert=2, pipeline=2)}
 
 

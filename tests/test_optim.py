@@ -28,7 +28,13 @@ def _after_warmup(schedule, t):
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
-def test_schedules(schedule):
+def test_schedules(schedule, caplog):
+  with caplog.at_level("INFO"):  # a valid config builds its schedule without a word from optax
+    unwarmed = optim.schedule(_cfg(schedule=schedule, warmup_steps=0, wsd_decay_fraction=0.0), train_steps=100)
+    optim.schedule(_cfg(schedule="wsd", wsd_decay_fraction=0.0), train_steps=100)
+  assert not [r.getMessage() for r in caplog.records if "transition_steps" in r.getMessage()]
+  for step in [0, 25, 50, 100, 140]:
+    assert float(unwarmed(step)) == pytest.approx(_after_warmup(schedule, step), abs=1e-6), step
   lr = optim.schedule(_cfg(schedule=schedule), train_steps=110)
   for step, want in [(0, 0.0), (3, 0.3), (5, 0.5), (10, 1.0)]:  # linear warmup over 10 steps
     assert float(lr(step)) == pytest.approx(want, abs=1e-6), step

@@ -110,7 +110,9 @@ def test_pairs_mask_prompts_truncate_from_the_left_and_count(tmp_path):
 def test_bad_preference_input_gives_one_line_and_exit_2(tmp_path, pairs_data):
   good = json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"})
   cases = {
-      "missing.jsonl": ([good, json.dumps({"prompt": "p", "chosen": "a"})], "missing.jsonl:2: no field 'rejected'"),
+      "missing.jsonl": ([good, json.dumps({"prompt": "p", "chosen": "a"})], "missing.jsonl:2: no field 'rejected' "
+                        "(a preference record has 'chosen' and 'rejected'), its fields: prompt, chosen; fix or remove "
+                        "the line"),
       "no_prompt.jsonl": ([good, json.dumps({"chosen": "a", "rejected": "b"})], "no_prompt.jsonl:2: no field 'prompt'"),
       "same.jsonl": ([good, json.dumps({"prompt": "p", "chosen": "same", "rejected": "same"})],
                      "same.jsonl:2: 'chosen' and 'rejected' are the same response"),
@@ -332,7 +334,9 @@ def test_first_step_loss_is_ln2_and_metrics_are_logged(one_device_dpo):
 
 
 @pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_sharded_fsdp_by_tensor_equals_one_device(tmp_path, pairs_data, one_device_dpo, lora):
+def test_sharded_fsdp_by_tensor_equals_one_device(tmp_path, pairs_data, one_device_dpo, lora, caplog):
+  """... and its console line shows DPO's own figures, the reward accuracy and margin (the objective's
+  console_metrics)."""
   c = dpo_config(tmp_path, pairs_data, data=1, fsdp=4, tensor=2)
   if lora:  # with LoRA the reference is the adapters-off base; compare against one device with LoRA too
     c.model.lora.update(rank=4, alpha=8.0, targets="q,v,down")
@@ -341,8 +345,12 @@ def test_sharded_fsdp_by_tensor_equals_one_device(tmp_path, pairs_data, one_devi
     _, want = trainer.train(one, devices=jax.devices()[:1])
   else:
     want = one_device_dpo
-  _, got = trainer.train(c)
+  with caplog.at_level("INFO"):
+    _, got = trainer.train(c)
   np.testing.assert_allclose(_losses(got), _losses(want), rtol=0, atol=1e-5)
+  step3 = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 3/3 | loss ")]
+  assert len(step3) == 1 and f"| rewards/accuracy {got[-1]['rewards/accuracy']:.4f} | rewards/margin " in step3[0], \
+      step3
   np.testing.assert_allclose(_losses(got, "rewards/margin"), _losses(want, "rewards/margin"), rtol=0, atol=1e-5)
 
 

@@ -64,6 +64,7 @@ HF_IMPORT = "import --hf=hf/my-llama"
 HF_PREPARE = "--tokenizer=imported/my-llama/hf"
 HF_TRAIN = "--config.data.path=data/llama_chats --config.model.lora.rank=8"
 # docs/recipes/lora_tpu_pod.md's rehearsal of a pod run
+HF_POD_CONFIG = "mkdir -p configs/imported"  # the recipe's copy of the import's config.py for the workers
 HF_REHEARSAL = "--config=imported/my-llama/config.py --config.data.path=data/llama_chats --config.model.lora.rank=16"
 ATTENTION_AUTO = "--config.data.seq_len=4096 --config.dry_run=true 2>&1 | grep model.attention=auto"
 ATTENTION_BLOCKWISE = "--config.workdir=runs/tiny_blockwise"
@@ -89,6 +90,14 @@ EVAL_IN_RUN = "--config.workdir=runs/tiny_harness"
 # losses: a quarter of the tokens a step.
 SMALLER_BATCH = "--config.train.global_batch_size=8 --config.data.seq_len=64"
 SHORT = f"--config.train.steps=2 {SMALLER_BATCH}"  # two steps: the second one has a learning rate above 0
+# Run as written by another test file, which reads them from the page (tests/readme.py) and checks what they do:
+# not a second time here.
+RUN_ELSEWHERE = {
+    "tools/letter_prompts.py": "tests/test_grpo.py (the letters fixture)",
+    "configs/grpo_letters.py:sft": "tests/test_grpo.py (the letters fixture)",
+    "configs/grpo_letters.py:grpo": "tests/test_grpo.py::test_grpo_raises_the_held_out_reward (100 steps: the "
+                                    "held-out reward rises by >= 0.3)",
+}
 # Shown but not runnable here, with the reason.
 NOT_RUN = {
     TEST_COMMAND: "the test command itself: .ci/run runs it, read from the README "
@@ -129,13 +138,18 @@ def test_every_readme_command_is_run_by_a_test():
   """A command added to the README or a docs page without a test here (or one a test no longer finds) fails."""
   parts = (TRAIN_LONGER, INSPECT, PLOT, TP, DRY_RUN, GPIPE, CIRCULAR, MOE, CONTEXT, PREPARE, TRAIN_PREPARED,
            PREPARE_BEAM, TRAIN_RAW, MIX_PREPARE_WEB, MIX_PREPARE_CODE, MIX_TRAIN, PREPARE_SFT, TRAIN_SFT, GENERATE,
-           HF_IMPORT, HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT, LOCAL, GOODPUT, HF_REHEARSAL, ATTENTION_AUTO,
+           HF_IMPORT, HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT, HF_POD_CONFIG, LOCAL, GOODPUT, HF_REHEARSAL,
+           ATTENTION_AUTO,
            ATTENTION_BLOCKWISE, ESTIMATE_70B, RESTART_BUDGET, FLOAT16, GRPO_DATA, GRPO_SFT,
            GRPO_TRAIN, DPO_IMPORT, DPO_PREPARE, DPO_TRAIN, EVAL_RUN, EVAL_IMPORT,
            EVAL_EVERY_SAVE, EVAL_IN_RUN)
   run = [QUICK_START] + [readme.command(part) for part in parts]
   not_run = [readme.command(part) for part in NOT_RUN]
-  assert sorted(run + not_run) == sorted(readme.commands())
+  elsewhere = [readme.command(part) for part in RUN_ELSEWHERE]
+  assert sorted(run + not_run + elsewhere) == sorted(readme.commands())
+  for command, where in zip(elsewhere, RUN_ELSEWHERE.values()):
+    assert (ROOT / where.split(" ")[0].split("::")[0]).is_file(), where
+    print(f"run by {where}: {command}")
   for command, why in zip(not_run, NOT_RUN.values()):  # shown, with the reason it is not run here
     assert why.strip(), command
     print(f"not run here: {command}\n  why: {why}")
@@ -404,6 +418,9 @@ def test_hugging_face_import_lora_fine_tune_generate_export(user):
   assert user.committed("runs/my-llama") == [2]
   # docs/recipes/lora_tpu_pod.md's rehearsal: the pod run's overrides (shorter rows, fewer), compiled here, nothing
   # written.
+  _ok(user.run(readme.command(HF_POD_CONFIG)))  # the config the workers get: the import's, without its weights
+  assert (user.repo / "configs/imported/my_llama.py").read_text() == (user.repo / "imported/my-llama/config.py"
+                                                                       ).read_text()
   rehearsal = user.run(readme.command(HF_REHEARSAL), "--config.data.seq_len=256", "--config.train.global_batch_size=8")
   _ok(rehearsal)
   info = json.loads(rehearsal.stdout.strip().splitlines()[-1])

@@ -538,7 +538,15 @@ def test_bad_sft_input_gives_one_line_and_exit_2(tmp_path):
       {"messages": [{"role": "system", "content": "s"}] + chat_ok["messages"]})])
   runs.append(([f"--input={tmp_path / 'in2' / 'sys.jsonl'}", f"--chat_template={tmp_path / 'roles.jinja'}"],
                "sys.jsonl:2: the chat template refused the record: no system messages"))
-  runs.append(([f"--input={tmp_path / 'in' / 'role.jsonl'}", "--format=text"], "role.jsonl:1: no field 'text'"))
+  runs.append(([f"--input={tmp_path / 'in' / 'role.jsonl'}", "--format=text"], "role.jsonl:1: no field 'text' (its "
+               "fields: messages); its 'messages' holds chat messages: for SFT chat data pass --format=sft"))
+  # A chat whose messages field is named otherwise: the hint names the SFT flag, not the pretraining --field.
+  _write_jsonl(tmp_path / "in3" / "conv.jsonl", [json.dumps({"conversations": chat_ok["messages"]})])
+  for fmt, message in (("auto", "conv.jsonl:1: no field 'text' (its fields: conversations); its 'conversations' "
+                                "holds chat messages: for SFT chat data pass --format=sft --messages_field=conversations"),
+                       ("sft", "conv.jsonl:1: no field 'prompt' (nor 'messages'), its fields: conversations; its "
+                               "'conversations' holds chat messages: pass --messages_field=conversations")):
+    runs.append(([f"--input={tmp_path / 'in3' / 'conv.jsonl'}", f"--format={fmt}"], message))
   # With --format=sft, any JSONL line that is not a pair or a chat is an error (auto would read it as text).
   runs.append(([f"--input={tmp_path / 'in' / 'no_fields.jsonl'}", "--format=sft"], "no_fields.jsonl:3: no field "
                                                                                   "'prompt'"))

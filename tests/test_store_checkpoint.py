@@ -170,10 +170,13 @@ def test_tools_and_restore_from_read_only_committed_steps_on_the_store(s3, tmp_p
   info = json.loads(r.stdout)
   assert info["steps"] == [5] and "params/lm_head/kernel" in {t["name"] for t in info["tensors"]}
   assert "7" in info["not_committed_or_set_aside"]
-  r = forked.run(["tools/convert_hf.py", "export", f"--checkpoint={url}", f"--output={tmp_path / 'hf'}"],
-                 timeout=120)
+  from tests import harness_data  # (a run trained from scratch carries no tokenizer: the export is given one)
+  harness_data.bpe_tokenizer()[0].save(str(tmp_path / "tokenizer.json"))
+  r = forked.run(["tools/convert_hf.py", "export", f"--checkpoint={url}", f"--output={tmp_path / 'hf'}",
+                  f"--tokenizer={tmp_path / 'tokenizer.json'}"], timeout=120)
   assert r.returncode == 0, r.stderr[-2000:]
   assert (tmp_path / "hf" / "model.safetensors").exists() and f"{url}/5" in r.stdout
+  assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
 
 
 # A store that goes away mid-run (its saves, commits, restores, listings and deletes refused, reset, throttled or

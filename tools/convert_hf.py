@@ -2,11 +2,13 @@
 
   python tools/convert_hf.py import --hf=HF_DIR --output=OUT_DIR
   python tools/convert_hf.py export --checkpoint=CKPT_DIR [--step=N] --output=HF_DIR [--max_shard_mb=5000]
-                                    [--dtype=auto|float32|bfloat16|float16]
+                                    [--dtype=auto|float32|bfloat16|float16] [--tokenizer=TOKENIZER_DIR]
 
 import: OUT_DIR/checkpoints/0 (the params), OUT_DIR/config.py (train from them: python -m jaxtrain.main
 --config=OUT_DIR/config.py) and OUT_DIR/hf/ (the source's config.json and tokenizer files). export: CKPT_DIR is a
-run's workdir, its checkpoints folder or one step folder. Each of HF_DIR, OUT_DIR, CKPT_DIR may be on an object
+run's workdir, its checkpoints folder or one step folder; HF_DIR gets the tokenizer, chat template and generation
+config its lineage carries (a run's hf/ folder, copied from its parent's at its start), or --tokenizer's; without
+either the export is refused. Each of HF_DIR, OUT_DIR, CKPT_DIR may be on an object
 store (gs://bucket/..., s3://bucket/...). A mistake in the input, or a store that refuses access (credentials,
 permissions), prints one line ``convert_hf: error: ...`` and exits 2, and nothing is written; a store that does not
 answer prints one line and exits 75: run the same command again (it clears the unfinished output). The logic is
@@ -36,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
   exp.add_argument("--step", type=int, default=None, help="the step to export (default: the newest)")
   exp.add_argument("--output", required=True, help="new folder for config.json and *.safetensors; local, gs:// or "
                    "s3://")
+  exp.add_argument("--tokenizer", default="", help="a Hugging Face tokenizer folder or file to write with the weights "
+                   "(default: the one the checkpoint's lineage carries; without either the export is refused)")
   exp.add_argument("--max_shard_mb", type=float, default=5000, help="largest safetensors file, in MB")
   exp.add_argument("--dtype", default="auto", help="auto (the imported source's dtype, else float32), float32, "
                    "bfloat16 or float16")
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
       nbytes = info["bytes"]
     else:
       info = hf.export_model(args.checkpoint, args.output, step=args.step, max_shard_mb=args.max_shard_mb,
-                             dtype=args.dtype)
+                             dtype=args.dtype, tokenizer=args.tokenizer)
       what = f"{info['step_dir']} as {info['dtype']} in {info['shards']} file{'s' * (info['shards'] > 1)}"
       nbytes = info["bytes"]
   except UserError as e:

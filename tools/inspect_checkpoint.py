@@ -2,8 +2,9 @@
 
   python tools/inspect_checkpoint.py PATH [--step=N] [--json]
 
-PATH is a run's checkpoint folder (``<workdir>/checkpoints``), a workdir, or one step folder. Reads only
-metadata (no tensor data), so it is fast on any size of checkpoint.
+PATH is a run's workdir (or an import's folder), its checkpoint folder (``<workdir>/checkpoints``), or one step
+folder. Reads only metadata (no tensor data), so it is fast on any size of checkpoint. Shows the run's lineage (what
+it started from, back to an import or a fresh init: jaxtrain.checkpoint.lineage) and the side files it carries.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from absl import app, flags, logging
 from etils import epath
 
 from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain.checkpoint import lineage
 from jaxtrain import paths
 from jaxtrain.errors import UserError
 
@@ -25,7 +27,7 @@ _JSON = flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
 
 
 def _root(path: epath.Path) -> epath.Path:
-  return path / "checkpoints" if (path / "checkpoints").exists() else path
+  return epath.Path(checkpoint_lib.checkpoints_folder(str(path)))
 
 
 def describe(path: str, step: int | None = None) -> dict:
@@ -51,8 +53,15 @@ def describe(path: str, step: int | None = None) -> dict:
                     "bytes": math.prod(shape) * dtype.itemsize})
   committed = {str(s) for s in checkpoint_lib.committed_steps(root)}
   others = sorted(p.name for p in root.iterdir() if p.name not in committed)
+  try:
+    workdir = lineage.workdir_of(str(step_dir), checkpoint_lib.saved_config(str(step_dir)))
+  except UserError:  # no config: a checkpoint not written by a run
+    workdir = str(root.parent)
+  side = lineage.side_dir(workdir)
   return {"directory": str(root), "steps": steps, "step": step, "meta": meta, "tensors": tensors,
-          "total_bytes": sum(t["bytes"] for t in tensors), "not_committed_or_set_aside": others}
+          "total_bytes": sum(t["bytes"] for t in tensors), "not_committed_or_set_aside": others,
+          "lineage": lineage.chain(lineage.read(workdir)),
+          "side_files": sorted(p.name for p in epath.Path(side).iterdir()) if side else []}
 
 
 def main(argv):
@@ -75,6 +84,15 @@ def main(argv):
   if "fingerprints" in info["meta"]:
     meta["fingerprints"] = f"{len(info['meta']['fingerprints'])} arrays"
   print(f"step {info['step']}: " + ", ".join(f"{k}={v}" for k, v in meta.items()))
+  for i, link in enumerate(info["lineage"]):
+    origin = (f"imported from {link['import']}" if link["import"] else f"started from {link['parent']}" if
+              link["parent"] else "a fresh init")
+    version = (link.get("jaxtrain") or {})
+    print(f"{'lineage: ' if i == 0 else '      <- '}{origin} ({link['created']}, jaxtrain {version.get('version')}"
+          f"{' ' + version['commit'][:10] if version.get('commit') else ''})")
+  if not info["lineage"]:
+    print("lineage: not recorded")
+  print(f"side files (hf/): {', '.join(info['side_files']) or 'none'}")
   width = max(len(t["name"]) for t in info["tensors"])
   for t in info["tensors"]:
     print(f"  {t['name']:<{width}}  {str(tuple(t['shape'])):<22} {t['dtype']:<9} {t['bytes']:>14,}")

@@ -1,13 +1,15 @@
 """Checkpoints: a run's :class:`Checkpointer` over its tiers (:class:`Tier`; the persistent Orbax tier,
 :class:`PersistentTier`, and the node-local one, :class:`LocalTier`; a user's, registered in :data:`TIERS`), the
 data position they save (:class:`DataPosition`), what goes wrong (:mod:`.errors`), and reading another run's
-checkpoint or a step folder a tool is given (:mod:`.read`).
+checkpoint or a step folder a tool is given (:mod:`.read`), and where a run comes from (:mod:`.lineage`).
 
   tier.py          the Tier and DataPosition protocols, the TIERS registry
   checkpointer.py  Checkpointer: which tier saves a step, the restore agreed across tiers, rollback, fallback
   persistent.py    the persistent tier (Orbax), fingerprints checked on restore; committed_steps of a folder
   local.py         the node-local tier (each process's shards on its own disk)
-  read.py          restore_from (checkpoint.restore_from), step_dir, saved_config, side_files_dir
+  read.py          restore_from (checkpoint.restore_from), step_dir, saved_config, checkpoints_folder
+  lineage.py       a run's lineage.json and its hf/ side files (tokenizer, chat template), copied at its start;
+                   side_files_dir
   errors.py        CheckpointError, SaveFailed, StoreUnreachable, StorageFailed, CorruptCheckpoint,
                    NonFiniteState, TierUnavailable; a failed read told apart: the environment's, the bytes', a bug
 
@@ -26,7 +28,9 @@ from jaxtrain.checkpoint.errors import (CheckpointError, CorruptCheckpoint, NonF
 from jaxtrain.checkpoint.local import LocalTier
 from jaxtrain.checkpoint.persistent import (LIBRARY_LOG_FILTER, PersistentTier, committed_steps, quiet_libraries,
                                             saved_tensors, verify)
-from jaxtrain.checkpoint.read import restore_from, saved_config, side_files_dir, step_dir
+from jaxtrain.checkpoint import lineage
+from jaxtrain.checkpoint.lineage import side_files_dir
+from jaxtrain.checkpoint.read import checkpoints_folder, restore_from, saved_config, step_dir
 from jaxtrain.checkpoint.tier import TIERS, DataPosition, Tier
 from jaxtrain.errors import ConfigError, check_choice, check_positive
 
@@ -34,7 +38,7 @@ __all__ = ["Checkpointer", "checkpoint_due", "CheckpointError", "CorruptCheckpoi
            "StorageFailed", "StoreUnreachable", "TierUnavailable", "describe", "environment_error", "proven_corrupt",
            "read_failure", "LocalTier", "LIBRARY_LOG_FILTER",
            "PersistentTier", "committed_steps", "quiet_libraries", "saved_tensors", "verify", "restore_from", "saved_config",
-           "side_files_dir", "step_dir", "TIERS", "DataPosition", "Tier", "defaults", "validate"]
+           "side_files_dir", "step_dir", "lineage", "checkpoints_folder", "TIERS", "DataPosition", "Tier", "defaults", "validate"]
 
 
 def defaults() -> ml_collections.ConfigDict:

@@ -1,6 +1,6 @@
 """Checkpoints read outside a run's own tiers: another run's, to start from (``checkpoint.restore_from``:
-:func:`restore_from`), and the step folder a user names to a tool (:func:`step_dir`, :func:`saved_config`,
-:func:`side_files_dir`: tools/convert_hf.py export, jaxtrain.generate). All of them are persistent-tier
+:func:`restore_from`), and the step folder a user names to a tool (:func:`step_dir`, :func:`saved_config`:
+tools/convert_hf.py export, jaxtrain.generate). All of them are persistent-tier
 checkpoints (Orbax step folders), local or on an object store; only committed steps are found."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from jaxtrain.checkpoint.persistent import (committed_steps, quiet_libraries, re
 
 def restore_from(path: str, abstract_state: Any, params_only: bool,
                  optional: tuple[str, ...] = (), subset: bool = False) -> tuple[Any, int]:
-  """Reads another run's checkpoint: ``path`` is a checkpoint folder (newest step) or one step folder.
+  """Reads another run's checkpoint: ``path`` is a run's workdir or import folder, its checkpoints folder (the newest
+  step of either) or one step folder.
   Returns the restored state pytree (only its ``params`` are meaningful when ``params_only``) and the step.
   ``optional`` (with ``params_only``): top-level params keys that the checkpoint may lack (LoRA adapters, when
   starting from a base model); those it lacks are not read and are absent from the returned params. Any other
@@ -34,11 +35,12 @@ def restore_from(path: str, abstract_state: Any, params_only: bool,
   reach(os.fspath(root))
   step_dir = root if (root / "state").exists() else None
   if step_dir is None:
-    steps = committed_steps(root)
+    folder = epath.Path(checkpoints_folder(os.fspath(root)))
+    steps = committed_steps(folder)
     if not steps:
       raise CheckpointError(path, "no committed checkpoint found", "point checkpoint.restore_from at a run's "
-                            "checkpoints folder or one of its step folders")
-    step_dir = root / str(steps[-1])
+                            "workdir, its checkpoints folder or one of its step folders")
+    step_dir = folder / str(steps[-1])
   item = step_dir / "state"
   target = {"params": abstract_state.params} if params_only else abstract_state
   try:
@@ -88,7 +90,7 @@ def step_dir(path: str, step: int | None = None) -> str:
     if step is not None and root.name != str(step):
       raise CheckpointError(path, f"is step {root.name}, not --step={step}", "drop --step or pass its folder")
     return path
-  folder = root / "checkpoints" if (root / "checkpoints").exists() else root
+  folder = epath.Path(checkpoints_folder(path))
   steps = committed_steps(folder)
   if not steps:
     raise CheckpointError(path, "holds no committed checkpoint",
@@ -108,12 +110,18 @@ def saved_config(step_dir: str) -> dict:
                         "pass a checkpoint written by jaxtrain")
 
 
-def side_files_dir(step_dir: str, config: dict) -> str | None:
-  """The ``hf`` folder of the import this checkpoint comes from: next to its checkpoints folder, or next to the
-  checkpoint its run started from (``checkpoint.restore_from``)."""
-  candidates = [os.path.dirname(os.path.dirname(step_dir.rstrip("/")))]
-  restore_from = (config.get("checkpoint") or {}).get("restore_from")
-  if restore_from:
-    candidates += [os.path.dirname(restore_from.rstrip("/")), os.path.dirname(os.path.dirname(
-        restore_from.rstrip("/")))]
-  return next((paths.join(c, "hf") for c in candidates if epath.Path(paths.join(c, "hf")).is_dir()), None)
+def checkpoints_folder(path: str) -> str:
+  """The folder of step folders that ``path`` names: a workdir's (``checkpoints/``, or the ``checkpoint.dir`` its
+  config.json names), an import's, or ``path`` itself."""
+  root = epath.Path(path)
+  if (root / "checkpoints").exists():
+    return os.fspath(root / "checkpoints")
+  config_file = root / "config.json"
+  if config_file.exists():  # a workdir whose checkpoints are kept apart
+    try:
+      folder = (json.loads(config_file.read_text()).get("checkpoint") or {}).get("dir")
+    except ValueError:
+      folder = None
+    if folder:
+      return folder
+  return path

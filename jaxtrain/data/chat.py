@@ -55,6 +55,23 @@ def is_sft_object(obj, fields: Fields) -> bool:
   return isinstance(obj, dict) and (fields.messages in obj or (fields.prompt in obj and fields.response in obj))
 
 
+def messages_field(obj) -> str | None:
+  """The first field of a JSON object whose value looks like chat messages (a non-empty list of objects), or None:
+  what a misnamed ``messages`` field is called (for the hint of a record that has none of the expected fields)."""
+  if isinstance(obj, dict):
+    for k, v in obj.items():
+      if isinstance(v, list) and v and all(isinstance(m, dict) for m in v):
+        return str(k)
+  return None
+
+
+def fields_of(obj) -> str:
+  """``its fields: a, b`` of a JSON object (``a JSON list``, ... of anything else): what a record has."""
+  if isinstance(obj, dict):
+    return f"its fields: {', '.join(map(str, obj)) or 'none'}"
+  return f"a JSON {type(obj).__name__}"
+
+
 def parse(obj, fields: Fields) -> list[dict]:
   """One JSONL object -> its messages (a pair becomes ``[user, assistant]``). RecordError on bad records."""
   if not isinstance(obj, dict):

@@ -42,9 +42,10 @@ class PromptSet:
   records: list[dict]
   ids: list[np.ndarray]
   texts: list[str]
+  lines: list[int] | None = None  # the line of each record in the file (1-based; blank lines are skipped)
 
   def where(self, i: int) -> str:
-    return f"{self.path}:{i + 1}"
+    return f"{self.path}:{self.lines[i] if self.lines else i + 1}"
 
 
 def prompt_width(config) -> int:
@@ -72,7 +73,7 @@ def load(path: str, config, key: str = "data.path") -> PromptSet:
   tok = _tokenizer(tokenizer_spec(config))
   field, width = config.data.prompts.field, prompt_width(config)
   template = None
-  records, ids, texts = [], [], []
+  records, ids, texts, lines = [], [], [], []
   for n, line in enumerate(file.read_text().splitlines()):
     if not line.strip():
       continue
@@ -81,8 +82,11 @@ def load(path: str, config, key: str = "data.path") -> PromptSet:
       record = json.loads(line)
     except json.JSONDecodeError as e:
       raise DataError(where, f"is not JSON ({e.msg})", "write one JSON object per line") from None
-    if not isinstance(record, dict) or field not in record:
-      raise DataError(where, f"has no '{field}' field", f"give every record a '{field}' (or set data.prompts.field)")
+    if not isinstance(record, dict):
+      raise DataError(where, "is not a JSON object", f"write one {{\"{field}\": ...}} object per line")
+    if field not in record:
+      raise DataError(where, f"has no '{field}' field (its fields: {', '.join(map(str, record)) or 'none'})",
+                      f"give every record a '{field}', or set data.prompts.field to the field that holds the prompt")
     prompt = record[field]
     if isinstance(prompt, list):
       if template is None:
@@ -114,9 +118,10 @@ def load(path: str, config, key: str = "data.path") -> PromptSet:
     records.append(record)
     ids.append(tokens)
     texts.append(text)
+    lines.append(n + 1)
   if not records:
     raise DataError(path, "holds no records", "give a JSONL file of {\"prompt\": ...} records")
-  return PromptSet(path, records, ids, texts)
+  return PromptSet(path, records, ids, texts, lines)
 
 
 def rows(prompts: list[np.ndarray], indices, width: int) -> dict[str, np.ndarray]:

@@ -45,6 +45,7 @@ import numpy as np
 from etils import epath
 
 from jaxtrain import paths
+from jaxtrain.data import chat as chat_lib
 from jaxtrain.data import loader, tokenizers
 from jaxtrain.data.source import SOURCES, Documents, Folder, Source
 from jaxtrain.errors import ConfigError, DataError
@@ -284,7 +285,10 @@ class RawSource:
       raise RecordError(where, f"not a JSON line ({e.msg})", "fix or remove the line") from None
     if not isinstance(obj, dict) or self.field not in obj:
       has = f"its fields: {', '.join(map(str, obj))}" if isinstance(obj, dict) else f"a JSON {type(obj).__name__}"
-      raise RecordError(where, f"no field '{self.field}' ({has})", "set data.field, or fix or remove the line")
+      chat_field = chat_lib.messages_field(obj)
+      raise RecordError(where, f"no field '{self.field}' ({has})", "set data.field, or fix or remove the line"
+                        if not chat_field else f"its '{chat_field}' holds chat messages, SFT data: prepare it with "
+                        f"tools/prepare_data.py --messages_field={chat_field} and train on that folder")
     value = obj[self.field]
     return str(value) if value else ""
 

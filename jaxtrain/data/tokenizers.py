@@ -22,6 +22,9 @@ from etils import epath
 from jaxtrain.errors import DataError
 
 
+# What a tokenizer spec may name (for the fix of one that names none).
+WHAT = ("a Hugging Face tokenizer folder (tokenizer.json, with tokenizer_config.json for the special tokens and the "
+        "chat template), a tokenizer.json or a SentencePiece .model file")
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -102,7 +105,7 @@ def load(spec: str):
     return ByteTokenizer()
   path = epath.Path(spec)
   if not path.exists():
-    raise DataError(spec, "tokenizer file not found", "pass an existing tokenizer.json or SentencePiece .model")
+    raise DataError(spec, "no such tokenizer file or folder", f"pass {WHAT}")
   if path.is_dir():
     return _load_folder(spec, path)
   content = path.read_bytes()
@@ -124,8 +127,17 @@ def _load_folder(spec: str, path: epath.Path) -> HFTokenizer:
   """A Hugging Face tokenizer folder: tokenizer.json, its tokenizer_config.json (special tokens, chat template)
   and chat_template.jinja (preferred over the config's template, as transformers does)."""
   if not (path / "tokenizer.json").exists():
-    raise DataError(spec, "the tokenizer folder has no tokenizer.json",
-                    "pass a Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json) or a file")
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    has = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "") if names else "nothing"
+    inside = [n for n in names if n.endswith("/") and (path / n / "tokenizer.json").exists()]
+    if (path / "tokenizer.model").exists():
+      fix = f"pass the SentencePiece model {path / 'tokenizer.model'} itself, or a folder with tokenizer.json"
+    elif inside:
+      fix = f"pass {path / inside[0].rstrip('/')}, the folder that holds tokenizer.json"
+    else:
+      fix = f"pass {WHAT}"
+    raise DataError(spec, f"is not a tokenizer folder: a folder needs tokenizer.json (tokenizer_config.json for the "
+                    f"special tokens and the chat template), and this one holds {has}", fix)
   config = {}
   for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config's entries win
     if (path / name).exists():

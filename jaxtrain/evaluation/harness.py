@@ -27,12 +27,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import glob
 import json
 import logging as std_logging
 import os
 from typing import Any, Sequence
 
 import jax
+import yaml
 from absl import logging
 # The harness: this module is its adapter (jaxtrain's eval extra, pip install 'jaxtrain[eval]'); nothing imports
 # this module unless the harness is asked for (jaxtrain.evaluate, eval.harness_tasks).
@@ -41,12 +43,13 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
+from jaxtrain import _compat
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import failures
 from jaxtrain import sampling
 from jaxtrain.data import chat
 from jaxtrain.data import tokenizers
-from jaxtrain.errors import UserError
+from jaxtrain.errors import UserError, find_cause
 from jaxtrain.evaluation.scoring import Scorer, buckets
 
 
@@ -89,32 +92,27 @@ class Text:
 
 
 def text_of(config, saved: dict | None = None, step_dir: str | None = None, override: str = "") -> Text:
-  """The tokenizer of a checkpoint (an import's ``hf/`` folder, else the run's, see jaxtrain.sampling.tokenizer_for;
-  ``override``: a tokenizer file or folder instead)."""
+  """The tokenizer of a checkpoint, or of the running run without ``step_dir`` (jaxtrain.sampling.tokenizer_for:
+  its lineage's ``hf/`` folder, else the run's; ``override``: a tokenizer file or folder instead), with the ids that
+  end a generation the same as jaxtrain.generate's and the GRPO sampler's."""
   saved = saved if saved is not None else config.to_dict()
-  side = checkpoint_lib.side_files_dir(step_dir or os.path.join(config.workdir, "checkpoints", "0"), saved)
-  if side and not override and not any(os.path.exists(os.path.join(side, n)) for n in ("tokenizer.json",
-                                                                                        "tokenizer.model")):
-    raise HarnessError(side, "the imported checkpoint carries no tokenizer (no tokenizer.json or tokenizer.model)",
+  side = (checkpoint_lib.side_files_dir(step_dir, saved) if step_dir
+          else checkpoint_lib.lineage.run_side_dir(saved))
+  if side and not override and not checkpoint_lib.lineage.has_tokenizer(side):
+    raise HarnessError(side, "the checkpoint's lineage carries no tokenizer (no tokenizer.json or tokenizer.model)",
                        "pass --tokenizer=FILE, or import a Hugging Face folder that has its tokenizer")
   found = sampling.tokenizer_for(config, saved, step_dir, override)
   tok = found.tokenizer
-  if not override and side and os.path.exists(os.path.join(side, "tokenizer.json")):
-    tok = tokenizers.load(side)  # the folder: its special tokens and chat template too
-  elif override and os.path.isdir(override):
-    tok = tokenizers.load(override)
-  special = dict(getattr(tok, "special_tokens", {}) or {})
 
   def named(name):
-    text = special.get(name)
+    text = found.special_tokens.get(name)
     return tok.token_to_id(text) if text is not None and hasattr(tok, "token_to_id") else None
 
   bos = named("bos_token")
   bos = found.bos_id if bos is None else bos
   eos = named("eos_token")
   eos = (found.eos_ids[0] if found.eos_ids else None) if eos is None else eos
-  stops = tuple(dict.fromkeys(list(found.eos_ids) + ([eos] if eos is not None else [])))
-  return Text(tok, bos, eos, stops, getattr(tok, "chat_template", None), special, found.where)
+  return Text(tok, bos, eos, found.eos_ids, found.chat_template, found.special_tokens, found.where)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -294,9 +292,35 @@ def _task_manager(paths: tuple[str, ...], names: tuple[str, ...]):
   from lm_eval.tasks import TaskManager
   if paths and names:
     local = TaskManager(include_path=list(paths), include_defaults=False)
-    if set(names) <= set(local.all_tasks):
+    if set(names) <= set(local.all_tasks) or unreadable_yamls(paths):  # (check_tasks names the unreadable YAML)
       return local
   return TaskManager(include_path=list(paths) or None)
+
+
+@functools.cache
+def unreadable_yamls(paths: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+  """(file, why) of each task YAML under ``paths`` that the harness cannot read: its index skips such a file
+  without a word, so that its task is merely unknown."""
+  load_yaml = _compat.lm_eval_yaml_loader()  # the harness index's own reader (its includes, !function)
+  if load_yaml is None:  # another harness version: YAML's syntax alone
+    def load_yaml(path, **_):
+      loader = type("Loader", (yaml.SafeLoader,), {})
+      loader.add_multi_constructor("!", lambda *_: None)
+      with open(path, "rb") as f:
+        return yaml.load(f, Loader=loader)  # noqa: S506 - a SafeLoader that ignores tags
+  out = []
+  for root in paths:
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.yaml"), recursive=True)):
+      try:
+        load_yaml(path, resolve_func=False, recursive=True)
+      except Exception as e:  # noqa: BLE001 - whatever the reader refused, as the index does
+        if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+          why = (f"{e.context}: " if e.context else "") + (f"{e.problem} at line {e.problem_mark.line + 1}, "
+                                                            f"column {e.problem_mark.column + 1}")
+        else:
+          why = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+        out.append((path, why))
+  return tuple(out)
 
 
 def task_names(tasks: Sequence[str]) -> list[str]:
@@ -312,11 +336,77 @@ def check_tasks(tasks: Sequence[str], manager) -> list[str]:
   known = set(manager.all_tasks)
   for name in names:
     if name not in known:
+      include = getattr(manager, "include_path", None) or ()
+      unreadable = unreadable_yamls((include,) if isinstance(include, str) else tuple(include))
+      if unreadable:
+        path, why = unreadable[0]
+        raise HarnessError(name, f"is not a task the harness knows, and the include path's {path} cannot be read "
+                           f"({why})", "fix that task YAML (the harness skips one it cannot read)")
       close = difflib.get_close_matches(name, sorted(known), n=3)
       raise HarnessError(name, "is not a task the harness knows", "see `lm_eval ls tasks`" + (
           f" (did you mean {', '.join(close)}?)" if close else "") + ", or put its YAML in the include path "
                          "(--include_path, eval.harness_include_path)")
   return names
+
+
+def _task_error(e: BaseException, names: Sequence[str], building: bool) -> HarnessError | None:
+  """A task YAML's mistake behind ``e`` as one line: a template that names a field its data lacks (the task, the
+  template, the field and the fields the data has), or (``building``: raised while the harness built the tasks,
+  their data loaded and their templates tried on a document) whatever the harness refused of a task's config;
+  None for anything else."""
+  import jinja2
+  task, template, fields, tb = None, None, None, e.__traceback__
+  while tb is not None:  # the task being built, the template being rendered and its document: the frames' own
+    frame = tb.tb_frame
+    owner = frame.f_locals.get("self")
+    if isinstance(getattr(getattr(owner, "config", None), "task", None), str) and hasattr(owner, "doc_to_text"):
+      task = owner.config.task
+      if frame.f_code.co_name.startswith(("doc_to_", "fewshot_")):
+        template = frame.f_code.co_name
+    doc = frame.f_locals.get("doc")
+    if isinstance(doc, dict):
+      fields = ", ".join(map(str, doc))
+    tb = tb.tb_next
+  name = task or ",".join(names)
+  undefined = find_cause(e, lambda x: isinstance(x, jinja2.exceptions.UndefinedError))
+  if undefined is not None:
+    return HarnessError(name, f"its {template or 'template'} names a field the data lacks ({undefined.message})",
+                        (f"the data's fields are {fields}: " if fields else "") + "fix the task YAML")
+  if building and task is not None:  # the harness refused the task's config
+    return HarnessError(name, f"the harness cannot build the task ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:160]})", "fix the task YAML")
+  return None
+
+
+def build_tasks(tasks: Sequence[str], manager) -> dict:
+  """The harness's tasks of ``tasks`` built as its evaluator builds them (their data loaded, their templates tried
+  on a document), so that a task YAML's mistake is one line (:func:`_task_error`) before any params are loaded."""
+  from lm_eval.tasks import get_task_dict
+  names = check_tasks(tasks, manager)
+  try:
+    return get_task_dict(names, manager)
+  except Exception as e:  # noqa: BLE001 - told apart by cause below; a bug is raised as it is
+    _raise_known(e, names, building=True)
+    raise
+
+
+def _raise_known(e: Exception, names: Sequence[str], building: bool = False) -> None:
+  """Raises the one-line error of a failure of the harness whose cause is known (a task's data or YAML, memory, the
+  disk); returns for anything else."""
+  failure = failures.classify(e)
+  if failure is not None and failure.kind in (failures.DEVICE_OOM, failures.HOST_OOM):
+    raise HarnessError(",".join(names), f"scoring ran out of memory ({failures.describe(failure.error)})",
+                       "the harness's batch is a training microbatch's rows: raise train.microbatches (or lower "
+                       "eval.harness_limit)") from None
+  if failure is not None and failure.kind == failures.IO:  # the disk under the task's files: a restart cures it
+    raise failures.error_for(failure, ",".join(names), "reading the harness's task data") from e
+  if isinstance(e, (ConnectionError, OSError)):
+    raise HarnessError(",".join(names), f"its data cannot be loaded ({type(e).__name__}: {str(e)[:160]})",
+                       "a task from the hub needs the network (HF_DATASETS_OFFLINE unset); a local task needs its "
+                       "data files where its YAML says") from None
+  task = _task_error(e, names, building)
+  if task is not None:
+    raise task from None
 
 
 def evaluate(lm: JaxtrainLM, tasks: Sequence[str], *, include_path=None, num_fewshot: int | None = None,
@@ -331,17 +421,7 @@ def evaluate(lm: JaxtrainLM, tasks: Sequence[str], *, include_path=None, num_few
     results = evaluator.simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit,
                                         task_manager=manager, **kwargs)
   except Exception as e:  # noqa: BLE001 - told apart by cause below; a bug is raised as it is
-    failure = failures.classify(e)
-    if failure is not None and failure.kind in (failures.DEVICE_OOM, failures.HOST_OOM):
-      raise HarnessError(",".join(names), f"scoring ran out of memory ({failures.describe(failure.error)})",
-                         "the harness's batch is a training microbatch's rows: raise train.microbatches (or lower "
-                         "eval.harness_limit)") from None
-    if failure is not None and failure.kind == failures.IO:  # the disk under the task's files: a restart cures it
-      raise failures.error_for(failure, ",".join(names), "reading the harness's task data") from e
-    if isinstance(e, (ConnectionError, OSError)):
-      raise HarnessError(",".join(names), f"its data cannot be loaded ({type(e).__name__}: {str(e)[:160]})",
-                         "a task from the hub needs the network (HF_DATASETS_OFFLINE unset); a local task needs its "
-                         "data files where its YAML says") from None
+    _raise_known(e, names)
     raise
   if results is None:
     raise HarnessError(",".join(names), "the harness returned no results", "see its log above")

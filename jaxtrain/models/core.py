@@ -114,6 +114,10 @@ class Family:
     tensor_allreduce_bytes, context_allgather_bytes}`` per device for ``rows`` local rows of one microbatch
     (tools/estimate.py); None: the estimator says it cannot.
   quantizable: whether its layers honour ``model.quantization`` (validation refuses it otherwise).
+  context_parallel: whether its forward may run with the sequence split over ``mesh.context``
+    (jaxtrain/parallel/context.py): every layer but attention computes each token on its own (its MoE dispatch
+    too) and attention masks by ``positions`` and ``segment_ids``, never by a token's index in the row (the
+    tokens are reordered). Validation refuses ``mesh.context`` > 1 otherwise.
   """
   module: type[nnx.Module]
   defaults: Callable[[], dict] = dict
@@ -122,6 +126,7 @@ class Family:
   axis_keys: dict[str, str] = dataclasses.field(default_factory=dict)
   activation_estimate: Callable[[Any, int, int, int, int], dict[str, int]] | None = None
   quantizable: bool = False  # its layers take their matmuls from jaxtrain.models.quantization (model.quantization)
+  context_parallel: bool = True  # its forward is correct with the sequence split and reordered (mesh.context > 1)
 
 
 # The built-in families register when jaxtrain.models imports their folders (jaxtrain/models/__init__.py).
@@ -252,6 +257,10 @@ def validate(config) -> None:
     raise ConfigError("model.quantization", f"the '{m.name}' model family does not take its matmuls from "
                       "jaxtrain.models.quantization", "set model.quantization=none, or build the family's layers "
                       "with quantization.dot_general / einsum and register it with quantizable=True")
+  mesh = config.get("mesh")
+  if mesh is not None and mesh.context * mesh.dcn_context != 1 and not family.context_parallel:
+    raise ConfigError("mesh.context", f"the '{m.name}' model family cannot split the sequence over devices (it "
+                      "registers context_parallel=False)", "set mesh.context=1 and mesh.dcn_context=1")
   family.validate(m)
   lora.validate(m)
   if lora.active(m):

@@ -46,7 +46,9 @@ def shards(mesh: jax.sharding.Mesh) -> int:
 
 
 def validate(config) -> None:
-  """The sequence splits into 2 x context equal chunks; families that cannot split it refuse (one line)."""
+  """The sequence splits into 2 x context equal chunks (one line otherwise). Whether the model family can run on a
+  split sequence is its own declaration, checked with the model (``Family.context_parallel``, jaxtrain/models/core.py):
+  every built-in family can, the MoE ones too (the experts' dispatch runs on each device's own tokens)."""
   context = config.mesh.context * config.mesh.dcn_context
   if context == 1:
     return
@@ -56,6 +58,3 @@ def validate(config) -> None:
     raise ConfigError("mesh.context", f"data.seq_len={config.data.seq_len} does not split into 2 x {context} equal "
                       "chunks (each device holds two, for a balanced causal load)",
                       f"make data.seq_len a multiple of {2 * context}")
-  if config.model.name == "moe":
-    raise ConfigError("mesh.context", "context parallelism is not supported by the moe family yet (its experts' "
-                      "all-to-all splits tokens over the batch axes only)", "set mesh.context=1")

@@ -36,7 +36,7 @@ from jaxtrain import goodput as goodput_lib
 from jaxtrain import monitor
 from jaxtrain import registry
 from jaxtrain import workdir as workdir_lib
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, UserError
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -165,6 +165,7 @@ class Harness(Hook):
     self.manager = harness.task_manager(e.harness_include_path or None, e.harness_tasks)
     self.tasks = harness.check_tasks(e.harness_tasks, self.manager)
     self.limit, self.fewshot = e.harness_limit or None, None if e.harness_num_fewshot < 0 else e.harness_num_fewshot
+    self.chat, self.multiturn = e.harness_apply_chat_template, e.harness_fewshot_as_multiturn
     c = run.config  # rows of one training microbatch: the logits of a program are at most a training step's
     self.lm = harness.JaxtrainLM(run.model, run.mesh, run.rules, run.state_shardings.params, harness.text_of(c),
                                  batch_size=c.train.global_batch_size // max(1, c.train.microbatches),
@@ -177,7 +178,8 @@ class Harness(Hook):
       self.lm.params = loop.state.params
       try:
         results = self.harness.evaluate(self.lm, self.tasks, manager=self.manager, limit=self.limit,
-                                        num_fewshot=self.fewshot, bootstrap_iters=0, log_samples=False)
+                                        num_fewshot=self.fewshot, bootstrap_iters=0, log_samples=False,
+                                        apply_chat_template=self.chat, fewshot_as_multiturn=self.multiturn)
       finally:
         self.lm.params = None  # the next step donates them
     self.pending[step] = self.harness.metrics(results)
@@ -347,6 +349,9 @@ def validate_harness(config) -> None:
   if tasks and not e.harness_every:
     raise ConfigError("eval.harness_every", "is 0 while eval.harness_tasks is set",
                       "set --config.eval.harness_every=N (the steps between evaluations)")
+  if e.harness_fewshot_as_multiturn and not e.harness_apply_chat_template:
+    raise ConfigError("eval.harness_fewshot_as_multiturn", "needs eval.harness_apply_chat_template=True",
+                      "set both, as jaxtrain.evaluate's --fewshot_as_multiturn needs --apply_chat_template")
   if tasks and importlib.util.find_spec("lm_eval") is None:
     raise ConfigError("eval.harness_tasks", "needs lm-evaluation-harness, which is not installed",
                       "pip install 'jaxtrain[eval]'")
@@ -355,8 +360,17 @@ def validate_harness(config) -> None:
                       "pass a folder of task YAMLs")
   if tasks:
     from jaxtrain.evaluation import harness  # the eval extra (lm-evaluation-harness), only when it is asked for
+    if e.harness_apply_chat_template:
+      try:
+        text = harness.text_of(config)
+      except UserError as err:
+        raise ConfigError("eval.harness_apply_chat_template", f"{err.subject}: {err.problem}", err.fix) from None
+      if not text.chat_template:
+        raise ConfigError("eval.harness_apply_chat_template", f"the run's tokenizer ({text.where}) has no chat "
+                          "template", "evaluate without it, or train from a checkpoint or data.tokenizer folder that "
+                          "has one")
     try:
-      harness.check_tasks(tasks, harness.task_manager(e.harness_include_path or None, tasks))
+      harness.build_tasks(tasks, harness.task_manager(e.harness_include_path or None, tasks))  # YAMLs fit data
     except harness.HarnessError as err:
       raise ConfigError("eval.harness_tasks", f"{err.subject}: {err.problem}", err.fix) from None
 

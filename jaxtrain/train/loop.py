@@ -244,7 +244,8 @@ class Loop:
     logging.info("%.3g model FLOPs per token (the model family's count); %s", self.flops,
                  f"peak {self.peak / 1e12:.0f} TFLOP/s per device" if self.peak else
                  "device peak unknown: MFU not reported (set metrics.peak_tflops)")
-    self.writer = metrics_lib.MetricWriter(c.workdir, c.train.steps, self.counts.step, c.metrics, self.config_dict)
+    self.writer = metrics_lib.MetricWriter(c.workdir, c.train.steps, self.counts.step, c.metrics, self.config_dict,
+                                           console=self.objective.console_metrics)
     self.anomalies = monitor.AnomalyDetector(m.spike_sigma, m.spike_window, m.stagnation_logs)
     self.watchdog = monitor.Watchdog(m.watchdog_multiple, m.watchdog_min_s, m.watchdog_timeout_s,
                                      log_path=workdir_lib.log_path(c.workdir), describe=self._whereabouts,
@@ -439,6 +440,8 @@ class Loop:
     loss = f"loss {self.last['loss']:.4f}" if self.last else "no step run"
     if "eval_loss" in self.last_eval:
       loss += f", eval loss {self.last_eval['eval_loss']:.4f}"
+    figures = {**self.last, **self.last_eval}
+    loss += "".join(f", {k} {figures[k]:.4f}" for k in self.objective.console_metrics if k in figures)
     minutes, seconds = divmod(round(counts.wall_time), 60)
     saved = epath.Path(self.checkpointer.persistent.where) / str(step) if step in self.checkpointer.steps() else \
         "not saved"

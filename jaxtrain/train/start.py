@@ -20,9 +20,10 @@ def init_state(run) -> TrainState:
     return state_lib.make_init(run.model, run.tx, run.state_shardings)(jax.random.key(run.config.train.seed))
 
 
-def starting_state(run) -> TrainState:
+def starting_state(run, role: str = "started from") -> TrainState:
   """A fresh state, started from ``checkpoint.restore_from`` when set (``checkpoint.restore_mode``: its params
-  only, or its whole state)."""
+  only, or its whole state). ``role`` begins the line that says so (a frozen reference model, built from the same
+  start, says that it is one)."""
   state = init_state(run)
   c = run.config.checkpoint
   if c.restore_from:
@@ -39,5 +40,5 @@ def starting_state(run) -> TrainState:
         logging.info("%s has no %s params: freshly initialized", c.restore_from, ", ".join(fresh))
     else:
       state = other
-    logging.info("started from %s of %s (step %d)", c.restore_mode, c.restore_from, step)
+    logging.info("%s %s of %s (step %d)", role, c.restore_mode, c.restore_from, step)
   return state

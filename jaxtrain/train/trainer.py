@@ -60,10 +60,13 @@ def compile_step(run: Run, train_step=None, extra: tuple = ()):
 
 
 def write_config(config: ml_collections.ConfigDict) -> None:
+  """``config.json`` (every start), and at the first start the run's lineage and its Hugging Face side files
+  (jaxtrain.checkpoint.lineage), on process 0."""
   workdir = epath.Path(config.workdir)
   if jax.process_index() == 0:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+    checkpoint_lib.lineage.record(json.loads(config.to_json_best_effort()))
 
 
 def make_checkpointer(config: ml_collections.ConfigDict) -> checkpoint_lib.Checkpointer:

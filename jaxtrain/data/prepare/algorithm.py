@@ -182,9 +182,10 @@ def _json_lines(path: str) -> Iterator[tuple[int, object]]:
       raise DataError(f"{path}:{i}", f"not a JSON line ({e.msg})", "fix or remove the line") from None
 
 
-def read_documents(path: str, field: str, text_split: str) -> Iterator[str]:
+def read_documents(path: str, field: str, text_split: str, messages: str = "messages") -> Iterator[str]:
   """The documents of one input file, in file order, streaming (a Parquet row group, a line or a paragraph at
-  a time; the whole file only for ``text_split='file'``)."""
+  a time; the whole file only for ``text_split='file'``). ``messages``: the SFT messages field (--messages_field),
+  for the hint of a chat record read as text."""
   if path.endswith(".parquet"):
     try:
       import pyarrow.parquet as pq
@@ -202,7 +203,13 @@ def read_documents(path: str, field: str, text_split: str) -> Iterator[str]:
   elif path.endswith((".jsonl", ".json")):
     for i, obj in _json_lines(path):
       if not isinstance(obj, dict) or field not in obj:
-        raise DataError(f"{path}:{i}", f"no field '{field}'", "pass --field=NAME")
+        chat_field = chat.messages_field(obj)
+        fix = ("pass --field=NAME naming the text field (SFT data: --prompt_field and --response_field, or "
+               "--messages_field)")
+        if chat_field:
+          fix = f"its '{chat_field}' holds chat messages: for SFT chat data pass --format=sft" + (
+              f" --messages_field={chat_field}" if chat_field != messages else "")
+        raise DataError(f"{path}:{i}", f"no field '{field}' ({chat.fields_of(obj)})", fix)
       if obj[field]:
         yield str(obj[field])
   elif text_split == "file":
@@ -221,6 +228,12 @@ def read_documents(path: str, field: str, text_split: str) -> Iterator[str]:
           yield text
 
 
+def _with_fields(e: Exception, obj) -> str:
+  """A record's problem with the fields it has (``... (its fields: a, b)``)."""
+  problem = str(e)
+  return f"{problem}, {chat.fields_of(obj)}" if problem.endswith(")") else f"{problem} ({chat.fields_of(obj)})"
+
+
 def read_sft_records(path: str, fields: chat.Fields) -> Iterator[tuple[int, list[dict]]]:
   """(line number, messages) of every record of one SFT JSONL file, in file order, streaming."""
   if not path.endswith((".jsonl", ".json")):
@@ -230,8 +243,13 @@ def read_sft_records(path: str, fields: chat.Fields) -> Iterator[tuple[int, list
     try:
       yield i, chat.parse(obj, fields)
     except chat.RecordError as e:
-      raise DataError(f"{path}:{i}", str(e), f"fix or remove the line (fields: '{fields.prompt}' + "
-                      f"'{fields.response}', or '{fields.messages}'; see --help)") from None
+      if chat.is_sft_object(obj, fields):
+        raise DataError(f"{path}:{i}", str(e), "fix or remove the line") from None
+      chat_field = chat.messages_field(obj)
+      raise DataError(f"{path}:{i}", _with_fields(e, obj),
+                      f"its '{chat_field}' holds chat messages: pass --messages_field={chat_field}" if chat_field else
+                      "pass --prompt_field and --response_field (a pair) or --messages_field (a chat) naming its "
+                      "fields, or fix or remove the line") from None
 
 
 def read_pair_records(path: str, fields: chat.Fields) -> Iterator[tuple[int, tuple[list[dict], list[dict]]]]:
@@ -243,7 +261,9 @@ def read_pair_records(path: str, fields: chat.Fields) -> Iterator[tuple[int, tup
     try:
       yield i, pairs.parse(obj, fields)
     except chat.RecordError as e:
-      raise DataError(f"{path}:{i}", str(e), "fix or remove the line (fields: 'prompt' + 'chosen' + 'rejected' "
+      missing = str(e).startswith("no field")
+      raise DataError(f"{path}:{i}", _with_fields(e, obj) if missing else str(e),
+                      f"fix or remove the line (fields: '{fields.prompt}' (--prompt_field) + 'chosen' + 'rejected' "
                       "strings, or 'chosen' and 'rejected' chats; see jaxtrain/data/pairs.py)") from None
 
 
@@ -295,7 +315,7 @@ def _documents(path: str, opts: Options) -> Iterator[tuple[bytes, np.ndarray, "n
       yield chat.digest(messages), tokens, trained, "\n".join(str(m.get("content") or "") for m in messages)
   else:
     tokenizer = tokenizers.load(opts.tokenizer)
-    for text in read_documents(path, opts.field, opts.text_split):
+    for text in read_documents(path, opts.field, opts.text_split, opts.messages_field):
       yield hashlib.sha256(text.encode("utf-8")).digest(), tokenizer.encode(text), None, text
 
 

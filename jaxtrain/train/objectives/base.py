@@ -35,6 +35,9 @@ class Objective:
 
   # Whether its step scales the loss for float16 (optim.loss_scale, jaxtrain/loss_scale.py).
   loss_scaling: bool = False
+  # Its own figures, by metric name, that the console line shows after loss and grad_norm (a step's; an evaluation's
+  # eval_* ones on the run's last line), those a record holds.
+  console_metrics: tuple[str, ...] = ()
 
   def validate(self, config: ml_collections.ConfigDict) -> None:
     """Checks that need no devices (its own keys; what it needs of the data and the model). Raises ConfigError."""

@@ -104,7 +104,9 @@ def validate(config) -> None:
 
 
 def stop_ids(config, tok) -> tuple[int, ...]:
-  """The token ids that end a completion: ``rl.stop``'s (each must be one token) and the tokenizer's EOS."""
+  """The token ids that end a completion: ``rl.stop``'s (each must be one token), the tokenizer's EOS, and the ids
+  that end a row in jaxtrain.generate and the harness too (the run's lineage's generation config:
+  jaxtrain.sampling.tokenizer_for)."""
   out = []
   for text in config.rl.stop:
     ids = np.asarray(tok.encode(text))
@@ -117,6 +119,10 @@ def stop_ids(config, tok) -> tuple[int, ...]:
     ids = np.asarray(tok.encode(eos))
     if ids.size == 1:
       out.append(int(ids[0]))
+  try:
+    out += sampling.tokenizer_for(config).eos_ids
+  except sampling.GenerateError:  # a source whose tokenizer generation does not know: its EOS above is all
+    pass
   return tuple(dict.fromkeys(out))
 
 
@@ -227,6 +233,7 @@ class GRPO(Objective):
 
   UPDATE_KEYS = ("inputs", "targets", "loss_mask", "positions", "segment_ids", "advantages", "old_logps",
                  "ref_logps")
+  console_metrics = ("rl/reward_mean", "eval_reward_mean")
 
   def validate(self, config) -> None:
     c = config
@@ -252,14 +259,17 @@ class GRPO(Objective):
     if c.eval.every_steps and not c.data.eval_path:
       raise ConfigError("eval.every_steps", "train.objective=grpo evaluates held-out prompts, and data.eval_path "
                         "is empty", "set data.eval_path to a JSONL file of held-out prompts, or eval.every_steps=0")
-    # Everything the rollouts need, before anything is written: the prompts, the stop tokens, the rewards (each
-    # called once on the first record, so that one that fails or returns the wrong shape is one line now).
+    # Everything the rollouts need, before anything is written: the prompts, every record with the fields its
+    # rewards read (rewards.check_records), the stop tokens, the rewards (each called once on the first record, so
+    # that one that fails or returns the wrong shape is one line now).
+    rewards = rewards_lib.load(c.rl)
     table = prompts_lib.load(c.data.path, c)
+    tables = [table] + ([prompts_lib.load(c.data.eval_path, c, "data.eval_path")] if c.data.eval_path else [])
+    for t in tables:
+      rewards_lib.check_records(rewards, t.records, t.where)
     stop_ids(c, prompts_lib._tokenizer(prompts_lib.tokenizer_spec(c)))
-    if c.data.eval_path:
-      prompts_lib.load(c.data.eval_path, c, "data.eval_path")
     record = table.records[0]
-    rewards_lib.score(rewards_lib.load(c.rl), ["", table.texts[0]], [record, record])
+    rewards_lib.score(rewards, ["", table.texts[0]], [record, record])
 
   def abstract_batch(self, run) -> dict[str, jax.ShapeDtypeStruct]:
     b, t = run.config.train.global_batch_size, run.config.data.seq_len

@@ -47,7 +47,7 @@ class Reference:
     self.mode = mode
     self._frozen = None
     if mode == "frozen":
-      self._frozen = without_adapters(start.starting_state(run).params)
+      self._frozen = without_adapters(start.starting_state(run, role="the frozen reference model:").params)
 
   @staticmethod
   def default_mode(config) -> str:

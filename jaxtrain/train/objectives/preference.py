@@ -206,6 +206,7 @@ def _reference(run):
 class Preference(Objective):
   """A preference objective (its kind: :attr:`kind`, one of :data:`KINDS`)."""
   kind = ""
+  console_metrics = ("rewards/accuracy", "rewards/margin", "eval_rewards/accuracy", "eval_rewards/margin")
 
   def validate(self, config) -> None:
     validate(config)
@@ -368,7 +369,7 @@ def compute_reference(run) -> dict[str, np.ndarray]:
   (float32 [pairs, 2]), computed on the run's mesh with the training forward, and written into the data folder
   (process 0) for ``preference.reference=precomputed``."""
   config = run.config
-  params = logprobs.without_adapters(start.starting_state(run).params)
+  params = logprobs.without_adapters(start.starting_state(run, role="the frozen reference model:").params)
   shapes = {k: v for k, v in Preference().abstract_batch(run).items() if not k.startswith("reference_")}
   shardings_of = lambda tree: jax.tree.map(lambda a: a.sharding, tree)  # noqa: E731
   param_shardings = logprobs.without_adapters(run.state_shardings.params)

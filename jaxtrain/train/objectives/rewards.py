@@ -10,6 +10,11 @@ completion's reward is the weighted sum, and each is logged as ``rl/reward/<name
 the rewards run on process 0 alone, on every process's completions, and what derives from them is broadcast
 (:func:`jaxtrain.train.objectives.grpo.score_once`); only the check at start calls each on every process.
 
+A reward function may declare the record fields it reads, ``fn.fields``: a tuple of names, or a dict of each name to
+the config key that names it (``{"answer": "rl.answer_field"}``). Every record of the prompts files (``data.path``,
+``data.eval_path``) is checked for them when the config is (:func:`check_records`): a record without one is a
+DataError naming the file, the line, the field and the fields the record has, before anything compiles.
+
 Built in:
   exact_match  1 when the completion's final answer equals the record's ``rl.answer_field`` (default ``answer``),
                else 0. The final answer is the text after the completion's last ``####`` (GSM8K's marker) when it has
@@ -32,7 +37,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxtrain.errors import ConfigError, UserError
+from jaxtrain.errors import ConfigError, DataError, UserError
 from jaxtrain import registry
 from jaxtrain.registry import Registry
 
@@ -51,6 +56,14 @@ class Reward:
   name: str
   weight: float
   fn: RewardFn
+
+  @property
+  def fields(self) -> dict[str, str]:
+    """The record fields the function declares it reads (``fn.fields``), each with the config key naming it ("")
+    or none."""
+    fields = getattr(self.fn, "fields", ())
+    return dict(fields) if isinstance(fields, dict) else dict.fromkeys([fields] if isinstance(fields, str) else fields,
+                                                                       "")
 
 
 def final_answer(completion: str) -> str:
@@ -78,7 +91,8 @@ def exact_match(rl) -> RewardFn:
   field = rl.answer_field
 
   def reward(completions, records):
-    return [float(same_answer(final_answer(c), r.get(field, ""))) for c, r in zip(completions, records)]
+    return [float(same_answer(final_answer(c), r[field])) for c, r in zip(completions, records)]
+  reward.fields = {field: "rl.answer_field"}
   return reward
 
 
@@ -122,6 +136,18 @@ def load(rl) -> list[Reward]:
   if len(set(names)) != len(names):
     raise ConfigError("rl.rewards", f"names a reward twice ({', '.join(names)})", "give each reward once")
   return out
+
+
+def check_records(rewards: list[Reward], records: list[dict], where) -> None:
+  """Every record has every field the rewards declare (:attr:`Reward.fields`); DataError naming ``where(i)`` (the
+  file and line of record i), the field, the reward and the record's fields for the first that does not."""
+  needs = [(field, key, r.name) for r in rewards for field, key in r.fields.items()]
+  for i, record in enumerate(records):
+    for field, key, name in needs:
+      if field not in record:
+        fix = f"add '{field}' to every record" + (f", or set {key} to the field that holds it" if key else "")
+        raise DataError(where(i), f"has no '{field}' field, which reward {name} reads (its fields: "
+                        f"{', '.join(map(str, record)) or 'none'})", fix)
 
 
 def score(rewards: list[Reward], completions: list[str], records: list[dict]) -> tuple[np.ndarray, dict]:
