@@ -169,7 +169,7 @@ def flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
 
 def unknown_key_error(key: str, cfg: ml_collections.ConfigDict) -> ConfigError:
   close = difflib.get_close_matches(key, flat_keys(cfg), n=1, cutoff=0.5)
-  fix = f"did you mean '{close[0]}'?" if close else "see jaxtrain/config.py for the keys"
+  fix = f"did you mean '{close[0]}'?" if close else "every key is listed in docs/configuration.md (#every-key)"
   return ConfigError(key, "unknown config key", fix)
 
 

@@ -1,4 +1,4 @@
-"""The docs as pages: README.md is a front page (at most 250 lines) whose map reaches every page under docs/, and
+"""The docs as pages: README.md is a front page (at most 120 lines) whose map reaches every page under docs/, and
 every link between the pages (files, and #anchors to their headings) resolves, and docs/design.md's module table and
 configs list are the package's. The commands on the pages are run by tests/test_readme.py."""
 

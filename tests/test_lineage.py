@@ -34,8 +34,8 @@ def _run(name, tmp_path, parent, imported, objective, steps, lr, **data):
   c.data.update(seq_len=48, **data)
   c.train.update(objective=objective, steps=steps, global_batch_size=8, log_every=1, seed=1)
   if objective == "grpo":
-    c.data.seq_len = 24
-    c.rl.update(group_size=4, max_new_tokens=4)
+    c.data.seq_len = 40
+    c.rl.update(group_size=4, max_new_tokens=6)
   c.optim.update(lr=lr, warmup_steps=0, schedule="constant")
   c.metrics.tensorboard = False
   trainer.train(c)
@@ -53,7 +53,7 @@ def test_a_chain_of_runs_carries_its_tokenizer_to_an_export_that_generates_as_ja
   chats = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": ANSWER}]}
            for q in QUESTIONS * 8]
   pairs = [{"prompt": q, "chosen": ANSWER, "rejected": "the sun rises"} for q in QUESTIONS * 4]
-  prompts = [{"prompt": q, "answer": ANSWER} for q in QUESTIONS]
+  prompts = [{"prompt": [{"role": "user", "content": q}], "answer": ANSWER} for q in QUESTIONS]
   tokenizer = os.fspath(tmp_path / "import" / "hf")
   for name, records, fmt in (("sft", chats, "sft"), ("pairs", pairs, "preference")):
     prepare.prepare(prepare.Options(inputs=[_jsonl(tmp_path / f"{name}.jsonl", records)],
@@ -65,10 +65,12 @@ def test_a_chain_of_runs_carries_its_tokenizer_to_an_export_that_generates_as_ja
              path=os.fspath(tmp_path / "sft_data"), tokenizer=tokenizer)
   shutil.move(imported, tmp_path / "gone" / "import")  # and then the import
   imported = tmp_path / "gone" / "import"
-  dpo = _run("dpo", tmp_path, sft, imported, "dpo", 1, 1e-4, source="arrayrecord",
-             path=os.fspath(tmp_path / "pairs_data"), tokenizer=os.fspath(sft / "hf"))
-  grpo = _run("grpo", tmp_path, dpo, imported, "grpo", 1, 1e-4, source="prompts",
-              path=_jsonl(tmp_path / "prompts.jsonl", prompts), tokenizer=os.fspath(dpo / "hf"))
+  dpo = _run("dpo", tmp_path, sft, imported, "dpo", 1, 1e-4, source="arrayrecord",  # nothing named but the parent
+             path=os.fspath(tmp_path / "pairs_data"))
+  grpo = _run("grpo", tmp_path, dpo, imported, "grpo", 1, 1e-4, source="prompts",  # data.tokenizer unset: the
+              path=_jsonl(tmp_path / "prompts.jsonl", prompts))                    # one the lineage carries
+  logged = [json.loads(line) for line in (grpo / "metrics.jsonl").read_text().splitlines()]
+  assert logged[-1]["rl/reward_mean"] > 0  # its prompts were encoded with the model's tokenizer: it answers
 
   # Every run carries the side files; the lineage reads back to the import.
   for run in (sft, dpo, grpo):

@@ -176,7 +176,8 @@ MEANINGS: dict[str, tuple[str, str]] = {
     "data.seq_len": ("tokens per row", DATA),
     "data.packing": ("pack documents into rows (segment ids keep them apart); False: one padded document a row",
                      DATA),
-    "data.tokenizer": ("`byte` or a tokenizer file; if set, the data must have been prepared with it", DATA),
+    "data.tokenizer": ("`byte` or a tokenizer file or folder; if set, the data must have been prepared with it "
+                       "(prompts left empty: the tokenizer the run's lineage carries)", DATA),
     "data.num_workers": ("Grain worker processes (0: in process)", DATA),
     "data.prefetch": ("batches buffered per worker", DATA),
     "data.verify_checksums": ("check every shard's SHA-256 against the manifest at start", DATA),
@@ -359,9 +360,11 @@ def _link(page: str) -> str:
 
 
 def configs() -> dict[str, Any]:
-  """``base_config(model=NAME)`` of every registered family, by name (``llama``'s is ``base_config()``)."""
+  """``base_config(model=NAME)`` of every built-in family, by name (``llama``'s is ``base_config()``): a family a
+  user's (or a test's) module registers documents its keys itself."""
   from jaxtrain import config as config_lib, models
-  return {name: config_lib.base_config(model=name) for name in models.names()}
+  return {name: config_lib.base_config(model=name) for name in models.names()
+          if models.get(name).module.__module__.startswith("jaxtrain.")}
 
 
 def _families(cfgs: dict[str, Any]) -> list[tuple[str, list[str]]]:

@@ -4,8 +4,8 @@ records, each with a prompt and whatever its reward needs (an ``answer``, test c
 A record's prompt (``data.prompts.field``, default ``prompt``) is a string, encoded as it is, or a list of chat
 messages (``{"role", "content"}``), rendered with the tokenizer's chat template and its generation prompt (the
 assistant's turn opened), as SFT data is. The tokenizer is ``data.tokenizer`` (a tokenizer file or folder; empty:
-byte-level). A prompt may have at most ``data.seq_len + 1 - rl.max_new_tokens`` tokens (the prompt and its
-completion make one training row); a longer one, a record without the field or a line that is not a JSON object
+the tokenizer the run's lineage carries, else byte-level). A prompt may have at most
+``data.seq_len + 1 - rl.max_new_tokens`` tokens (the prompt and its completion make one training row); a longer one, a record without the field or a line that is not a JSON object
 is a DataError naming the file and line, before anything compiles.
 
 The train stream (:class:`PromptStream`) visits the records in a new seeded order each epoch; step s takes the next
@@ -29,6 +29,7 @@ import numpy as np
 from etils import epath
 
 from jaxtrain import paths
+from jaxtrain.checkpoint import lineage
 from jaxtrain.data import chat as chat_lib
 from jaxtrain.data import tokenizers
 from jaxtrain.data.source import SOURCES, Source, StepPosition
@@ -55,7 +56,15 @@ def prompt_width(config) -> int:
 
 
 def tokenizer_spec(config) -> str:
-  return config.data.tokenizer or "byte"
+  """``data.tokenizer``; left empty, the tokenizer the run's lineage carries (a run started from an import or its
+  descendants: jaxtrain.checkpoint.lineage), which its model was trained with; else byte-level."""
+  if config.data.tokenizer:
+    return config.data.tokenizer
+  side = lineage.run_side_dir(config.to_dict())
+  for name in lineage.TOKENIZER_FILES:  # a folder (with its chat template) when it has tokenizer.json
+    if side and epath.Path(paths.join(side, name)).exists():
+      return side if name == "tokenizer.json" else paths.join(side, name)
+  return "byte"
 
 
 @functools.lru_cache(maxsize=8)
