@@ -109,3 +109,24 @@ def test_a_chain_of_runs_carries_its_tokenizer_to_an_export_that_generates_as_ja
   assert [r["completion"] for r in ours] == [tok.decode(row, skip_special_tokens=True) for row in theirs]
   assert [r["tokens"] + 1 for r in ours] == [len(row) for row in theirs]  # ended at the same EOS (not printed)
 
+
+
+def test_data_prepared_with_another_tokenizer_than_the_lineages_is_one_line(tmp_path):
+  """A run whose lineage carries a tokenizer (an import's descendant) refuses prepared data of another tokenizer when
+  data.tokenizer is left empty (the model would train on ids it does not read as they were meant); data.tokenizer
+  set says which tokenizer made the data, and wins."""
+  from jaxtrain.data import loader, tokenizers
+  from jaxtrain.errors import DataError
+  tok, config = harness_data.bpe_tokenizer(qwen=True)
+  (tmp_path / "run" / "hf").mkdir(parents=True)
+  tok.save(os.fspath(tmp_path / "run" / "hf" / "tokenizer.json"))
+  (tmp_path / "run" / "hf" / "tokenizer_config.json").write_text(json.dumps(config))
+  carried = lineage.tokenizer_of({"workdir": os.fspath(tmp_path / "run"), "checkpoint": {"restore_from": ""}})
+  assert carried == os.fspath(tmp_path / "run" / "hf")
+  byte_data = {"vocab_size": 256, "tokenizer": "byte"}
+  with pytest.raises(DataError, match=r"data: prepared with tokenizer byte, but the model's lineage carries the "
+                     r"tokenizer .*/run/hf, which it was trained with; prepare the data with --tokenizer="):
+    loader.check_compatible(byte_data, "data", 320, "", carried)
+  loader.check_compatible(byte_data, "data", 320, "byte", carried)  # said: the data's tokenizer is byte-level
+  loader.check_compatible({"vocab_size": 300, "tokenizer": tokenizers.load(carried).name}, "data", 320, "", carried)
+  assert lineage.tokenizer_of({"workdir": os.fspath(tmp_path / "fresh"), "checkpoint": {"restore_from": ""}}) == ""

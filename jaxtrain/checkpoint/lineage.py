@@ -95,6 +95,16 @@ def run_side_dir(config: dict) -> str | None:
   return side_dir(parent["workdir"]) or _legacy_side_dir(parent["path"], parent["workdir"])
 
 
+def tokenizer_of(config: dict) -> str:
+  """The tokenizer the running run's lineage carries, as a ``data.tokenizer`` value: its side folder (with the chat
+  template) when that holds ``tokenizer.json``, else its ``tokenizer.model``; '' when it carries none."""
+  side = run_side_dir(config)
+  for name in TOKENIZER_FILES:
+    if side and _has(side, name):
+      return side if name == "tokenizer.json" else paths.join(side, name)
+  return ""
+
+
 def has_tokenizer(folder: str | None) -> bool:
   return bool(folder) and any(_has(folder, f) for f in TOKENIZER_FILES)
 

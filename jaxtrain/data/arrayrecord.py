@@ -18,6 +18,7 @@ import numpy as np
 from etils import epath
 
 from jaxtrain import paths
+from jaxtrain.checkpoint import lineage
 from jaxtrain.data import loader, prepare
 from jaxtrain.data.source import SOURCES, Documents, Folder, Source
 from jaxtrain.errors import DataError
@@ -33,7 +34,7 @@ def data_root(config) -> str:
 def open_train(c) -> Iterator[dict]:
   root = data_root(c)
   manifest = loader.load_manifest(root, c.data.verify_checksums)
-  loader.check_compatible(manifest, root, c.model.vocab_size, c.data.tokenizer)
+  loader.check_compatible(manifest, root, c.model.vocab_size, c.data.tokenizer, lineage.tokenizer_of(c.to_dict()))
   dataset = loader.train_dataset(
       root, manifest, seq_len=c.data.seq_len, global_batch=c.train.global_batch_size, seed=c.train.seed,
       process_index=jax.process_index(), process_count=jax.process_count(), packing=c.data.packing,
@@ -110,7 +111,7 @@ def open_folder(name: str, path: str, c, key: str, whole: bool = False, verify: 
   held out)."""
   del key
   manifest = loader.load_manifest(path, verify and c.data.verify_checksums)
-  loader.check_compatible(manifest, path, c.model.vocab_size, c.data.tokenizer)
+  loader.check_compatible(manifest, path, c.model.vocab_size, c.data.tokenizer, lineage.tokenizer_of(c.to_dict()))
   masked = bool(manifest.get("loss_mask", False))
   splits = {s["split"] for s in manifest["shards"]}
   if whole:

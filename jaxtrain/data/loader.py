@@ -86,14 +86,19 @@ def load_manifest(path: str, verify_checksums: bool = True, formats: tuple[str, 
   return manifest
 
 
-def check_compatible(manifest: dict, path: str, model_vocab: int, tokenizer: str) -> None:
-  """The config must be able to use these tokens."""
+def check_compatible(manifest: dict, path: str, model_vocab: int, tokenizer: str, carried: str = "") -> None:
+  """The config must be able to use these tokens: ``tokenizer`` (``data.tokenizer``) made them, or, left empty, the
+  tokenizer the model's lineage carries (``carried``: jaxtrain.checkpoint.lineage.tokenizer_of) when it has one."""
   if manifest["vocab_size"] > model_vocab:
     raise DataError(path, f"tokens need vocab_size {manifest['vocab_size']} (tokenizer {manifest['tokenizer']}) "
                     f"but model.vocab_size={model_vocab}", f"set model.vocab_size >= {manifest['vocab_size']}")
   if tokenizer and not _same_tokenizer(tokenizer, manifest["tokenizer"]):
     raise DataError(path, f"prepared with tokenizer {manifest['tokenizer']}, but data.tokenizer={tokenizer}",
                     "prepare the data with that tokenizer or set data.tokenizer to match")
+  if not tokenizer and carried and not _same_tokenizer(carried, manifest["tokenizer"]):
+    raise DataError(path, f"prepared with tokenizer {manifest['tokenizer']}, but the model's lineage carries the "
+                    f"tokenizer {carried}, which it was trained with", f"prepare the data with --tokenizer={carried}, "
+                    "or set data.tokenizer to the tokenizer the data was prepared with")
 
 
 def _same_tokenizer(config_value: str, manifest_value: str) -> bool:

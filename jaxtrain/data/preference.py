@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from jaxtrain.checkpoint import lineage
 from jaxtrain.data import batch as batch_lib
 from jaxtrain.data import ids, loader, pairs, prepare
 from jaxtrain.errors import DataError, UserError
@@ -42,7 +43,8 @@ def check(config) -> dict:
   """The configured folder: its manifest, its tokens fit the model, its pairs fit ``data.seq_len``."""
   root = config.data.path
   manifest = open_manifest(root, config.data.verify_checksums)
-  loader.check_compatible(manifest, root, config.model.vocab_size, config.data.tokenizer)
+  loader.check_compatible(manifest, root, config.model.vocab_size, config.data.tokenizer,
+                          lineage.tokenizer_of(config.to_dict()))
   prepared = manifest["preference"]["seq_len"]
   if config.data.seq_len < prepared:
     raise DataError(root, f"was prepared for rows of {prepared} tokens (--seq_len), longer than data.seq_len="

@@ -58,13 +58,7 @@ def prompt_width(config) -> int:
 def tokenizer_spec(config) -> str:
   """``data.tokenizer``; left empty, the tokenizer the run's lineage carries (a run started from an import or its
   descendants: jaxtrain.checkpoint.lineage), which its model was trained with; else byte-level."""
-  if config.data.tokenizer:
-    return config.data.tokenizer
-  side = lineage.run_side_dir(config.to_dict())
-  for name in lineage.TOKENIZER_FILES:  # a folder (with its chat template) when it has tokenizer.json
-    if side and epath.Path(paths.join(side, name)).exists():
-      return side if name == "tokenizer.json" else paths.join(side, name)
-  return "byte"
+  return config.data.tokenizer or lineage.tokenizer_of(config.to_dict()) or "byte"
 
 
 @functools.lru_cache(maxsize=8)
