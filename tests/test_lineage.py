@@ -3,6 +3,7 @@ restored from the previous one's workdir with the Hugging Face source and then t
 tokenizer, chat template and generation config to the export; transformers' greedy completions on the export equal
 ``jaxtrain.generate --chat`` on the last run, both stopping at EOS; the lineage reads back to the import."""
 
+import hashlib
 import json
 import os
 import runpy
@@ -75,6 +76,9 @@ def test_a_chain_of_runs_carries_its_tokenizer_to_an_export_that_generates_as_ja
   # Every run carries the side files; the lineage reads back to the import.
   for run in (sft, dpo, grpo):
     assert lineage.has_tokenizer(os.fspath(run / "hf")) and (run / "hf" / "generation_config.json").exists()
+  manifest = (tmp_path / "sft_data" / "manifest.json").read_bytes()
+  assert lineage.read(os.fspath(sft))["data"] == {os.fspath(tmp_path / "sft_data"):
+                                                  "sha256:" + hashlib.sha256(manifest).hexdigest()}
   chain = lineage.chain(lineage.read(os.fspath(grpo)))
   assert [link["parent"] for link in chain] == [os.fspath(dpo / "checkpoints" / "1"),
                                                 os.fspath(sft / "checkpoints" / "12"),

@@ -22,7 +22,6 @@ import functools
 import hashlib
 import json
 import os
-import re
 import subprocess
 from typing import Any
 
@@ -86,13 +85,22 @@ def run_side_dir(config: dict) -> str | None:
   """The running run's side files: its workdir's ``hf/`` (written at its first start), else its parent's."""
   found = side_dir(config["workdir"]) if config.get("workdir") else None
   restore_from = (config.get("checkpoint") or {}).get("restore_from")
-  if found or not restore_from:
-    return found
-  try:
-    parent = parent_of(restore_from)
-  except Exception:  # noqa: BLE001 - the start restores from it and says why it cannot
-    return None
-  return side_dir(parent["workdir"]) or _legacy_side_dir(parent["path"], parent["workdir"])
+  return found or (_parent_side_dir(restore_from) if restore_from else None)
+
+
+_PARENT_SIDE: dict[str, str | None] = {}
+
+
+def _parent_side_dir(restore_from: str) -> str | None:
+  """The side files of the checkpoint ``restore_from`` names, read once per process (the data, the prompts, the
+  sampler and the harness each ask at start)."""
+  if restore_from not in _PARENT_SIDE:
+    try:
+      parent = parent_of(restore_from)
+    except Exception:  # noqa: BLE001 - not cached: the start restores from it and says why it cannot
+      return None
+    _PARENT_SIDE[restore_from] = side_dir(parent["workdir"]) or _legacy_side_dir(parent["path"], parent["workdir"])
+  return _PARENT_SIDE[restore_from]
 
 
 def tokenizer_of(config: dict) -> str:
@@ -115,24 +123,13 @@ def read(workdir: str) -> dict | None:
   return json.loads(file.read_text()) if file.exists() else None
 
 
-def _manifests(config: dict) -> dict[str, str]:
-  """Every prepared data folder the config reads (``data.path``, ``data.eval_path``, the folders of ``data.mixture``
-  and ``eval.sets``) -> the sha256 of its manifest."""
-  values = [v for group in ("data", "eval") for v in (config.get(group) or {}).values() if isinstance(v, str)]
-  folders = []
-  for value in values:
-    for entry in value.split(","):  # 'name=path:weight' entries, or one path
-      folder = entry.split("=", 1)[-1].strip()
-      head, _, weight = folder.rpartition(":")
-      folders.append(head if head and re.fullmatch(r"[\d.]+", weight) else folder)
+def _manifests(folders: list[str]) -> dict[str, str]:
+  """Each prepared data folder of ``folders`` (those with a manifest) -> the sha256 of its manifest."""
   out = {}
-  for folder in dict.fromkeys(f for f in folders if f and f != "byte"):
-    try:
-      manifest = epath.Path(paths.join(folder, MANIFEST))
-      if manifest.exists():
-        out[folder] = "sha256:" + hashlib.sha256(manifest.read_bytes()).hexdigest()
-    except (OSError, ValueError):  # a value that is no path
-      continue
+  for folder in folders:
+    manifest = epath.Path(paths.join(folder, MANIFEST))
+    if manifest.exists():
+      out[folder] = "sha256:" + hashlib.sha256(manifest.read_bytes()).hexdigest()
   return out
 
 
@@ -175,10 +172,11 @@ def parent_of(restore_from: str) -> dict:
           "workdir": workdir, "lineage": read(workdir)}
 
 
-def record(config: dict) -> dict | None:
+def record(config: dict, data_folders: list[str] = ()) -> dict | None:
   """At a run's first start (process 0): writes ``lineage.json`` and fills ``hf/`` from the parent's (else from
-  ``data.tokenizer``). A workdir that has its lineage already (a resume) is left as it is. Returns what was written
-  (None on a resume)."""
+  ``data.tokenizer``). ``data_folders``: the data the run reads (jaxtrain.data.folders), whose manifests it
+  fingerprints. A workdir that has its lineage already (a resume) is left as it is. Returns what was written (None
+  on a resume)."""
   workdir = config["workdir"]
   if _has(workdir, FILE):
     return None
@@ -196,7 +194,7 @@ def record(config: dict) -> dict | None:
     source = source or tokenizer
   lineage = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              "jaxtrain": version(), "parent": parent, "side_files": {"from": source, "files": copied},
-             "data": _manifests(config), "config": config}
+             "data": _manifests(list(data_folders)), "config": config}
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   epath.Path(paths.join(workdir, FILE)).write_text(json.dumps(lineage, indent=2, sort_keys=True) + "\n")
   return lineage

@@ -127,6 +127,14 @@ def resolve(config) -> None:
     mixture.replace(config.eval, "sets", mixture.format_named(sets, "eval.sets"))
 
 
+def folders(config) -> list[str]:
+  """Every data folder or file the config names (``data.path``, ``data.eval_path``, the components of
+  ``data.mixture`` and ``eval.sets``), resolved, in that order: what a run's lineage fingerprints."""
+  named = [e.path for e in mixture.parse_named(config.data.get("mixture", ""), "data.mixture", weighted=True)]
+  named += [e.path for e in mixture.parse_named(config.eval.get("sets", ""), "eval.sets", weighted=False)]
+  return list(dict.fromkeys(paths.resolve(p) for p in [config.data.path, config.data.eval_path, *named] if p))
+
+
 def to_global(local_batch: dict, sharding: NamedSharding, config=None) -> dict:
   """This process's rows -> global arrays laid out with ``sharding`` (works on one host and on many).
   Host-side fields (``doc_ids``: provenance) stay behind; a mixture's ``sources`` go along. With ``config`` (the
