@@ -174,7 +174,7 @@ def parent_of(restore_from: str) -> dict:
 
 def record(config: dict, data_folders: list[str] = ()) -> dict | None:
   """At a run's first start (process 0): writes ``lineage.json`` and fills ``hf/`` from the parent's (else from
-  ``data.tokenizer``). ``data_folders``: the data the run reads (jaxtrain.data.folders), whose manifests it
+  ``data.tokenizer``). ``data_folders``: the data the run reads (jaxtrain.data.read_folders), whose manifests it
   fingerprints. A workdir that has its lineage already (a resume) is left as it is. Returns what was written (None
   on a resume)."""
   workdir = config["workdir"]

@@ -127,7 +127,7 @@ def resolve(config) -> None:
     mixture.replace(config.eval, "sets", mixture.format_named(sets, "eval.sets"))
 
 
-def folders(config) -> list[str]:
+def read_folders(config) -> list[str]:
   """Every data folder or file the config names (``data.path``, ``data.eval_path``, the components of
   ``data.mixture`` and ``eval.sets``), resolved, in that order: what a run's lineage fingerprints."""
   named = [e.path for e in mixture.parse_named(config.data.get("mixture", ""), "data.mixture", weighted=True)]

@@ -66,7 +66,7 @@ def write_config(config: ml_collections.ConfigDict) -> None:
   if jax.process_index() == 0:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
-    checkpoint_lib.lineage.record(json.loads(config.to_json_best_effort()), data_lib.folders(config))
+    checkpoint_lib.lineage.record(json.loads(config.to_json_best_effort()), data_lib.read_folders(config))
 
 
 def make_checkpointer(config: ml_collections.ConfigDict) -> checkpoint_lib.Checkpointer:
