@@ -1,6 +1,7 @@
 """Simulate 8 CPU devices before jax is imported, and share small configs."""
 
 import os
+import shutil
 import tempfile
 
 from tests.xla_flags import TEST_XLA_FLAGS
@@ -36,6 +37,16 @@ def small_config(workdir, **mesh):
   c.mesh.update(data=1, fsdp=1, tensor=1)
   c.mesh.update(**mesh)
   return c
+
+
+def resumable_copy(workdir, to, keep_through):
+  """A copy of ``workdir`` with its checkpoints after step ``keep_through`` removed: the run as if it had stopped
+  there (killed before its next save committed)."""
+  shutil.copytree(workdir, to)
+  for step in (to / "checkpoints").iterdir():
+    if step.name.isdigit() and int(step.name) > keep_through:
+      shutil.rmtree(step)
+  return to
 
 
 @pytest.fixture

@@ -861,6 +861,39 @@ def test_estimate_matches_compiled_memory(config_file, overrides):
   assert config.model.remat == "none" and act <= temp <= 2 * act + 2 * predicted["full_param_bytes"], (act, temp)
 
 
+def test_estimate_pipeline_activations_follow_the_schedule():
+  """With S = 2 stages, tiny's 4 layers and 1 row a microbatch (b = 1, fsdp 4): a device keeps a stash of stage
+  inputs (b*t*d each) plus one unit's (L / (S R) layers') activations. gpipe / circular: R M + S - 1 of them and
+  two [M, b, t, d] buffers, growing with M; 1f1b / interleaved_1f1b: min(2 R S - 1, R M) and a spare slot, flat."""
+  estimate = _estimate_module()
+  unpipelined = estimate.load_config("configs/tiny.py", ["train.global_batch_size=8"])  # b = 1 on fsdp 8
+  reference = estimate.estimate(unpipelined, 8, platform="cpu")
+  assert "pipeline" not in reference and reference["local_batch_rows"] == 1
+  m = unpipelined.model
+  one = unpipelined.data.seq_len * m.d_model * np.dtype(m.dtype).itemsize  # one stage input, b = 1
+  s = 2
+  activations = {}
+  for kind in ("gpipe", "circular", "1f1b", "interleaved_1f1b"):
+    r = 2 if kind in ("circular", "interleaved_1f1b") else 1
+    for micro in (4, 8):
+      config = estimate.load_config("configs/tiny.py", [
+          "mesh.pipeline=2", f"pipeline.schedule={kind}", f"train.microbatches={micro}",
+          f"train.global_batch_size={4 * micro}"])
+      info = estimate.estimate(config, 8, platform="cpu")
+      p = info["pipeline"]
+      assert (info["local_batch_rows"], p["schedule"], p["stages"], p["repeats"], p["microbatches"]) == \
+          (1, kind, s, r, micro)
+      assert p["unit_activation_bytes"] == reference["bytes_per_device"]["activations"] // (s * r)
+      kept = min(2 * r * s - 1, r * micro) + 1 if "1f1b" in kind else r * micro + s - 1 + 2 * micro
+      assert p["stash_bytes"] == kept * one, (kind, micro)
+      activations[kind, micro] = info["bytes_per_device"]["activations"]
+      assert activations[kind, micro] == p["stash_bytes"] + p["unit_activation_bytes"]
+  for kind in ("1f1b", "interleaved_1f1b"):
+    assert activations[kind, 4] == activations[kind, 8]
+  assert activations["gpipe", 8] - activations["gpipe", 4] == (1 + 2) * 4 * one
+  assert activations["circular", 8] - activations["circular", 4] == (2 + 2) * 4 * one
+
+
 @pytest.mark.parametrize("name,target", [("llama3_8b", "v5p"), ("llama3_8b", "v6e"), ("llama3_70b", "v5p"),
                                          ("llama3_70b", "v6e"), ("mixtral_8x7b", "v5p")])
 def test_target_variants_are_the_measured_settings_and_their_estimate_fits_their_chip(name, target):

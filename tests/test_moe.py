@@ -3,7 +3,6 @@ their formulas, expert parallelism (all-to-all over ``mesh.expert``) against one
 expert-parallel sizes, validation, FLOPs from active parameters and the configs' parameter counts."""
 
 import math
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +11,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain import data as data_lib
 from jaxtrain import metrics, models, sharding
 from jaxtrain import sampling as sampling_lib
 from jaxtrain import mesh as mesh_lib
@@ -21,6 +21,7 @@ from jaxtrain.models import moe
 from jaxtrain.parallel import experts
 from jaxtrain.train import step as step_lib
 from jaxtrain.train import trainer
+from tests.conftest import resumable_copy
 
 
 def moe_config(workdir, steps=5, **mesh):
@@ -203,6 +204,31 @@ def test_expert_parallel_training_equals_one_device(one_device, tmp_path, layout
   assert all(m.sharding.spec == gate.sharding.spec for m in moments)
 
 
+@pytest.mark.slow
+def test_interleaved_1f1b_over_experts_equals_one_device(tmp_path):
+  """Interleaved 1F1B (2 stages x 2 virtual stages of one MoE layer each) over expert = 2: one train step from the
+  same params and batch gives one device's loss, router losses, load, gradient norm and new params (the routers'
+  losses reach the gradient through the schedule's own backward). 1F1B is the same code with one round
+  (tests/test_pipeline.py runs it with fsdp and tensor parallelism)."""
+  def step(devices, schedule="gpipe", **mesh):
+    c = moe_config(tmp_path, **mesh)
+    c.model.num_layers = 5  # a dense layer, then 4 MoE layers: 2 stages x 2 repeats
+    c.pipeline.schedule = schedule
+    run = trainer.build(c, jax.devices()[:devices])
+    state = trainer.init_state(run)
+    batch = next(SyntheticSource(c.data.seq_len, c.model.vocab_size, c.train.global_batch_size, seed=0))
+    state, metrics = trainer.compile_step(run)(state, data_lib.to_global(batch, run.batch_sharding), np.bool_(False))
+    return jax.device_get(state.params), jax.device_get(metrics)
+
+  want_params, want = step(1)
+  for schedule in ("interleaved_1f1b",):
+    params, got = step(4, schedule, expert=2, pipeline=2)
+    for key in ("loss", "aux_loss/load_balance", "aux_loss/router_z", "moe/load_max", "grad_norm"):
+      np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"{schedule} {key}")
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(want_params), strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"{schedule}{jax.tree_util.keystr(path)}")
+
+
 def _gradients(run, params, batch):
   """The gradient of the step's objective (mean cross-entropy + weighted router losses) under run's layout."""
   def objective(p):
@@ -229,16 +255,6 @@ def test_gradients_of_router_and_every_expert_match_one_device(tmp_path):
       np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{layout}{jax.tree_util.keystr(path)}")
 
 
-def _resumable_copy(workdir, to, keep_through):
-  """A copy of ``workdir`` with its checkpoints after step ``keep_through`` removed: the run as if it had stopped
-  there."""
-  shutil.copytree(workdir, to)
-  for step in (to / "checkpoints").iterdir():
-    if step.name.isdigit() and int(step.name) > keep_through:
-      shutil.rmtree(step)
-  return to
-
-
 @pytest.mark.slow
 def test_checkpoint_resumes_exactly_and_onto_another_expert_parallel_size(one_device, tmp_path):
   """Expert = 2 x fsdp = 2 equals one device; from its step-2 checkpoint it resumes bitwise, and from its step-4
@@ -246,11 +262,11 @@ def test_checkpoint_resumes_exactly_and_onto_another_expert_parallel_size(one_de
   config, four = training_config, jax.devices()[:4]
   _, full = trainer.train(config(tmp_path / "full", 6, fsdp=2, expert=2), devices=four)  # saves at 2, 4 and 6
   np.testing.assert_allclose([h["loss"] for h in full], [h["loss"] for h in one_device[1]], rtol=1e-5)
-  same = _resumable_copy(tmp_path / "full", tmp_path / "same", 2)
+  same = resumable_copy(tmp_path / "full", tmp_path / "same", 2)
   _, same = trainer.train(config(same, 6, fsdp=2, expert=2), devices=four)
   assert [h["step"] for h in same] == [3, 4, 5, 6]
   assert [h["loss"] for h in same] == [h["loss"] for h in full[2:]]  # bitwise
-  other = _resumable_copy(tmp_path / "full", tmp_path / "other", 4)
+  other = resumable_copy(tmp_path / "full", tmp_path / "other", 4)
   state, other = trainer.train(config(other, 6, expert=4), devices=four)
   assert [h["step"] for h in other] == [5, 6]
   np.testing.assert_allclose([h["loss"] for h in other], [h["loss"] for h in full[4:]], rtol=1e-5)

@@ -13,7 +13,7 @@ from jaxtrain.config import ConfigError
 from jaxtrain.parallel import pipeline as pipeline_lib
 from jaxtrain.train import step as step_lib
 from jaxtrain.train import trainer
-from tests.conftest import small_config
+from tests.conftest import resumable_copy, small_config
 
 LAYERS = 8  # divides 2 and 4 stages x 2 repeats
 
@@ -53,28 +53,30 @@ def reference(tmp_path_factory):
   return _loss_and_grads(config, _packed_batch(), jax.devices()[:1])[:3]
 
 
-CASES = [  # (mesh, devices, schedule, remat); alone = only the pipeline axis, on that many devices
-    (dict(pipeline=2), 2, "gpipe", "none"),
-    (dict(pipeline=4), 4, "gpipe", "none"),
-    (dict(pipeline=2), 2, "circular", "none"),
-    (dict(pipeline=4), 4, "circular", "none"),
-    (dict(pipeline=2, data=2, tensor=2), 8, "gpipe", "save_dots"),
-    (dict(pipeline=2, data=2, tensor=2), 8, "circular", "none"),
-    (dict(pipeline=4, tensor=2), 8, "circular", "none"),
-    (dict(pipeline=2, fsdp=4), 8, "circular", "full"),
+CASES = [  # (mesh, devices, schedule, remat, microbatches); alone = only the pipeline axis, on that many devices
+    (dict(pipeline=2), 2, "gpipe", "none", 4),
+    (dict(pipeline=2, data=2, tensor=2), 8, "gpipe", "save_dots", 4),
+    (dict(pipeline=4, tensor=2), 8, "circular", "none", 4),
+    (dict(pipeline=2, fsdp=4), 8, "circular", "full", 4),
+    (dict(pipeline=4), 4, "1f1b", "none", 2),  # fewer microbatches than stages: 1f1b allows it
+    (dict(pipeline=2, data=2, tensor=2), 8, "1f1b", "save_dots", 4),
+    (dict(pipeline=2, fsdp=4), 8, "1f1b", "full", 4),  # 4 units through 3 stash slots
+    (dict(pipeline=4, tensor=2), 8, "interleaved_1f1b", "none", 4),
+    (dict(pipeline=2, fsdp=2), 4, "interleaved_1f1b", "save_dots", 4),  # 8 units through 7 slots
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh,devices,schedule,remat", CASES,
-                         ids=[f"{'x'.join(f'{k}{v}' for k, v in m.items())}-{s}-{r}" for m, _, s, r in CASES])
-def test_pipelined_loss_and_grads_equal_unpipelined(reference, tmp_path, mesh, devices, schedule, remat):
+@pytest.mark.parametrize("mesh,devices,schedule,remat,microbatches", CASES,
+                         ids=[f"{'x'.join(f'{k}{v}' for k, v in m.items())}-{s}-{r}-m{n}" for m, _, s, r, n in CASES])
+def test_pipelined_loss_and_grads_equal_unpipelined(reference, tmp_path, mesh, devices, schedule, remat, microbatches):
   ref_loss, ref_tokens, ref_grads = reference
-  config = _config(tmp_path, schedule, microbatches=4, **mesh)
+  config = _config(tmp_path, schedule, microbatches=microbatches, **mesh)
   config.model.remat = remat
   loss, tokens, grads, run = _loss_and_grads(config, _packed_batch(), jax.devices()[:devices])
   assert run.pipeline_schedule.stages == mesh["pipeline"]
-  assert run.pipeline_schedule.repeats == (2 if schedule == "circular" else 1)
+  assert run.pipeline_schedule.kind == schedule
+  assert run.pipeline_schedule.repeats == (2 if schedule in ("circular", "interleaved_1f1b") else 1)
   assert tokens == ref_tokens
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):
@@ -139,24 +141,32 @@ def test_layer_params_per_device_with_four_stages(tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_restores_across_pipeline_splits(tmp_path):
-  """pipeline=2 (GPipe) -> pipeline=4 (circular) -> no pipeline, each resuming the previous one's checkpoint:
-  the same losses and params as one unpipelined run. Each run on as many devices as its stages (the splits, not
-  the device count, are the point; the unpipelined ones on one device)."""
+def test_checkpoints_resume_bitwise_and_across_pipeline_splits(tmp_path):
+  """1F1B over 2 stages, resumed from its step-2 checkpoint, equals its uninterrupted run bitwise (what a resume
+  restores does not depend on the schedule; the schedule's program is deterministic). And the splits do not
+  matter: pipeline=2 (1F1B) -> pipeline=4 (interleaved 1F1B) -> no pipeline, each resuming the previous one's
+  checkpoint, give the losses and params of one unpipelined run. Each run on as many devices as its stages (the
+  unpipelined ones on one)."""
   def config(workdir, steps, schedule="gpipe", **mesh):
     c = _config(workdir, schedule, **mesh)
     c.train.steps = steps
     c.optim.update(warmup_steps=1, decay_steps=4)  # the same schedule whichever run stops where
+    c.checkpoint.every_steps = 1
     return c
 
+  def losses(history):
+    return [h["loss"] for h in history]
+
   ref_state, reference = trainer.train(config(tmp_path / "ref", 4), devices=jax.devices()[:1])
-  run_dir = tmp_path / "split"
-  _, first = trainer.train(config(run_dir, 2, pipeline=2), devices=jax.devices()[:2])
-  _, second = trainer.train(config(run_dir, 3, "circular", pipeline=4), devices=jax.devices()[:4])
-  state, third = trainer.train(config(run_dir, 4), devices=jax.devices()[:1])
-  assert [h["step"] for h in first + second + third] == [1, 2, 3, 4]
-  np.testing.assert_allclose([h["loss"] for h in first + second + third], [h["loss"] for h in reference],
-                             rtol=1e-5)
+  _, first = trainer.train(config(tmp_path / "1f1b", 4, "1f1b", pipeline=2), devices=jax.devices()[:2])
+  _, again = trainer.train(config(resumable_copy(tmp_path / "1f1b", tmp_path / "again", 2), 4, "1f1b", pipeline=2),
+                           devices=jax.devices()[:2])
+  assert [h["step"] for h in again] == [3, 4] and losses(again) == losses(first)[2:]  # bitwise
+  split = resumable_copy(tmp_path / "1f1b", tmp_path / "split", 2)
+  _, second = trainer.train(config(split, 3, "interleaved_1f1b", pipeline=4), devices=jax.devices()[:4])
+  state, third = trainer.train(config(split, 4), devices=jax.devices()[:1])
+  assert [h["step"] for h in first[:2] + second[:1] + third] == [1, 2, 3, 4]
+  np.testing.assert_allclose(losses(first[:2] + second[:1] + third), losses(reference), rtol=1e-5)
   for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(ref_state.params))):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -185,6 +195,12 @@ models.register("flat_test", models.Family(module=Flat))
                                           "stages: it has no embed_tokens, apply_layer, head methods"),
     (dict(pipeline=2, rules="stage=data"), "sharding.rules: 'stage' must map to the pipeline mesh axis"),
     (dict(pipeline=2, microbatches=4, batch=12), "train.global_batch_size: each of the 4 microbatches has 3 rows"),
+    (dict(pipeline=2, schedule="interleaved_1f1b", layers=6), "model.num_layers: 6 layers do not split evenly into "
+                                                              "2 stages x 2 repeats"),
+    (dict(pipeline=4, schedule="interleaved_1f1b", microbatches=6, layers=8),
+     "train.microbatches: 6 is not a multiple of the 4 pipeline stages"),
+    (dict(pipeline=4, schedule="interleaved_1f1b", microbatches=2, layers=8),
+     "train.microbatches: 2 microbatches are fewer than the 4 pipeline stages"),
 ])
 def test_pipeline_config_mistakes(tmp_path, change, message):
   c = small_config(tmp_path, pipeline=change["pipeline"], fsdp=-1)
@@ -200,7 +216,11 @@ def test_pipeline_config_mistakes(tmp_path, change, message):
   assert message in str(e.value)
 
 
-def test_schedule_bubble_formula():
+def test_schedule_bubble_formula_and_activations_in_flight():
   assert pipeline_lib.Schedule(stages=4, repeats=1, microbatches=4).bubble == pytest.approx(3 / 7)
   assert pipeline_lib.Schedule(stages=4, repeats=2, microbatches=8).bubble == pytest.approx(3 / 19)
   assert pipeline_lib.Schedule(stages=4, repeats=2, microbatches=8).iterations == 19
+  # gpipe / circular keep every iteration's stage input; the 1f1b schedules at most 2 R S - 1, whatever M
+  assert [pipeline_lib.Schedule(4, 1, m, "gpipe").in_flight for m in (8, 32)] == [11, 35]
+  assert [pipeline_lib.Schedule(4, 1, m, "1f1b").in_flight for m in (2, 8, 32)] == [2, 7, 7]
+  assert [pipeline_lib.Schedule(4, 2, m, "interleaved_1f1b").in_flight for m in (4, 32)] == [8, 15]

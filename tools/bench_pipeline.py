@@ -1,6 +1,7 @@
 """Pipeline benchmark on the (simulated) device mesh: bubble fraction vs the formula, step time vs no pipeline.
 
   python tools/bench_pipeline.py [--stages=2,4] [--reps=5] [--out=benchmarks/results/pipeline.json]
+  python tools/bench_pipeline.py --memory_only [--micro_rows=8] [--memory_out=benchmarks/results/pipeline_memory.json]
 
 1. Bubble: forward + backward of the pipelined layer stack alone (jaxtrain.parallel.pipeline.run), one
    microbatch size, M in {S, 2S, 4S} microbatches, GPipe (R = 1) and circular (R = 2). The loop runs
@@ -11,6 +12,14 @@
 2. Step time: the whole compiled train step (embedding, pipeline, head, optimizer) with pipeline = S vs the
    same model, batch and devices without a pipeline (fsdp over all devices), median of alternated steps.
    Also the compiled step's per-device temporary memory.
+3. Memory: per-device temporaries (``compiled.memory_analysis().temp_size_in_bytes``) of the whole compiled train
+   step, compiled only (no step runs), for S = 4 stages (mesh pipeline=4, fsdp over the other 2 of the 8
+   devices), the same small model, a fixed microbatch of ``--micro_rows`` rows (global batch M x micro_rows),
+   every schedule (gpipe, 1f1b; circular and interleaved_1f1b with 2 repeats) at M in {8, 16, 32}: gpipe /
+   circular keep every microbatch's stage inputs, so their temporaries grow with M, while the 1f1b schedules
+   keep at most Schedule.in_flight = min(2 R S - 1, R M) and should stay flat. The table gives each row's ratio
+   to the same schedule at M = 8, with in_flight and the bubble; written to ``--memory_out`` with the config
+   shape. ``--memory_only`` runs this section alone (12 compiles, a few minutes on a 2-core CPU host).
 Prints a table and writes JSON. On CPU it simulates 8 devices unless XLA_FLAGS already says otherwise.
 """
 
@@ -39,6 +48,13 @@ _STAGES = flags.DEFINE_list("stages", ["2", "4"], "Pipeline stage counts to meas
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per measurement (median).")
 _MICRO = flags.DEFINE_integer("micro_rows", 8, "Rows per microbatch.")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/pipeline.json", "Where to write the JSON results.")
+_MEMORY_ONLY = flags.DEFINE_bool("memory_only", False, "Run only the memory section (compiles, no steps).")
+_MEMORY_OUT = flags.DEFINE_string("memory_out", "benchmarks/results/pipeline_memory.json",
+                                  "Where to write the memory section's JSON results.")
+
+_MEMORY_STAGES = 4
+_MEMORY_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b")
+_MEMORY_MICROBATCHES = (8, 16, 32)
 
 
 def _config(stages: int, schedule: str, microbatches: int):
@@ -132,8 +148,45 @@ def bench_step(stages: int, schedule: str, microbatches: int) -> dict:
           "temp_mib_none": steps["none"][4] / 2**20}
 
 
+def bench_memory() -> list[dict]:
+  """Per-device temporaries of the compiled train step (compile only) for every schedule and M, S = 4."""
+  rows = []
+  for schedule in _MEMORY_SCHEDULES:
+    for m in _MEMORY_MICROBATCHES:
+      run = trainer.build(_config(_MEMORY_STAGES, schedule, m))
+      p = run.pipeline_schedule
+      mem = trainer.compile_step(run).memory_analysis()
+      rows.append({"stages": p.stages, "schedule": schedule, "repeats": p.repeats, "microbatches": m,
+                   "global_batch_size": run.config.train.global_batch_size, "temp_bytes": mem.temp_size_in_bytes,
+                   "temp_mib": mem.temp_size_in_bytes / 2**20, "argument_bytes": mem.argument_size_in_bytes,
+                   "output_bytes": mem.output_size_in_bytes, "in_flight": p.in_flight, "bubble": p.bubble})
+  for r in rows:
+    base = next(b for b in rows if b["schedule"] == r["schedule"] and b["microbatches"] == _MEMORY_MICROBATCHES[0])
+    r["ratio_to_m8"] = r["temp_bytes"] / base["temp_bytes"]
+  return rows
+
+
+def memory_main() -> None:
+  rows = bench_memory()
+  config = _config(_MEMORY_STAGES, "gpipe", _MEMORY_MICROBATCHES[0])
+  c, seq_len, fsdp = config.model, config.data.seq_len, jax.device_count() // _MEMORY_STAGES
+  print(f"\nmemory, whole train step compiled (per-device temporaries), S={_MEMORY_STAGES}, fsdp {fsdp}, "
+        f"{_MICRO.value} rows x {seq_len} tokens per microbatch, {c.num_layers} layers d{c.d_model}")
+  print(f"{'schedule':>16} {'M':>4} {'temp MiB':>9} {'x M=8':>6} {'in_flight':>9} {'bubble':>7}")
+  for r in rows:
+    print(f"{r['schedule']:>16} {r['microbatches']:>4} {r['temp_mib']:>9.2f} {r['ratio_to_m8']:>6.3f} "
+          f"{r['in_flight']:>9} {r['bubble']:>7.3f}")
+  shape = {"num_layers": c.num_layers, "d_model": c.d_model, "num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads,
+           "head_dim": c.head_dim, "mlp_dim": c.mlp_dim, "vocab_size": c.vocab_size, "seq_len": seq_len,
+           "micro_rows": _MICRO.value, "stages": _MEMORY_STAGES, "fsdp": fsdp, "repeats": config.pipeline.repeats}
+  print(f"\nwrote {_bench.write_json(_MEMORY_OUT.value, {'config': shape, 'memory': rows})}")
+
+
 def main(argv):
   del argv
+  if _MEMORY_ONLY.value:
+    memory_main()
+    return
   stages = [int(s) for s in _STAGES.value]
   bubble = [row for s in stages for r in (1, 2) for row in bench_bubble(s, r)]
   print(f"\nbubble ({_MICRO.value} rows x 128 tokens per microbatch, 8 layers d128; layer stack fwd+bwd only)")
@@ -150,6 +203,7 @@ def main(argv):
     print(f"{r['stages']:>3} {r['schedule']:>9} {r['microbatches']:>4} {r['step_s_pipeline']:>8.3f} "
           f"{r['step_s_none']:>8.3f} {r['ratio']:>6.2f} {r['temp_mib_pipeline']:>9.1f}/{r['temp_mib_none']:<9.1f}")
   print(f"\nwrote {_bench.write_json(_OUT.value, {'bubble': bubble, 'step': step})}")
+  memory_main()
 
 
 if __name__ == "__main__":

@@ -55,6 +55,15 @@ then arithmetic over the mesh (no arrays are created, no program is compiled). A
   The activations count the k routed experts' hidden width per token (f = k x expert_mlp_dim + shared); the
   routed experts' matmuls carry the expert dimension as a batch dimension, so save_dots keeps only the
   attention's, the shared experts' and the router's outputs (the router logits in float32).
+- pipeline parallelism (S = mesh.pipeline x dcn_pipeline stages > 1; jaxtrain/parallel/pipeline.py): the schedule
+  (pipeline.schedule, R = pipeline.repeats virtual stages, M = train.microbatches, 0: S) as training validates it;
+  a unit is L / (S R) layers on one microbatch. The activations a device keeps are a stash of stage inputs, b*t*d
+  each, plus one unit's activations (the family's estimate for those layers, remat policy as above) while its
+  backward runs: gpipe / circular: R M + S - 1 stage inputs (autodiff of the stage loop keeps every iteration's)
+  and the loop's [M, b, t, d] buffer and the embedded batch, M*b*t*d each: growing with M; 1f1b /
+  interleaved_1f1b: the min(2 R S - 1, R M) units in flight and a spare slot, and no [M, ...] buffer: flat in M.
+  Host-offloaded activations are one unit's too; tensor and context traffic that of the L / S layers a device
+  runs, for each of the M microbatches.
 """
 
 from __future__ import annotations
@@ -72,8 +81,10 @@ from absl import app, flags  # noqa: E402
 from jaxtrain import config as config_lib  # noqa: E402
 from jaxtrain import mesh as mesh_lib  # noqa: E402
 from jaxtrain import models, optim, sharding  # noqa: E402
+from jaxtrain.errors import ConfigError  # noqa: E402
 from jaxtrain.models import attention, lora  # noqa: E402
 from jaxtrain.parallel import experts  # noqa: E402
+from jaxtrain.parallel import pipeline as pipeline_lib  # noqa: E402
 from jaxtrain.train import state as state_lib  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "configs/tiny.py", "Config file.")
@@ -97,6 +108,14 @@ def estimate(config, devices: int, slices: int = 1, platform: str = "tpu") -> di
   mesh = {a: ici[a] * dcn[a] for a in mesh_lib.MESH_AXES}
   rules = sharding.rules_from_config(config.sharding)
   model = models.Model.from_config(config.model)
+  stages = mesh["pipeline"]  # (ICI x DCN)
+  schedule = None
+  if stages > 1:  # the schedule training runs (jaxtrain/train/run.py), validated as it validates it
+    why = model.why_not_stageable()
+    if why:
+      raise ConfigError("mesh.pipeline", f"model '{config.model.name}' cannot be split into pipeline stages: {why}",
+                        "set mesh.pipeline=1 and dcn_pipeline=1, or give the model those parts (see jaxtrain/models)")
+    schedule = pipeline_lib.schedule_from_config(config, stages, model.num_layers())
   specs = jax.tree.leaves(model.logical_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   leaves = jax.tree.leaves(model.abstract_params)
   shards = [jax.ShapeDtypeStruct(sharding.shard_shape(a.shape, s, rules, mesh), a.dtype)
@@ -123,7 +142,8 @@ def estimate(config, devices: int, slices: int = 1, platform: str = "tpu") -> di
                                                                       strict=True))
   state = params + optimizer + 4  # + the train state's int32 step counter
   m, t = config.model, config.train
-  b = t.global_batch_size // (t.microbatches or 1) // sharding.batch_shards(mesh, rules)[1]
+  microbatches = schedule.microbatches if schedule else (t.microbatches or 1)
+  b = t.global_batch_size // microbatches // sharding.batch_shards(mesh, rules)[1]
   # Activations and tensor-parallel traffic depend on the architecture: the family's own estimate, if it has one.
   family = model.family.activation_estimate
   if m.attention == "auto":  # what auto runs on the target platform
@@ -133,6 +153,20 @@ def estimate(config, devices: int, slices: int = 1, platform: str = "tpu") -> di
   per_family = family(m, b, config.data.seq_len, mesh["tensor"], mesh["context"]) if family else None
   activations = per_family["activation_bytes"] if per_family else None
   transient = per_family["transient_bytes"] if per_family else None
+  host = per_family.get("host_activation_bytes", 0) if per_family else None
+  pipe = None
+  if schedule:  # a device keeps its stash of stage inputs and one unit's (L / (S R) layers') activations
+    layers = model.num_layers()
+    unit_layers = layers // (schedule.stages * schedule.repeats)
+    one = b * (config.data.seq_len // mesh["context"]) * m.d_model * jax.numpy.dtype(m.dtype).itemsize
+    stash = (schedule.in_flight + 1) * one if schedule.scheduled_backward else \
+        (schedule.iterations + 2 * schedule.microbatches) * one  # + the [M, b, t, d] loop buffer and embedded batch
+    unit = activations * unit_layers // layers if per_family else None
+    pipe = {"schedule": schedule.kind, "stages": schedule.stages, "repeats": schedule.repeats,
+            "microbatches": schedule.microbatches, "bubble": schedule.bubble, "in_flight": schedule.in_flight,
+            "layers_per_unit": unit_layers, "stash_bytes": stash, "unit_activation_bytes": unit}
+    activations = stash + unit if per_family else None
+    host = host * unit_layers // layers if per_family else None
   full_params = 4 * model.num_params()
   comm = {}
   for axis in mesh_lib.MESH_AXES:
@@ -144,16 +178,16 @@ def estimate(config, devices: int, slices: int = 1, platform: str = "tpu") -> di
     elif axis == "data":
       comm[axis] = 2 * (n - 1) / n * params
     elif axis == "tensor" and per_family:
-      comm[axis] = 2 * (n - 1) / n * per_family["tensor_allreduce_bytes"] * (t.microbatches or 1)
+      comm[axis] = 2 * (n - 1) / n * per_family["tensor_allreduce_bytes"] * microbatches / stages
     elif axis == "context" and per_family:  # keys and values all-gathered (and their gradients reduce-scattered)
-      comm[axis] = (n - 1) / n * per_family["context_allgather_bytes"] * (t.microbatches or 1)
+      comm[axis] = (n - 1) / n * per_family["context_allgather_bytes"] * microbatches / stages
     elif axis == "expert":  # a batch axis for the params not sharded over it: their grads are all-reduced
       comm[axis] = 2 * (n - 1) / n * sum(_nbytes([a]) for a, s in zip(shards, specs, strict=True)
                                          if "expert" not in _mesh_axes(s, rules))
-  moe = _moe(config, mesh, rules, shards, specs, b)
+  moe = _moe(config, mesh, rules, shards, specs, b, microbatches)
   if moe and moe["all_to_all"]["ep"] > 1:
     comm["expert_all_to_all"] = moe["all_to_all"]["sent_bytes_per_step"]
-  extra = {"moe": moe} if moe else {}
+  extra = {**({"moe": moe} if moe else {}), **({"pipeline": pipe} if pipe else {})}
   return {
       "mesh": mesh, "devices": devices, "params": model.num_params(), "local_batch_rows": b,
       "bytes_per_device": {"params": params, "grads": grads, "optimizer": optimizer,
@@ -162,7 +196,7 @@ def estimate(config, devices: int, slices: int = 1, platform: str = "tpu") -> di
       # The whole train state (params, optimizer state, step counter): what the compiled step takes as
       # arguments besides the batch, to the byte.
       # Offloading remat policies (model.remat=offload_*) keep these activations in host memory instead.
-      "host_activation_bytes_per_device": per_family.get("host_activation_bytes", 0) if per_family else None,
+      "host_activation_bytes_per_device": host,
       "params_plus_optimizer_per_device": state, "full_param_bytes": full_params,
       "comm_bytes_per_step_per_device": comm,
       "optimizer_flops_per_step_per_device": opt_flops,
@@ -176,18 +210,18 @@ def _mesh_axes(logical, rules) -> set[str]:
           for a in ((entry,) if isinstance(entry, str) else entry)}
 
 
-def _moe(config, mesh: dict[str, int], rules, shards, specs, rows: int) -> dict | None:
+def _moe(config, mesh: dict[str, int], rules, shards, specs, rows: int, microbatches: int) -> dict | None:
   """Expert weights per device and all-to-all traffic, for a model with ``experts``-sharded params (else None)."""
   is_expert = ["experts" in tuple(s) for s in specs]
   if not any(is_expert):
     return None
-  m, t = config.model, config.train
+  m = config.model
   ep = math.prod(mesh[a] for a in _mesh_axes(jax.sharding.PartitionSpec("experts"), rules))
   stages = mesh["pipeline"]
   moe_layers = (m.num_layers - m.get("first_dense_layers", 0)) // stages  # (GPT-OSS has no dense layers)
   itemsize = jax.numpy.dtype(m.dtype).itemsize
   tp = math.prod(mesh[a] for a in _mesh_axes(jax.sharding.PartitionSpec("expert_mlp"), rules))
-  a2a = experts.all_to_all_bytes(m, rows * config.data.seq_len, ep, itemsize, microbatches=t.microbatches or 1,
+  a2a = experts.all_to_all_bytes(m, rows * config.data.seq_len, ep, itemsize, microbatches=microbatches,
                                  moe_layers=moe_layers)
   return {"num_experts": m.num_experts, "experts_per_device": m.num_experts // ep,
           "expert_weight_bytes_per_device": _nbytes([a for a, e in zip(shards, is_expert) if e]),
@@ -215,6 +249,15 @@ def main(argv):
   for k, v in info["bytes_per_device"].items():
     print(f"  {k:<12} {v / gib:10.3f} GiB per device" if v is not None else
           f"  {k:<12} not estimated (model family '{config.model.name}' has no activation_estimate)")
+  if "pipeline" in info:
+    p = info["pipeline"]
+    unit = (f"{p['unit_activation_bytes'] / gib:.3f} GiB" if p["unit_activation_bytes"] is not None else
+            "not estimated")
+    kept = (f"{p['in_flight']} units in flight + a spare slot" if p["schedule"] in pipeline_lib.SCHEDULED_BACKWARD
+            else f"{p['in_flight']} iterations' + 2 x {p['microbatches']} microbatches' buffers")
+    print(f"  {'pipeline':<12} {p['schedule']}: {p['stages']} stages x {p['repeats']} repeats, {p['microbatches']} "
+          f"microbatches, bubble {p['bubble']:.1%}; activations: stage inputs ({kept}) "
+          f"{p['stash_bytes'] / gib:.3f} GiB + one unit's ({p['layers_per_unit']} layers) {unit}")
   if info["host_activation_bytes_per_device"]:
     print(f"  {'host':<12} {info['host_activation_bytes_per_device'] / gib:10.3f} GiB per device of activations "
           f"offloaded to host memory (model.remat={config.model.remat})")

@@ -162,8 +162,8 @@ def report(run: Run) -> dict[str, Any]:
   if run.pipeline_schedule:
     p = run.pipeline_schedule
     logging.info("pipeline: %d stages, %s, %d microbatches, %d layers per stage -> bubble %.1f%% "
-                 "((S-1)/(R*M+S-1))", p.stages, f"circular x {p.repeats} repeats" if p.repeats > 1 else "GPipe",
-                 p.microbatches, run.model.num_layers() // p.stages, 100 * p.bubble)
+                 "((S-1)/(R*M+S-1)), at most %d microbatch activations in flight per stage", p.stages, p.describe(),
+                 p.microbatches, run.model.num_layers() // p.stages, 100 * p.bubble, p.in_flight)
   for path, nbytes in info["replicated"]:
     logging.warning("fully replicated parameter %s (%.1f MiB): add a sharding rule for its axes",
                     path, nbytes / mib)

@@ -46,24 +46,33 @@ def _losses(out, batch, sources: int = 0, z_loss: bool = False) -> dict:
 
 
 def forward_losses(model: Model, params, batch, pipeline: pipeline_lib.Schedule | None = None,
-                   sources: int = 0, z_loss: bool = False) -> dict:
-  """``{loss_sum, tokens, aux: {name: sum}, metrics: {name: sum}, forwards[, by_source][, z_sum]}`` over the batch:
-  with a pipeline schedule the model runs pipelined (jaxtrain.parallel.pipeline.forward), and aux losses and
-  metrics are summed over its head's chunks (``forwards`` of them); divide by ``forwards`` for their mean."""
+                   sources: int = 0, z_loss: bool = False, weigh=None) -> dict:
+  """``{loss_sum, tokens, aux: {name: sum}, metrics: {name: sum}, forwards[, by_source][, z_sum][, value]}`` over the
+  batch: with a pipeline schedule the model runs pipelined (jaxtrain.parallel.pipeline.forward), and aux losses and
+  metrics are summed over its head's chunks (``forwards`` of them); divide by ``forwards`` for their mean. With
+  ``weigh(out) -> scalar``, a linear function of those sums (constants times leaves; no division by a leaf), also
+  ``value``: ``weigh(out)``, the one entry to differentiate (with a 1f1b schedule the others carry no gradient:
+  the schedule computes value's gradient itself)."""
   head_loss = functools.partial(_losses, sources=sources, z_loss=z_loss)
   if pipeline is not None:
-    out, layer_extras = pipeline_lib.forward(model, params, batch, pipeline, head_loss)
-    if layer_extras:  # the layers' aux losses and metrics (a MoE router's), summed like the head's
-      out = {**out, "aux": {**out["aux"], **layer_extras["aux_losses"]},
-             "metrics": {**out["metrics"], **layer_extras["metrics"]}}
-    return out
-  return head_loss(model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"]), batch)
+    def merged(out, layer_extras):
+      if layer_extras:  # the layers' aux losses and metrics (a MoE router's), summed like the head's
+        out = {**out, "aux": {**out["aux"], **layer_extras["aux_losses"]},
+               "metrics": {**out["metrics"], **layer_extras["metrics"]}}
+      return out
+    out, layer_extras, value = pipeline_lib.forward(model, params, batch, pipeline, head_loss,
+                                                    weigh and (lambda t, e: weigh(merged(t, e))))
+    out = merged(out, layer_extras)
+  else:
+    out = head_loss(model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"]), batch)
+    value = weigh(out) if weigh else None
+  return out if weigh is None else {**out, "value": value}
 
 
 def loss_fn(model: Model, params, batch, pipeline: pipeline_lib.Schedule | None = None):
-  """(sum of token cross-entropies over the loss mask, number of real target tokens)."""
-  out = forward_losses(model, params, batch, pipeline)
-  return out["loss_sum"], out["tokens"]
+  """(sum of token cross-entropies over the loss mask, number of real target tokens); differentiate the first."""
+  out = forward_losses(model, params, batch, pipeline, weigh=lambda out: out["loss_sum"])
+  return out["value"], out["tokens"]
 
 
 def aux_loss_names(model: Model, seq_len: int) -> list[str]:
@@ -106,14 +115,22 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
     tokens, ``tokens`` being the real target tokens of the whole batch (at least 1 in the division): the mean
     objective, or a microbatch's share of it. Divided here, the gradient comes out of the backward pass divided (no
     pass of its own over it)."""
-    out = forward_losses(model, params, batch, pipeline, len(sources), bool(z_loss_weight))
-    value = out["loss_sum"]
-    if z_loss_weight:  # (no term at all with a weight of 0)
-      value = value + z_loss_weight * out["z_sum"]
-    if aux_weights:  # (no term at all without aux losses: the same program as a plain language model)
-      value = value + tokens / passes * sum(w * out["aux"][n] / out["forwards"] for n, w in aux_weights.items())
-    value = value / jnp.maximum(tokens, 1.0)
-    return (value if scale is None else value * scale), out
+    # A 1f1b pipeline computes the gradient of this (linear) function inside its schedule: the mean's divisor
+    # (the forwards) is then the constant it equals, not the sum (a leaf) the other paths divide by.
+    forwards = pipeline.microbatches if pipeline is not None and pipeline.scheduled_backward else None
+
+    def weigh(out):
+      value = out["loss_sum"]
+      if z_loss_weight:  # (no term at all with a weight of 0)
+        value = value + z_loss_weight * out["z_sum"]
+      if aux_weights:  # (no term at all without aux losses: the same program as a plain language model)
+        value = value + tokens / passes * sum(w * out["aux"][n] / (forwards or out["forwards"])
+                                              for n, w in aux_weights.items())
+      value = value / jnp.maximum(tokens, 1.0)
+      return value if scale is None else value * scale
+
+    out = forward_losses(model, params, batch, pipeline, len(sources), bool(z_loss_weight), weigh)
+    return out.pop("value"), out
 
   def grad_fn(params, batch, tokens, scale):  # the gradient with respect to the trained params only
     return value_and_trained_grad(model, objective, params, batch, tokens, scale)
