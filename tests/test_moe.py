@@ -179,8 +179,8 @@ def one_device(tmp_path_factory):
 # fsdp 2 x expert 2: the checkpoint test's first run, against the same one-device losses. Context parallelism: each
 # device routes and dispatches its own half of every row's tokens (in the load-balanced order), the all-to-all over
 # expert and the psum over tensor as without it.
-LAYOUTS = {"expert8": dict(expert=8), "expert2_context2_tensor2": dict(context=2, expert=2, tensor=2),
-           "expert2_pipeline2": dict(fsdp=2, expert=2, pipeline=2)}
+LAYOUTS = {"expert8": dict(expert=8), "expert2_context2_tensor2": dict(context=2, expert=2, tensor=2)}
+# (with pipeline stages: test_every_pipeline_schedule_over_experts_equals_one_device)
 
 
 @pytest.mark.slow
@@ -205,28 +205,35 @@ def test_expert_parallel_training_equals_one_device(one_device, tmp_path, layout
 
 
 @pytest.mark.slow
-def test_interleaved_1f1b_over_experts_equals_one_device(tmp_path):
-  """Interleaved 1F1B (2 stages x 2 virtual stages of one MoE layer each) over expert = 2: one train step from the
-  same params and batch gives one device's loss, router losses, load, gradient norm and new params (the routers'
-  losses reach the gradient through the schedule's own backward). 1F1B is the same code with one round
-  (tests/test_pipeline.py runs it with fsdp and tensor parallelism)."""
+def test_every_pipeline_schedule_over_experts_equals_one_device(tmp_path):
+  """Every pipeline schedule over expert 2 x pipeline 2 (4 MoE layers after a dense one: 2 stages, x 2
+  virtual stages for circular and interleaved 1F1B): one train step from the same params and batch gives one
+  device's loss, router losses, load, gradient norm and new params (the routers' losses reach the gradient by
+  autodiff through gpipe and circular, and through the 1F1B schedules' own backward), the experts' weights and
+  their moments sharded over both the stages and the experts."""
   def step(devices, schedule="gpipe", **mesh):
     c = moe_config(tmp_path, **mesh)
-    c.model.num_layers = 5  # a dense layer, then 4 MoE layers: 2 stages x 2 repeats
+    c.model.num_layers = 5
     c.pipeline.schedule = schedule
     run = trainer.build(c, jax.devices()[:devices])
     state = trainer.init_state(run)
     batch = next(SyntheticSource(c.data.seq_len, c.model.vocab_size, c.train.global_batch_size, seed=0))
-    state, metrics = trainer.compile_step(run)(state, data_lib.to_global(batch, run.batch_sharding), np.bool_(False))
-    return jax.device_get(state.params), jax.device_get(metrics)
+    return trainer.compile_step(run)(state, data_lib.to_global(batch, run.batch_sharding), np.bool_(False))
 
-  want_params, want = step(1)
-  for schedule in ("interleaved_1f1b",):
-    params, got = step(4, schedule, expert=2, pipeline=2)
+  want_state, want = jax.device_get(step(1))
+  for schedule in ("gpipe", "circular", "1f1b", "interleaved_1f1b"):
+    state, got = step(4, schedule, expert=2, pipeline=2)
     for key in ("loss", "aux_loss/load_balance", "aux_loss/router_z", "moe/load_max", "grad_norm"):
       np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"{schedule} {key}")
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(want_params), strict=True):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(state.params)),
+                            jax.tree.leaves(want_state.params), strict=True):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"{schedule}{jax.tree_util.keystr(path)}")
+    gate = state.params["layers"]["moe"]["gate"]  # [layers, experts, embed, expert_mlp]
+    assert gate.sharding.spec == P("pipeline", "expert", "fsdp", "tensor")
+    assert gate.addressable_shards[0].data.shape == (2, 4, 32, 32)
+    moments = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state)
+               if "['layers']['moe']['gate']" in jax.tree_util.keystr(path)]
+    assert len(moments) == 2 and all(m.sharding.spec == gate.sharding.spec for m in moments)
 
 
 def _gradients(run, params, batch):

@@ -11,6 +11,7 @@ from jaxtrain import models
 from jaxtrain import sharding
 from jaxtrain.config import ConfigError
 from jaxtrain.parallel import pipeline as pipeline_lib
+from jaxtrain.train import run as run_lib
 from jaxtrain.train import step as step_lib
 from jaxtrain.train import trainer
 from tests.conftest import resumable_copy, small_config
@@ -138,6 +139,10 @@ def test_layer_params_per_device_with_four_stages(tmp_path):
   moments = [t for t in jax.tree.leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "mu")) if hasattr(t, "mu")]
   assert len(moments) == 1
   assert on_device(moments[0].mu["layers"]) == on_device(moments[0].nu["layers"]) == total // 4
+  # What the start (and a dry run) reports of the schedule: 4 microbatches (the default: the stage count) x 2 rounds
+  # + 3 iterations, each stage input kept
+  assert run_lib.report(run)["pipeline"] == {"schedule": "circular", "stages": 4, "repeats": 2, "microbatches": 4,
+                                             "bubble": 3 / 11, "in_flight": 11}
 
 
 @pytest.mark.slow
@@ -201,6 +206,8 @@ models.register("flat_test", models.Family(module=Flat))
      "train.microbatches: 6 is not a multiple of the 4 pipeline stages"),
     (dict(pipeline=4, schedule="interleaved_1f1b", microbatches=2, layers=8),
      "train.microbatches: 2 microbatches are fewer than the 4 pipeline stages"),
+    (dict(pipeline=4, schedule="1f1b", seq=30), "data.seq_len: 30 tokens do not split evenly over the 4 pipeline "
+                                                "stages (1f1b runs the head on 1/4 of them on each)"),
 ])
 def test_pipeline_config_mistakes(tmp_path, change, message):
   c = small_config(tmp_path, pipeline=change["pipeline"], fsdp=-1)
@@ -210,6 +217,7 @@ def test_pipeline_config_mistakes(tmp_path, change, message):
   c.pipeline.schedule = change.get("schedule", "gpipe")
   c.train.microbatches = change.get("microbatches", 0)
   c.train.global_batch_size = change.get("batch", 16)
+  c.data.seq_len = change.get("seq", c.data.seq_len)
   c.sharding.rules = change.get("rules", "")
   with pytest.raises(ConfigError) as e:
     trainer.build(c)

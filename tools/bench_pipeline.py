@@ -2,6 +2,7 @@
 
   python tools/bench_pipeline.py [--stages=2,4] [--reps=5] [--out=benchmarks/results/pipeline.json]
   python tools/bench_pipeline.py --memory_only [--micro_rows=8] [--memory_out=benchmarks/results/pipeline_memory.json]
+  python tools/bench_pipeline.py --schedules_only [--reps=5] [--schedules_out=benchmarks/results/pipeline_schedules.json]
 
 1. Bubble: forward + backward of the pipelined layer stack alone (jaxtrain.parallel.pipeline.run), one
    microbatch size, M in {S, 2S, 4S} microbatches, GPipe (R = 1) and circular (R = 2). The loop runs
@@ -20,6 +21,9 @@
    keep at most Schedule.in_flight = min(2 R S - 1, R M) and should stay flat. The table gives each row's ratio
    to the same schedule at M = 8, with in_flight and the bubble; written to ``--memory_out`` with the config
    shape. ``--memory_only`` runs this section alone (12 compiles, a few minutes on a 2-core CPU host).
+4. Schedules: the whole train step's median time for every schedule at S = 4, M = 16 and without a pipeline (fsdp
+   over every device), the same global batch, timed in alternation; ratios to gpipe and to no pipeline.
+   ``--schedules_only`` runs this section alone.
 Prints a table and writes JSON. On CPU it simulates 8 devices unless XLA_FLAGS already says otherwise.
 """
 
@@ -49,6 +53,9 @@ _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per measurement (medi
 _MICRO = flags.DEFINE_integer("micro_rows", 8, "Rows per microbatch.")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/pipeline.json", "Where to write the JSON results.")
 _MEMORY_ONLY = flags.DEFINE_bool("memory_only", False, "Run only the memory section (compiles, no steps).")
+_SCHEDULES_ONLY = flags.DEFINE_bool("schedules_only", False, "Run only the schedules' step-time section.")
+_SCHEDULES_OUT = flags.DEFINE_string("schedules_out", "benchmarks/results/pipeline_schedules.json",
+                                     "Where the schedules' step-time section writes its JSON.")
 _MEMORY_OUT = flags.DEFINE_string("memory_out", "benchmarks/results/pipeline_memory.json",
                                   "Where to write the memory section's JSON results.")
 
@@ -182,10 +189,48 @@ def memory_main() -> None:
   print(f"\nwrote {_bench.write_json(_MEMORY_OUT.value, {'config': shape, 'memory': rows})}")
 
 
+def bench_schedules(stages: int = 4, microbatches: int = 16) -> list[dict]:
+  """Median step time of the whole train step for every schedule and without a pipeline (fsdp over every device),
+  the same global batch, timed in alternation."""
+  calls, temps = {}, {}
+  for name in _MEMORY_SCHEDULES + ("none",):
+    c = _config(1, "gpipe", 1) if name == "none" else _config(stages, name, microbatches)
+    c.train.global_batch_size = microbatches * _MICRO.value
+    run = trainer.build(c)
+    compiled = trainer.compile_step(run)
+    temps[name] = compiled.memory_analysis().temp_size_in_bytes
+    holder = {"state": trainer.init_state(run)}
+    batch = data_lib.to_global(next(SyntheticSource(c.data.seq_len, c.model.vocab_size, c.train.global_batch_size,
+                                                    seed=0)), run.batch_sharding)
+
+    def step(compiled=compiled, holder=holder, batch=batch):
+      holder["state"], metrics = compiled(holder["state"], batch, np.bool_(False))
+      return metrics
+    calls[name] = step
+  times = _alternated_medians(calls)
+  return [{"stages": stages, "microbatches": microbatches, "schedule": name, "step_s": t,
+           "ratio_to_gpipe": t / times["gpipe"], "ratio_to_none": t / times["none"], "temp_mib": temps[name] / 2**20}
+          for name, t in times.items()]
+
+
+def schedules_main() -> None:
+  rows = bench_schedules()
+  print(f"\nstep time, whole train step, S=4, M=16, {_MICRO.value} rows per microbatch, alternated medians of "
+        f"{_REPS.value} (simulated CPU devices: a bubble computes on zeros, so every schedule pays it)")
+  print(f"{'schedule':>16} {'step s':>8} {'x gpipe':>8} {'x none':>7} {'temp MiB':>9}")
+  for r in rows:
+    print(f"{r['schedule']:>16} {r['step_s']:>8.3f} {r['ratio_to_gpipe']:>8.3f} {r['ratio_to_none']:>7.3f} "
+          f"{r['temp_mib']:>9.1f}")
+  print(f"\nwrote {_bench.write_json(_SCHEDULES_OUT.value, {'schedules': rows})}")
+
+
 def main(argv):
   del argv
   if _MEMORY_ONLY.value:
     memory_main()
+    return
+  if _SCHEDULES_ONLY.value:
+    schedules_main()
     return
   stages = [int(s) for s in _STAGES.value]
   bubble = [row for s in stages for r in (1, 2) for row in bench_bubble(s, r)]
@@ -204,6 +249,7 @@ def main(argv):
           f"{r['step_s_none']:>8.3f} {r['ratio']:>6.2f} {r['temp_mib_pipeline']:>9.1f}/{r['temp_mib_none']:<9.1f}")
   print(f"\nwrote {_bench.write_json(_OUT.value, {'bubble': bubble, 'step': step})}")
   memory_main()
+  schedules_main()
 
 
 if __name__ == "__main__":

@@ -124,6 +124,10 @@ def schedule_from_config(config, stages: int, num_layers: int) -> Schedule:
     raise ConfigError("model.num_layers", f"{num_layers} layers do not split evenly into {what}",
                       f"make num_layers a multiple of {stages * repeats}, or change mesh.pipeline"
                       + (" / pipeline.repeats" if kind in REPEATING else ""))
+  if kind in SCHEDULED_BACKWARD and config.data.seq_len % stages:  # (the head's tokens are split over the stages)
+    raise ConfigError("data.seq_len", f"{config.data.seq_len} tokens do not split evenly over the {stages} pipeline "
+                      f"stages ({kind} runs the head on 1/{stages} of them on each)",
+                      f"make seq_len a multiple of {stages}, or use pipeline.schedule=gpipe")
   if kind == "1f1b":  # any count works (one microbatch finishes per tick); fewer than the stages is a large bubble
     return Schedule(stages=stages, repeats=1, microbatches=m, kind=kind)
   if m < stages:
@@ -286,7 +290,9 @@ def forward(model, params, batch, schedule: Schedule, head_loss: Callable[[Any, 
   stages (:func:`run`), then the head and ``head_loss`` S microbatches at a time, one on each stage (no stage
   repeats another's head, and only S microbatches' logits exist at once); everything differentiable by autodiff.
 
-  1f1b / interleaved_1f1b (:func:`scheduled`): ``weigh`` must be linear (a sum of the leaves times constants);
+  1f1b / interleaved_1f1b (:func:`scheduled`): ``head_loss`` must return sums over tokens (it runs on 1/S of a
+  microbatch's tokens on each stage, and the stages' sums are added); ``weigh`` must be linear (a sum of the
+  leaves times constants);
   the gradient is computed inside the schedule, and only ``value`` carries it (``total`` and ``extras`` are
   constants to autodiff). Without ``weigh`` (evaluation) the same schedule runs forward units only."""
   if schedule.scheduled_backward:
@@ -399,6 +405,24 @@ def scheduled(model, params, batch, schedule: Schedule, head_loss: Callable[[Any
   put = jax.vmap(lambda buf, slot, x: jax.lax.dynamic_update_index_in_dim(buf, x, slot, 0), spmd_axis_name=spmd)
   get = jax.vmap(lambda buf, slot: jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False), spmd_axis_name=spmd)
 
+  def head_grads(rest, y, b, ct):  # (the head's sums, their gradient for rest, for y) on one microbatch
+    total, vjp = jax.vjp(lambda rest, y: head(rest, y, b), rest, y)
+    return (total, *vjp(ct))
+
+  # The head works token by token (norm, projection, token losses): the last stage's microbatch is split along its
+  # tokens over the S stages (schedule_from_config: S divides the length), so each tick's head costs 1/S of a
+  # microbatch's on every stage (as gpipe's head, which runs S microbatches at a time, one per stage) instead of a
+  # whole one. Its gradient is summed per stage, and over the stages once, at the end.
+  head_stages = jax.vmap(head_grads, (None, 0, 0, None), spmd_axis_name=spmd)
+
+  def to_stages(a, axes):  # [rows, T, ...] -> [S, rows, T / S, ...], tokens [j T / S, (j + 1) T / S) on stage j
+    a = a.reshape(a.shape[0], s_, a.shape[1] // s_, *a.shape[2:]).swapaxes(0, 1)
+    return constrain(a, ("stage",) + tuple(axes) + (None,) * (a.ndim - 1 - len(axes)))
+
+  def from_stages(a):
+    a = a.swapaxes(0, 1)
+    return a.reshape(a.shape[0], -1, *a.shape[3:])
+
   def tick(grouped, rest, micro, coefs, carry, t, *, fwd: bool, with_head: bool, bwd: bool, keep: bool):
     """One tick: every stage's forward unit (``fwd``), the last stage's head (``with_head``: its gradient too
     when ``bwd``), every stage's backward unit (``bwd``); ``keep``: stash the forward units' inputs."""
@@ -419,13 +443,15 @@ def scheduled(model, params, batch, schedule: Schedule, head_loss: Callable[[Any
         carry["stash"] = constrain(put(carry["stash"], jnp.where(valid, (t - ids) % slots, slots), x), stash_axes)
       if with_head:  # the last stage finished microbatch mb[-1] if it ran its last round
         done = valid[-1] & (rnd[-1] == r_ - 1)
-        b = take(micro, mb[-1])
+        y, b = carry["y"][-1], take(micro, mb[-1])
+        y, b = to_stages(y, ACTIVATION_AXES), jax.tree.map(lambda a: to_stages(a, ACTIVATION_AXES[:2]), b)
         if bwd:
-          total, vjp = jax.vjp(lambda rest, y: head(rest, y, b), rest, carry["y"][-1])
-          g_rest, g_head = vjp(coefs[0])
-          carry["g_rest"] = add(carry["g_rest"], masked(done, g_rest))
+          total, g_rest, g_head = head_stages(rest, y, b, coefs[0])
+          carry["g_head"] = add(carry["g_head"], masked(done, g_rest))
+          g_head = from_stages(g_head)
         else:
-          total = head(rest, carry["y"][-1], b)
+          total = jax.vmap(head, (None, 0, 0), spmd_axis_name=spmd)(rest, y, b)
+        total = jax.tree.map(lambda a: jnp.sum(a, axis=0), total)
         carry["total"] = add(carry["total"], masked(done, total))
     if bwd:
       valid, rnd, mb, k = backward_unit(t - warmup - (s_ - 1 - ids))
@@ -462,12 +488,16 @@ def scheduled(model, params, batch, schedule: Schedule, head_loss: Callable[[Any
              "g_w": jax.tree.map(lambda g, spec: constrain(g, (None, "stage", None) + tuple(spec)[1:]),
                                  zeros(grouped), specs),
              "g_rest": jax.tree.map(lambda g, spec: constrain(g, tuple(spec)), zeros(rest), rest_specs)}
+    carry["g_head"] = jax.tree.map(lambda g, spec: constrain(jnp.zeros((s_,) + g.shape, g.dtype),
+                                                             ("stage",) + tuple(spec)), rest, rest_specs)
     carry = ticks(grouped, rest, micro, coefs, carry, 0, warmup, fwd=True, with_head=False, bwd=False, keep=True)
     carry = ticks(grouped, rest, micro, coefs, carry, warmup, forward_end, fwd=True, with_head=True, bwd=True,
                   keep=True)
     carry = ticks(grouped, rest, micro, coefs, carry, forward_end, end, fwd=False, with_head=False, bwd=True,
                   keep=False)
-    return carry["total"], carry["extras"], carry["g_w"], carry["g_rest"]
+    g_head = jax.tree.map(lambda g: jnp.sum(g, axis=0), carry["g_head"])
+    g_rest = jax.tree.map(lambda g, spec: constrain(g, tuple(spec)), add(carry["g_rest"], g_head), rest_specs)
+    return carry["total"], carry["extras"], carry["g_w"], g_rest
 
   grouped = jax.tree.map(lambda w, spec: _as_groups(w, spec, s_, r_), stacked, specs)
   extras_or_none = lambda extras: extras if has_extras else None  # noqa: E731

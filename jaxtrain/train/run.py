@@ -161,6 +161,8 @@ def report(run: Run) -> dict[str, Any]:
                  train.max_rows_per_device, run.microbatches, rows, rows // shards, shards)
   if run.pipeline_schedule:
     p = run.pipeline_schedule
+    info["pipeline"] = {"schedule": p.kind, "stages": p.stages, "repeats": p.repeats, "microbatches": p.microbatches,
+                        "bubble": p.bubble, "in_flight": p.in_flight}
     logging.info("pipeline: %d stages, %s, %d microbatches, %d layers per stage -> bubble %.1f%% "
                  "((S-1)/(R*M+S-1)), at most %d microbatch activations in flight per stage", p.stages, p.describe(),
                  p.microbatches, run.model.num_layers() // p.stages, 100 * p.bubble, p.in_flight)

@@ -49,7 +49,7 @@ def forward_losses(model: Model, params, batch, pipeline: pipeline_lib.Schedule 
                    sources: int = 0, z_loss: bool = False, weigh=None) -> dict:
   """``{loss_sum, tokens, aux: {name: sum}, metrics: {name: sum}, forwards[, by_source][, z_sum][, value]}`` over the
   batch: with a pipeline schedule the model runs pipelined (jaxtrain.parallel.pipeline.forward), and aux losses and
-  metrics are summed over its head's chunks (``forwards`` of them); divide by ``forwards`` for their mean. With
+  metrics are summed over its microbatches (``forwards`` of them); divide by ``forwards`` for their mean. With
   ``weigh(out) -> scalar``, a linear function of those sums (constants times leaves; no division by a leaf), also
   ``value``: ``weigh(out)``, the one entry to differentiate (with a 1f1b schedule the others carry no gradient:
   the schedule computes value's gradient itself)."""
@@ -62,6 +62,8 @@ def forward_losses(model: Model, params, batch, pipeline: pipeline_lib.Schedule 
       return out
     out, layer_extras, value = pipeline_lib.forward(model, params, batch, pipeline, head_loss,
                                                     weigh and (lambda t, e: weigh(merged(t, e))))
+    if pipeline.scheduled_backward:  # its head runs on 1/S of each microbatch's tokens on each stage (S calls)
+      out = {**out, "forwards": jnp.float32(pipeline.microbatches)}
     out = merged(out, layer_extras)
   else:
     out = head_loss(model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"]), batch)
