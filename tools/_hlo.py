@@ -75,9 +75,10 @@ def figures(compiled) -> dict[str, float]:
           **{f"collective_bytes/{k}": v for k, v in by_kind.items()}}
 
 
-def extrapolate(small: dict, bigger: dict, n: int, layers: int) -> tuple[dict, dict, dict]:
-  """(per layer, rest, whole step) from the figures of the step compiled unrolled at ``n`` and ``n + 1`` layers: per
-  layer = c(n + 1) - c(n), rest = c(n) - n x per layer, whole = rest + ``layers`` x per layer."""
-  per_layer = {k: bigger[k] - small[k] for k in small}
+def extrapolate(small: dict, bigger: dict, n: int, layers: int, step: int = 1) -> tuple[dict, dict, dict]:
+  """(per layer, rest, whole step) from the figures of the step compiled unrolled at ``n`` and ``n + step`` layers
+  (``step``: the layers a pipeline adds one to each stage and virtual stage with, else 1): per layer =
+  (c(n + step) - c(n)) / step, rest = c(n) - n x per layer, whole = rest + ``layers`` x per layer."""
+  per_layer = {k: (bigger[k] - small[k]) / step for k in small}
   rest = {k: small[k] - n * per_layer[k] for k in small}
   return per_layer, rest, {k: rest[k] + layers * per_layer[k] for k in rest}

@@ -15,6 +15,9 @@ the compiler's figures:
   largest array each one reads or writes, from the compiled HLO).
 Estimated MFU = the model's FLOPs (the family's count, as training logs it) per chip / the estimated step / the
 chip's peak bf16 FLOP/s. Peak memory and temporaries come from the real (rolled) program, compiled too.
+With pipeline stages (S stages, R virtual stages for circular and interleaved_1f1b) the ticks unroll too and the
+layers go S R at a time (one more on each stage and virtual stage): compiled at n - 1 + S R and n - 1 + 2 S R
+layers, per layer = their difference / (S R); ``--validate`` then takes a multiple of S R.
 Two things the cost model does not see: Pallas (Mosaic) kernels cost nothing in it (splash attention's own time
 is missing from the estimate, ``mosaic_calls`` counts them), and a custom call it cannot price subtracts one second
 each (tools/_hlo.py adds those back). MaxText's step, measured with the same code: tools/maxtext_step.py.
@@ -39,6 +42,7 @@ from jaxtrain import config as config_lib  # noqa: E402
 from jaxtrain import metrics, topology  # noqa: E402
 from jaxtrain.errors import ConfigError  # noqa: E402
 from jaxtrain.models import attention, scans  # noqa: E402
+from jaxtrain.parallel import pipeline as pipeline_lib  # noqa: E402
 from jaxtrain.train import trainer  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "configs/llama3_8b.py", "Config file (configs/x.py[:variant]).")
@@ -66,13 +70,14 @@ def compile_figures(config, topo: str, layers: int, unrolled: bool):
 def estimate(config, topo: str, validate: int = 0) -> dict:
   layers = int(config.model.num_layers)
   first = int(config.model.get("first_dense_layers", 0)) + 1  # the fewest layers the family builds
-  if config.mesh.pipeline > 1:
-    raise ConfigError("mesh.pipeline", "the whole-step estimate unrolls the layer stack, which a pipeline splits",
-                      "estimate without --set=mesh.pipeline")
+  # A pipeline adds layers S x R at a time (one to each stage and virtual stage); its ticks unroll too, so the step
+  # is linear in the layers per unit.
+  stages = config.mesh.pipeline * config.mesh.dcn_pipeline
+  step = stages * (config.pipeline.repeats if config.pipeline.schedule in pipeline_lib.REPEATING else 1)
   t = time.perf_counter()
-  small, _, _ = compile_figures(config, topo, first, unrolled=True)
-  bigger, _, _ = compile_figures(config, topo, first + 1, unrolled=True)
-  per_layer, rest, whole = _hlo.extrapolate(small, bigger, first, layers)
+  small, _, _ = compile_figures(config, topo, first - 1 + step, unrolled=True)
+  bigger, _, _ = compile_figures(config, topo, first - 1 + 2 * step, unrolled=True)
+  per_layer, rest, whole = _hlo.extrapolate(small, bigger, first - 1 + step, layers, step)
   _, real, run = compile_figures(config, topo, layers, unrolled=False)
   mem = real.memory_analysis()
   chips = run.mesh.size

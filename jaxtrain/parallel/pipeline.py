@@ -49,6 +49,7 @@ from flax import linen as nn
 
 from jaxtrain import sharding
 from jaxtrain.errors import ConfigError, check_choice, check_positive
+from jaxtrain.models import scans
 from jaxtrain.sharding import constrain
 
 
@@ -211,7 +212,8 @@ def _stage_fn(layer: Callable, stacked: Any, x_shape: jax.ShapeDtypeStruct, side
     return (out[0], jax.tree.map(jnp.add, extras, out[1])) if has_extras else (out, extras)
 
   def unit(w, x, side):
-    out, _ = jax.lax.scan(lambda carry, w_layer: (with_extras(w_layer, carry, side), None), (x, no_extras), w)
+    out, _ = jax.lax.scan(lambda carry, w_layer: (with_extras(w_layer, carry, side), None), (x, no_extras), w,
+                          unroll=scans.unroll())
     return out
 
   return unit, no_extras, has_extras
@@ -267,7 +269,7 @@ def run(layer: Callable[[Any, jax.Array, Any], jax.Array], stacked: Any, specs: 
 
   previous = jnp.zeros((s_,) + x.shape[1:], x.dtype)
   carry = (constrain(x, micro_act), constrain(previous, stage_act), no_extras)
-  (x, _, extras), _ = jax.lax.scan(iteration, carry, jnp.arange(schedule.iterations))
+  (x, _, extras), _ = jax.lax.scan(iteration, carry, jnp.arange(schedule.iterations), unroll=scans.unroll())
   return (constrain(x, micro_act), extras) if has_extras else constrain(x, micro_act)
 
 
@@ -321,7 +323,7 @@ def forward(model, params, batch, schedule: Schedule, head_loss: Callable[[Any, 
   chunks = (by_stage(x, ("batch", "length", "embed")), jax.tree.map(lambda a: by_stage(a, ("batch", None)), micro))
   first = jax.tree.map(lambda a: a[0, 0], chunks)  # one microbatch: the shapes of what head_loss returns
   zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, *first))
-  total, _ = jax.lax.scan(chunk, zero, chunks)
+  total, _ = jax.lax.scan(chunk, zero, chunks, unroll=scans.unroll())
   return total, extras, (None if weigh is None else weigh(total, extras))
 
 
@@ -470,7 +472,7 @@ def scheduled(model, params, batch, schedule: Schedule, head_loss: Callable[[Any
 
   def ticks(grouped, rest, micro, coefs, carry, start, stop, **kind):
     body = lambda c, t: tick(grouped, rest, micro, coefs, c, t, **kind)  # noqa: E731
-    return jax.lax.scan(body, carry, jnp.arange(start, stop))[0]
+    return jax.lax.scan(body, carry, jnp.arange(start, stop), unroll=scans.unroll())[0]
 
   act = jnp.zeros((s_,) + x_shape.shape, x_shape.dtype)
   start = {"y": constrain(act, stage_act), "total": zero_total, "extras": no_extras}
