@@ -46,7 +46,7 @@ INSPECT = "tools/inspect_checkpoint.py"
 PLOT = "tools/plot_metrics.py"
 TP = "configs/tiny.py:tp"
 DRY_RUN = "configs/llama3_8b.py --config.dry_run=true"
-GPIPE = "--config.workdir=runs/gpipe"
+ONE_F_ONE_B = "--config.workdir=runs/1f1b"
 CIRCULAR = "--config.workdir=runs/circular"
 MOE = "configs/moe_tiny.py --config.mesh.expert=4"
 CONTEXT = "--config.mesh.context=4"
@@ -136,7 +136,7 @@ NOT_RUN = {
 
 def test_every_readme_command_is_run_by_a_test():
   """A command added to the README or a docs page without a test here (or one a test no longer finds) fails."""
-  parts = (TRAIN_LONGER, INSPECT, PLOT, TP, DRY_RUN, GPIPE, CIRCULAR, MOE, CONTEXT, PREPARE, TRAIN_PREPARED,
+  parts = (TRAIN_LONGER, INSPECT, PLOT, TP, DRY_RUN, ONE_F_ONE_B, CIRCULAR, MOE, CONTEXT, PREPARE, TRAIN_PREPARED,
            PREPARE_BEAM, TRAIN_RAW, MIX_PREPARE_WEB, MIX_PREPARE_CODE, MIX_TRAIN, PREPARE_SFT, TRAIN_SFT, GENERATE,
            HF_IMPORT, HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT, HF_POD_CONFIG, LOCAL, GOODPUT, HF_REHEARSAL,
            ATTENTION_AUTO,
@@ -289,7 +289,8 @@ def test_dry_run(user):
 
 
 @pytest.mark.parametrize("part,stages,shorter", [
-    (GPIPE, "2 stages, GPipe, 2 microbatches, 2 layers per stage -> bubble 33.3%", SHORT),
+    (ONE_F_ONE_B, "2 stages, 1F1B, 4 microbatches, 2 layers per stage -> bubble 20.0% ((S-1)/(R*M+S-1)), at most "
+                  "3 microbatch activations in flight per stage", "--config.train.steps=2 --config.data.seq_len=64"),
     # 8 microbatches of 2 rows (mesh.fsdp=2): the batch stays 16
     (CIRCULAR, "2 stages, circular x 2 repeats, 8 microbatches, 2 layers per stage -> bubble 5.9%",
      "--config.train.steps=2 --config.data.seq_len=64")])
