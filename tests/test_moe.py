@@ -179,8 +179,8 @@ def one_device(tmp_path_factory):
 # fsdp 2 x expert 2: the checkpoint test's first run, against the same one-device losses. Context parallelism: each
 # device routes and dispatches its own half of every row's tokens (in the load-balanced order), the all-to-all over
 # expert and the psum over tensor as without it.
-LAYOUTS = {"expert8": dict(expert=8), "expert2_context2_tensor2": dict(context=2, expert=2, tensor=2)}
-# (with pipeline stages: test_every_pipeline_schedule_over_experts_equals_one_device)
+LAYOUTS = {"expert8": dict(expert=8), "expert2_context2_tensor2": dict(context=2, expert=2, tensor=2),
+           "expert2_pipeline2": dict(fsdp=2, expert=2, pipeline=2)}  # (the 1F1B schedules: test_1f1b_schedules_...)
 
 
 @pytest.mark.slow
@@ -205,12 +205,12 @@ def test_expert_parallel_training_equals_one_device(one_device, tmp_path, layout
 
 
 @pytest.mark.slow
-def test_every_pipeline_schedule_over_experts_equals_one_device(tmp_path):
-  """Every pipeline schedule over expert 2 x pipeline 2 (4 MoE layers after a dense one: 2 stages, x 2
-  virtual stages for circular and interleaved 1F1B): one train step from the same params and batch gives one
-  device's loss, router losses, load, gradient norm and new params (the routers' losses reach the gradient by
-  autodiff through gpipe and circular, and through the 1F1B schedules' own backward), the experts' weights and
-  their moments sharded over both the stages and the experts."""
+def test_1f1b_schedules_over_experts_equal_one_device(tmp_path):
+  """1F1B and interleaved 1F1B over expert 2 x pipeline 2 (4 MoE layers after a dense one: 2 stages, x 2 virtual
+  stages for interleaved): one train step from the same params and batch gives one device's loss, router losses,
+  load, gradient norm and new params (the routers' losses reach the gradient through the schedules' own backward),
+  the experts' weights and their moments sharded over both the stages and the experts. (GPipe over experts:
+  test_expert_parallel_training_equals_one_device.)"""
   def step(devices, schedule="gpipe", **mesh):
     c = moe_config(tmp_path, **mesh)
     c.model.num_layers = 5
@@ -221,7 +221,7 @@ def test_every_pipeline_schedule_over_experts_equals_one_device(tmp_path):
     return trainer.compile_step(run)(state, data_lib.to_global(batch, run.batch_sharding), np.bool_(False))
 
   want_state, want = jax.device_get(step(1))
-  for schedule in ("gpipe", "circular", "1f1b", "interleaved_1f1b"):
+  for schedule in ("1f1b", "interleaved_1f1b"):
     state, got = step(4, schedule, expert=2, pipeline=2)
     for key in ("loss", "aux_loss/load_balance", "aux_loss/router_z", "moe/load_max", "grad_norm"):
       np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"{schedule} {key}")
