@@ -56,6 +56,7 @@ from jaxtrain.sharding import constrain
 SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b")
 REPEATING = ("circular", "interleaved_1f1b")  # the schedules with virtual stages (pipeline.repeats)
 SCHEDULED_BACKWARD = ("1f1b", "interleaved_1f1b")  # the backward written into the schedule: memory bounded in M
+ACTIVATION_AXES = ("batch", "length", "embed")  # the logical axes of one microbatch's activations
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -305,7 +306,7 @@ def forward(model, params, batch, schedule: Schedule, head_loss: Callable[[Any, 
   micro = split_microbatches(batch, m)
   x = split_microbatches(module.embed_tokens(batch["inputs"], batch["positions"], batch["segment_ids"]), m)
   x = run(module.apply_layer, params["layers"], model.logical_specs["layers"], x,
-          (micro["positions"], micro["segment_ids"]), schedule, ("batch", "length", "embed"))
+          (micro["positions"], micro["segment_ids"]), schedule, ACTIVATION_AXES)
   x, extras = x if isinstance(x, tuple) else (x, None)
 
   def by_stage(a, axes):  # [M, ...] -> [M / S, S, ...], microbatch c S + j on stage j
@@ -320,14 +321,12 @@ def forward(model, params, batch, schedule: Schedule, head_loss: Callable[[Any, 
   def chunk(total, inputs):
     return jax.tree.map(lambda t, part: t + part.sum(0), total, per_stage(*inputs)), None
 
-  chunks = (by_stage(x, ("batch", "length", "embed")), jax.tree.map(lambda a: by_stage(a, ("batch", None)), micro))
+  chunks = (by_stage(x, ACTIVATION_AXES), jax.tree.map(lambda a: by_stage(a, ("batch", None)), micro))
   first = jax.tree.map(lambda a: a[0, 0], chunks)  # one microbatch: the shapes of what head_loss returns
   zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, *first))
   total, _ = jax.lax.scan(chunk, zero, chunks, unroll=scans.unroll())
   return total, extras, (None if weigh is None else weigh(total, extras))
 
-
-ACTIVATION_AXES = ("batch", "length", "embed")
 
 
 def scheduled(model, params, batch, schedule: Schedule, head_loss: Callable[[Any, dict], Any],
