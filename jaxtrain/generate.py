@@ -2,7 +2,7 @@
 
   python -m jaxtrain.generate --checkpoint=RUN_OR_CHECKPOINT_DIR --prompt="ROMEO:" [--prompt=...]
       [--prompts_file=FILE|FILE.jsonl] [--chat] [--max_new_tokens=64] [--temperature=0 (greedy) --top_k=0 --top_p=1 --seed=0]
-      [--step=N] [--set=mesh.data=2 ...] [--tokenizer=FILE] [--format=text|jsonl] [--no_cache]
+      [--step=N] [--set=mesh.data=2 ...] [--tokenizer=FILE] [--format=text|jsonl] [--no_cache] [--slots=N]
 
 ``--checkpoint`` is a run's workdir, its checkpoints folder or one step folder (the newest step unless ``--step``).
 The params are restored onto the mesh of the run's saved config (``--set mesh.KEY=N`` / ``--config.mesh.KEY=N``
@@ -14,7 +14,10 @@ decodes one token per step until every row has produced an EOS token or ``max_ne
 ``temperature=0``, else softmax at that temperature restricted to the ``top_k`` most likely tokens and the nucleus
 of probability ``top_p``; row r of step i draws with ``fold_in(fold_in(key(seed), i), r)``, so a completion does not
 depend on the other prompts of the batch. ``--no_cache`` recomputes the whole forward for every new token (to
-measure the cache, and the oracle of the tests).
+measure the cache, and the oracle of the tests). ``--slots=N``: continuous batching
+(jaxtrain.sampling.ContinuousGenerator): N rows decode the prompts as a queue, a row taking the next prompt as soon
+as its own completion ends, over a paged KV cache; the same completions, faster when they end at very different
+lengths.
 
 Tokenizer: the one the run's lineage carries (its ``hf/`` folder, copied from its parent's at its start, back to an
 import: jaxtrain.checkpoint.lineage; ``tokenizer.json`` or ``tokenizer.model`` with ``bos_token_id`` prepended to a
@@ -53,8 +56,8 @@ from jaxtrain import models
 from jaxtrain import paths
 from jaxtrain import sharding
 from jaxtrain.errors import ConfigError, UserError
-from jaxtrain.sampling import (GenerateError, Generator, Sampling, encode_prompts, padded_rows,
-                               tokenizer_for)
+from jaxtrain.sampling import (ContinuousGenerator, GenerateError, Generator, Sampling, encode_prompts,
+                               padded_rows, tokenizer_for)
 from jaxtrain.train.state import TrainState
 
 # Keys of the saved run config that the command line may override (the layout and the compute, not the model).
@@ -188,6 +191,9 @@ def _define_flags():
   flags.DEFINE_enum("format", "text", ["text", "jsonl"], "text: one line per prompt (newlines as \\n); jsonl: "
                     "one JSON object per prompt.")
   flags.DEFINE_bool("no_cache", False, "Recompute the whole forward for every token (no KV cache).")
+  flags.DEFINE_integer("slots", 0, "Continuous batching: this many rows decode the prompts as a queue (a finished "
+                       "row takes the next prompt at once) over a paged KV cache; rounded up to a multiple of the "
+                       "batch shards. 0: one static batch of all prompts.")
   return flags.FLAGS
 
 
@@ -222,6 +228,10 @@ def _parse(argv: list[str]) -> list[str]:
     _fail("--checkpoint: is required; pass a run's workdir, its checkpoints folder or a step folder")
   if FLAGS.max_new_tokens < 1:
     _fail(f"--max_new_tokens: must be > 0, got {FLAGS.max_new_tokens}; fix the value")
+  if FLAGS.slots < 0:
+    _fail(f"--slots: must be >= 0, got {FLAGS.slots}; use 0 for one static batch")
+  if FLAGS.slots and FLAGS.no_cache:
+    _fail("--slots: continuous batching decodes with the KV cache; drop --no_cache or --slots")
   return rest
 
 
@@ -291,10 +301,15 @@ def main(argv: list[str]) -> None:
     tok = tokenizer_for(loaded.config, loaded.saved, loaded.step_dir, FLAGS.tokenizer)
     ids = encode(tok, prompts, FLAGS.chat, loaded.config.model.vocab_size)
     with jax.set_mesh(loaded.mesh):
-      gen = Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings,
-                      rows=padded_rows(len(ids), loaded.mesh, loaded.rules), prompt_len=max(map(len, ids)),
-                      max_new_tokens=FLAGS.max_new_tokens, sampling=sampling, eos_ids=tok.eos_ids,
-                      use_cache=not FLAGS.no_cache)
+      common = dict(prompt_len=max(map(len, ids)), max_new_tokens=FLAGS.max_new_tokens, sampling=sampling,
+                    eos_ids=tok.eos_ids)
+      if FLAGS.slots:
+        gen = ContinuousGenerator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings,
+                                  requests=len(ids), slots=padded_rows(FLAGS.slots, loaded.mesh, loaded.rules),
+                                  **common)
+      else:
+        gen = Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings,
+                        rows=padded_rows(len(ids), loaded.mesh, loaded.rules), use_cache=not FLAGS.no_cache, **common)
       batch = gen.batch(ids)
       t = time.perf_counter()
       result = jax.block_until_ready(gen(loaded.params, batch, FLAGS.seed))
@@ -305,7 +320,8 @@ def main(argv: list[str]) -> None:
   new = sum(len(c) for c in completions)
   logging.info("%s: %d prompt(s), %d new tokens in %.2fs (%.1f tokens/s; compiled in %.1fs; mesh %s; %s "
                "tokenizer; %s)", loaded.step_dir, len(prompts), new, seconds, new / max(seconds, 1e-9),
-               gen.compile_s, dict(loaded.mesh.shape), tok.where, "no cache" if FLAGS.no_cache else "KV cache")
+               gen.compile_s, dict(loaded.mesh.shape), tok.where,
+               "no cache" if FLAGS.no_cache else f"{gen.slots} slots, paged KV cache" if FLAGS.slots else "KV cache")
   for prompt, c in zip(prompts, completions):
     text = tok.decode(c)
     if FLAGS.format == "jsonl":

@@ -6,6 +6,8 @@ that decodes a token per step until every row has produced an EOS token or ``max
 left-padded into one batch (a multiple of the batch shards: :func:`padded_rows`). :class:`Sampling`: greedy at
 ``temperature=0``, else softmax at that temperature within ``top_k`` and the nucleus ``top_p``; row r of step i
 draws with ``fold_in(fold_in(key(seed), i), r)``, so a completion does not depend on the other prompts.
+:class:`ContinuousGenerator` is continuous batching over a paged KV cache: a queue of prompts for a few slots,
+each slot refilled as soon as its completion ends, the same tokens as the static batch's for every prompt.
 :func:`tokenizer_for` finds a run's tokenizer (see :mod:`jaxtrain.generate` for the order). :class:`Sampler` is
 what the training loop uses for ``train.sample_every``, compiled once. The command line is jaxtrain.generate.
 """
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -62,6 +63,17 @@ class Sampling:
 
 def next_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
   """``[batch]`` int32 token ids from float32 logits ``[batch, vocab]``; row r draws with ``fold_in(key, r)``."""
+  return draw(logits, jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(logits.shape[0])), sampling)
+
+
+def request_keys(key: jax.Array, requests: jax.Array, steps: jax.Array) -> jax.Array:
+  """The keys of token ``steps[b]`` of request ``requests[b]``: ``fold_in(fold_in(key, step), request)``, what row
+  ``request`` of step ``step`` of a static batch draws with (:func:`next_tokens`), wherever the request runs."""
+  return jax.vmap(lambda q, t: jax.random.fold_in(jax.random.fold_in(key, t), q))(requests, steps)
+
+
+def draw(logits: jax.Array, keys: jax.Array, sampling: Sampling) -> jax.Array:
+  """``[batch]`` int32 token ids from float32 logits ``[batch, vocab]``, row b drawing with ``keys[b]``."""
   if sampling.temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   logits = logits.astype(jnp.float32) / sampling.temperature
@@ -74,7 +86,6 @@ def next_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Ar
     before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ranked above each one
     kept = jnp.where(before < sampling.top_p, ordered, jnp.inf)  # the first token is always kept
     logits = jnp.where(logits < jnp.min(kept, axis=-1, keepdims=True), -jnp.inf, logits)
-  keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(logits.shape[0]))
   return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
 
 
@@ -85,17 +96,32 @@ def next_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Ar
 class Batch:
   """Prompts as one left-padded batch: ``tokens``, ``positions``, ``segment_ids`` ``[rows, prompt_len]`` (pads:
   segment 0, position 0), each row's prompt length ``lengths`` (the position of its first new token) and
-  ``rows`` (1 for a prompt, 0 for a row that only pads the batch to a multiple of the batch shards)."""
+  ``rows`` (1 for a prompt, 0 for a row that only pads the batch to a multiple of the batch shards); ``budgets``:
+  each row's most new tokens (None: the generator's ``max_new_tokens`` for every row)."""
   tokens: np.ndarray
   positions: np.ndarray
   segment_ids: np.ndarray
   lengths: np.ndarray
   rows: np.ndarray
   count: int  # real prompts (the first ``count`` rows)
+  budgets: np.ndarray | None = None
+
+  def budgets_or(self, max_new_tokens: int) -> np.ndarray:
+    """``[rows]`` int32: each row's budget (``max_new_tokens`` where none is given), 1 to ``max_new_tokens``."""
+    if self.budgets is None:
+      return np.full(self.rows.shape, max_new_tokens, np.int32)
+    budgets = np.asarray(self.budgets, np.int32)
+    if budgets.shape != self.rows.shape or budgets[:self.count].min(initial=1) < 1 or budgets.max(initial=0) > \
+        max_new_tokens:
+      raise GenerateError("budgets", f"must be {self.rows.shape[0]} values from 1 to max_new_tokens="
+                          f"{max_new_tokens}", "give each prompt at most max_new_tokens new tokens")
+    return np.maximum(budgets, 1)
 
 
-def left_pad(prompts: Sequence[Sequence[int]], rows: int, prompt_len: int) -> Batch:
-  """``prompts`` (token id lists, each 1 to ``prompt_len`` long) as a left-padded batch of ``rows`` rows."""
+def left_pad(prompts: Sequence[Sequence[int]], rows: int, prompt_len: int,
+             budgets: Sequence[int] | None = None) -> Batch:
+  """``prompts`` (token id lists, each 1 to ``prompt_len`` long) as a left-padded batch of ``rows`` rows;
+  ``budgets``: each prompt's most new tokens (None: the generator's ``max_new_tokens``)."""
   if len(prompts) > rows:
     raise ValueError(f"{len(prompts)} prompts for a batch of {rows} rows")
   tokens, positions, segments = (np.zeros((rows, prompt_len), np.int32) for _ in range(3))
@@ -108,7 +134,21 @@ def left_pad(prompts: Sequence[Sequence[int]], rows: int, prompt_len: int) -> Ba
     positions[r, prompt_len - n:] = np.arange(n, dtype=np.int32)
     segments[r, prompt_len - n:] = 1
     lengths[r], real[r] = n, 1
-  return Batch(tokens, positions, segments, lengths, real, len(prompts))
+  if budgets is not None:
+    if len(budgets) != len(prompts):
+      raise ValueError(f"{len(budgets)} budgets for {len(prompts)} prompts")
+    budgets = np.pad(np.asarray(budgets, np.int32), (0, rows - len(prompts)), constant_values=1)
+  return Batch(tokens, positions, segments, lengths, real, len(prompts), budgets)
+
+
+def abstract_params(model: models.Model, param_shardings) -> Any:
+  """The params a generator is compiled for: ``param_shardings`` is a tree of shardings (the model's abstract params
+  laid out on them) or of ``jax.ShapeDtypeStruct`` with their own shapes, dtypes and shardings (RL's rollout layout:
+  its weights in the compute dtype, jaxtrain.train.objectives.rollout)."""
+  if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(param_shardings)):
+    return param_shardings
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model.abstract_params,
+                      param_shardings)
 
 
 class Generator:
@@ -137,8 +177,7 @@ class Generator:
     self.batch_sharding = sharding.batch_sharding(mesh, rules)
     row_sharding = sharding.batch_sharding(mesh, rules, ndim=1)
     replicated = NamedSharding(mesh, P())
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model.abstract_params,
-                            param_shardings)
+    abstract = abstract_params(model, param_shardings)
     prompt = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=self.batch_sharding)
     per_row = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row_sharding)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
@@ -151,7 +190,7 @@ class Generator:
                                    jax.eval_shape(self._prefill, abstract, prompt, prompt, prompt),
                                    self._prefill_fn.output_shardings)
       decode = jax.jit(self._decode, donate_argnums=(1,))
-      self._decode_fn = decode.lower(abstract, state, logits, per_row, per_row, key).compile()
+      self._decode_fn = decode.lower(abstract, state, logits, per_row, per_row, per_row, key).compile()
     self.compile_s = time.perf_counter() - t
 
   # The two compiled halves ---------------------------------------------------------------------------------------
@@ -163,7 +202,11 @@ class Generator:
 
   def _prefill(self, params, tokens, positions, segment_ids):
     """The prompts' last logits ``[rows, vocab]`` and the decoding state (the KV cache, or the token buffer)."""
-    max_len = self.prompt_len + self.max_new_tokens
+    # The last new token is never fed back, so the cache holds prompt_len + max_new_tokens - 1 slots: for RL that is
+    # the training row's length (data.seq_len), so that a decode step's attention reduces over the same keys, in the
+    # same slots and order, as the training forward's (jaxtrain.train.objectives.grpo: the log-probabilities agree
+    # bitwise).
+    max_len = self.prompt_len + max(self.max_new_tokens - 1, 0)
     if self.use_cache:
       cache = self.model.init_cache(self.rows, max_len)
       logits, cache = self.model.decode(params, tokens, positions, segment_ids, cache)
@@ -186,11 +229,12 @@ class Generator:
              "index": state["index"] + 1}
     return self._forward_last(params, state), state
 
-  def _decode(self, params, state, first_logits, lengths, rows, key):
+  def _decode(self, params, state, first_logits, lengths, rows, budgets, key):
     """The whole decode loop: token 0 from the prefill's logits, then one step per token while any row is not
-    done. Returns the new tokens ``[rows, max_new_tokens]`` (0 after a row's end), how many each row produced
-    (an EOS included), with ``return_logits`` every step's logits, with ``token_logp`` its values for each new
-    token, and the final state."""
+    done (a row is done at an EOS token or at its budget, ``budgets``: ``max_new_tokens`` unless the batch gives
+    less; the batch runs until its longest row is done). Returns the new tokens ``[rows, max_new_tokens]`` (0
+    after a row's end), how many each row produced (an EOS included), with ``return_logits`` every step's logits,
+    with ``token_logp`` its values for each new token, and the final state."""
     n, eos = self.max_new_tokens, jnp.asarray(self.eos_ids or (-1,), jnp.int32)
     params = self.model.effective_params(params)  # LoRA: merged once, not in every step (a no-op after this)
 
@@ -200,7 +244,7 @@ class Generator:
     first = pick(first_logits, 0)
     live = rows > 0
     out = jnp.zeros((self.rows, n), jnp.int32).at[:, 0].set(jnp.where(live, first, 0))
-    done = ~live | jnp.isin(first, eos)
+    done = ~live | jnp.isin(first, eos) | (budgets <= 1)
     produced = live.astype(jnp.int32)
     all_logits = logps = None
     if self.return_logits:
@@ -222,7 +266,7 @@ class Generator:
         logps = jax.lax.dynamic_update_index_in_dim(logps, jnp.where(done, 0.0, self.token_logp(logits, token)),
                                                     i, axis=1)
       produced = produced + (~done).astype(jnp.int32)
-      done = done | jnp.isin(token, eos)
+      done = done | jnp.isin(token, eos) | (produced >= budgets)
       if all_logits is not None:
         all_logits = jax.lax.dynamic_update_index_in_dim(all_logits, logits, i, axis=1)
       return i + 1, state, out, done, produced, all_logits, logps
@@ -235,8 +279,8 @@ class Generator:
 
   # Use ---------------------------------------------------------------------------------------------------------
 
-  def batch(self, prompts: Sequence[Sequence[int]]) -> Batch:
-    return left_pad(prompts, self.rows, self.prompt_len)
+  def batch(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int] | None = None) -> Batch:
+    return left_pad(prompts, self.rows, self.prompt_len, budgets)
 
   def __call__(self, params, batch: Batch, seed: int = 0):
     """Dispatches prefill and decode (not waited for); returns the device arrays of ``_decode``."""
@@ -250,10 +294,11 @@ class Generator:
   def decode(self, params, prefilled, batch: Batch, seed: int = 0):
     """The compiled decode loop (dispatched) from ``prefill``'s output (its state is donated)."""
     rows_sharding = sharding.batch_sharding(self.mesh, self.rules, ndim=1)
-    lengths, rows = (jax.device_put(x, rows_sharding) for x in (batch.lengths, batch.rows))
+    lengths, rows, budgets = (jax.device_put(x, rows_sharding)
+                              for x in (batch.lengths, batch.rows, batch.budgets_or(self.max_new_tokens)))
     key = jax.device_put(jax.random.key(seed), NamedSharding(self.mesh, P()))
     logits, state = prefilled
-    return self._decode_fn(params, state, logits, lengths, rows, key)
+    return self._decode_fn(params, state, logits, lengths, rows, budgets, key)
 
   def completions(self, result, batch: Batch) -> list[list[int]]:
     """The new token ids of each real prompt, up to (not including) its EOS."""
@@ -269,6 +314,223 @@ class Generator:
   def generate(self, params, prompts: Sequence[Sequence[int]], seed: int = 0) -> list[list[int]]:
     batch = self.batch(prompts)
     return self.completions(self(params, batch, seed), batch)
+
+
+class ContinuousGenerator:
+  """Continuous batching: a queue of ``requests`` prompts decoded by ``slots`` rows in one compiled program, each
+  slot taking the next queued request as soon as its own ends (an EOS token or the request's budget), over a paged
+  KV cache (:class:`jaxtrain.models.attention.PagedKVCache`). Returns what :class:`Generator` returns for the same
+  batch (``tokens [requests, max_new_tokens]``, ``produced [requests]``, with ``token_logp`` its values), so GRPO's
+  rollouts (``rl.rollout_slots``) and jaxtrain.generate (``--slots``) switch with one setting; greedy and sampled
+  tokens are the static generator's for every request (sampling keys depend on the request and the token index
+  alone: :func:`request_keys`), whatever slot runs it and whatever else is queued.
+
+  The loop (one ``lax.while_loop``, no host round trip per token), each step:
+
+  1. Refill: while a slot is free, a request is queued and its pages fit, admit one request per batch shard (the
+     first free slot of each shard, the queue in order; a request whose pages do not fit waits, and so do those
+     behind it): allocate its pages, prefill its whole prompt (one ``[shards, prompt_len]`` forward writing its
+     keys and values to its pages) and draw its token 0 from the prompt's last logits, as the static prefill does.
+     A prompt is one forward rather than a token per step or chunks riding along the decode rows: on CPU a
+     ``[1, 16]`` forward costs 0.4 of a ``[16, 1]`` decode step, while feeding prompts through the decode rows
+     would make every slot's step as wide as a prompt chunk, or hold a slot for a step per prompt token.
+  2. Decode: one token for every busy slot (``[slots, 1]``), each at its own position and write index; a free slot's
+     row is padding (written nowhere, its output dropped).
+  3. A slot whose request ended (EOS or its budget) returns its pages to its shard's free list and is free for 1.
+
+  The cache: a pool of ``pages`` pages of ``page_size`` tokens per layer (``[layers, pages, page_size, kv_heads,
+  head_dim]``, MLA: its latent), split over the batch shards like a static cache's rows (a slot only holds pages of
+  its shard, so no page crosses devices); a slot's page table holds its request's pages, allocated at admission
+  for what the request can write (``ceil((prompt + budget - 1) / page_size)`` pages: the last token is never fed
+  back) and freed when it ends, on device (a free mask per shard; allocation takes the lowest free pages). So the
+  pool may be smaller than ``slots x ceil((prompt_len + max_new_tokens - 1) / page_size)`` pages (``pages``;
+  default: that much, every slot at its longest): requests then wait for pages instead of slots. It never
+  deadlocks (each shard's pool holds the longest request: checked at construction, and a shard with no busy slot
+  has all its pages free) and never preempts. Reserving a request's budget at admission keeps the loop simple;
+  growing requests page by page (vLLM) packs more of them into a small pool when completions end early, at the
+  price of preempting one when the pool runs dry: the next step if pools are the limit.
+
+  A slot's request is compact in its pages (not left-padded: the token at position p at index p), so a refilled
+  slot restarts at length 0 and its previous request's keys, never cleared, are past its length and invisible.
+  Attention over the pages, the exact fallback on every backend: each layer gathers a slot's pages into one
+  contiguous view and runs :func:`jaxtrain.models.attention.attend_cached` on it; the pools are carried through the
+  layer scan and written in place (:class:`jaxtrain.models.attention.PoolLayer`).
+
+  On TPU a Pallas kernel would read the pages in place instead of gathering them. For this loop's decode step the
+  one is ``jax.experimental.pallas.ops.tpu.paged_attention``: one query per sequence, a page table and per-sequence
+  lengths, keys from index 0 to the length, which is this cache's decode step exactly (its pool is this one's with
+  the KV heads first, ``[kv_heads, pages, page_size, head_dim]``; queries pre-scaled; soft-capping but no sliding
+  window). ``ragged_paged_attention`` (queries of many sequences packed ragged, prefill chunks and decode tokens in
+  one call, k and v interleaved in one pool, windows and soft-capping) is the kernel of a loop that packs prompt
+  chunks with decode tokens, which this one does not; the prefill of a new request sees only its own prompt, so it
+  needs no paged kernel. Neither kernel has attention sinks (GPT-OSS would stay on the fallback). Not wired: there is
+  no TPU here, and neither kernel takes ``interpret=`` to run on CPU, so the TPU compiler could only show that it
+  compiles, not that its tokens are the static generator's (Pallas's TPU interpret mode, patched into the kernel's
+  ``pallas_call``, is the way to test it here). The fallback compiles for a TPU topology (v5e:2x2, data 2 x tensor
+  2: no collective moves a pool or a view).
+
+  The numbers are the static generator's up to rounding: the same arithmetic on a request's keys at other indices
+  of a view of another length, and matmuls of other shapes, so a reduction may round differently (tokens equal in
+  the tests, greedy and sampled; log-probabilities within 1e-6). ``return_logits`` and ``use_cache=False`` are the
+  static generator's only.
+  """
+
+  def __init__(self, model: models.Model, mesh, rules, param_shardings, *, requests: int, slots: int,
+               prompt_len: int, max_new_tokens: int, sampling: Sampling = Sampling(), eos_ids: Sequence[int] = (),
+               token_logp: Callable | None = None, page_size: int = 16, pages: int = 0):
+    _, shards = sharding.batch_shards(dict(mesh.shape), rules)
+    if not model.can_decode_paged():
+      raise GenerateError(f"model.name={model.cfg.name}", "the model family has no paged KV-cache decoding "
+                          "(continuous batching: jaxtrain/models/core.py's paged_cache)",
+                          "use the static batch (no slots), or give its decoding the slots API")
+    if slots < 1 or slots % shards:
+      raise GenerateError("slots", f"{slots} is not a positive multiple of the {shards} batch shards",
+                          f"use a multiple of {shards}")
+    if page_size < 1:
+      raise GenerateError("page_size", f"must be >= 1, got {page_size}", "use e.g. 16")
+    if requests < 1 or prompt_len < 1 or max_new_tokens < 1:
+      raise ValueError(f"requests={requests}, prompt_len={prompt_len}, max_new_tokens={max_new_tokens}: each >= 1")
+    self.max_len = prompt_len + max_new_tokens - 1  # the last new token is never fed back
+    self.pages_per_slot = -(-self.max_len // page_size)
+    pages = pages or slots * self.pages_per_slot
+    if pages % shards or pages // shards < self.pages_per_slot:
+      raise GenerateError("pages", f"{pages} pages: each of the {shards} batch shards needs at least "
+                          f"{self.pages_per_slot} (one request of prompt_len + max_new_tokens - 1 = {self.max_len} "
+                          f"tokens, {page_size} a page) and the pool splits evenly over them",
+                          f"give a multiple of {shards}, at least {shards * self.pages_per_slot}")
+    self.model, self.mesh, self.rules, self.shards = model, mesh, rules, shards
+    self.requests, self.slots, self.prompt_len, self.max_new_tokens = requests, slots, prompt_len, max_new_tokens
+    self.sampling, self.eos_ids, self.token_logp = sampling, tuple(int(e) for e in eos_ids), token_logp
+    self.page_size, self.pages = page_size, pages
+    self.replicated = NamedSharding(mesh, P())
+    abstract = abstract_params(model, param_shardings)
+
+    def arg(shape, dtype=jnp.int32):
+      return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
+
+    t = time.perf_counter()
+    with jax.set_mesh(mesh), sharding.axis_rules(rules):
+      key = arg((), jax.eval_shape(jax.random.key, 0).dtype)  # (no array made: compiles for a TPU topology too)
+      self._run_fn = jax.jit(self._run).lower(abstract, arg((requests, prompt_len)), arg((requests,)),
+                                              arg((requests,)), arg(()), key).compile()
+    self.compile_s = time.perf_counter() - t
+
+  def _run(self, params, tokens, lengths, budgets, count, key):
+    """The whole program: tokens ``[requests, prompt_len]`` left-padded, ``lengths`` and ``budgets`` ``[requests]``,
+    the first ``count`` requests real. Returns ``(tokens [requests, max_new_tokens], produced [requests], [token_logp
+    values,] {"steps", "prefills"})``."""
+    model, sampling_ = self.model, self.sampling
+    params = model.effective_params(params)  # LoRA: merged once, not in every step
+    n, N, P_len, S = self.max_new_tokens, self.requests, self.prompt_len, self.slots
+    B, per_shard, page_size, per_slot = self.shards, self.slots // self.shards, self.page_size, self.pages_per_slot
+    local_pages = self.pages // B
+    eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
+    # A request's pages: its prompt and its budget's tokens but the last (which is never fed back).
+    need = -(-(lengths + budgets - 1) // page_size)
+    cols = jnp.arange(per_slot, dtype=jnp.int32)[None, :]
+    state = {
+        "next": jnp.int32(0),  # the next queued request
+        "slot_q": jnp.full((S,), N, jnp.int32),  # each slot's request (N: free)
+        "slot_t": jnp.zeros((S,), jnp.int32),  # how many tokens it has drawn
+        "slot_last": jnp.zeros((S,), jnp.int32),  # its last token (the next step's input)
+        "slot_pages": jnp.zeros((S,), jnp.int32),  # how many pages it holds
+        "free": jnp.ones((B, local_pages), bool),  # each shard's free pages
+        "cache": model.init_paged_cache(self.pages, page_size, S, per_slot, B),
+        "out": jnp.zeros((N, n), jnp.int32), "produced": jnp.zeros((N,), jnp.int32),
+        "logps": jnp.zeros((N, n), jnp.float32) if self.token_logp is not None else None,
+        "steps": jnp.int32(0), "prefills": jnp.int32(0),
+    }
+
+    def emit(st, rows, q, t, logits, live):
+      """Draws token ``t`` of request ``q`` for each of ``rows`` (slot ids) where ``live``; records it; frees the
+      slots whose request it ends. Returns the new state and the tokens."""
+      qc = jnp.minimum(q, N - 1)
+      token = draw(logits, request_keys(key, qc, t), sampling_)
+      at = jnp.where(live, q, N)  # out of bounds: dropped
+      st = {**st, "out": st["out"].at[at, t].set(token, mode="drop"),
+            "produced": st["produced"].at[at].set(t + 1, mode="drop")}
+      if self.token_logp is not None:
+        st["logps"] = st["logps"].at[at, t].set(self.token_logp(logits, token), mode="drop")
+      ended = live & (jnp.isin(token, eos) | (t + 1 >= budgets[qc]))
+      # The ended requests' pages back to their shards' free lists, their slots free.
+      held = ended[:, None] & (cols < st["slot_pages"][rows][:, None])
+      shard = jnp.where(held, (rows // per_shard)[:, None], B)
+      st["free"] = st["free"].at[shard, st["cache"].page_table[rows]].set(True, mode="drop")
+      st["slot_q"] = st["slot_q"].at[jnp.where(ended, rows, S)].set(N, mode="drop")
+      return st, token
+
+    def plan(st):
+      """Who is admitted now: per shard its first free slot, the queued requests in order, while their pages fit."""
+      vacant = (st["slot_q"] == N).reshape(B, per_shard)
+      has = jnp.any(vacant, axis=1)
+      slot = jnp.argmax(vacant, axis=1).astype(jnp.int32) + jnp.arange(B, dtype=jnp.int32) * per_shard
+      q = st["next"] + jnp.cumsum(has, dtype=jnp.int32) - 1
+      queued = has & (q < count)
+      pages = need[jnp.minimum(q, N - 1)]
+      stuck = queued & (pages > jnp.sum(st["free"], axis=1))
+      admit = queued & (jnp.cumsum(stuck) == 0)  # first come, first served: none passes one that waits
+      return admit, slot, q, pages
+
+    def refill(st):
+      admit, slot, q, pages = plan(st)
+      qc = jnp.minimum(q, N - 1)
+      lowest = jax.vmap(lambda f: jnp.nonzero(f, size=local_pages, fill_value=0)[0])(st["free"])[:, :per_slot]
+      take = admit[:, None] & (cols < pages[:, None])
+      table = jnp.where(take, lowest, 0).astype(jnp.int32)
+      shards = jnp.arange(B, dtype=jnp.int32)[:, None]
+      free = st["free"].at[jnp.where(take, shards, B), lowest].set(False, mode="drop")
+      to = jnp.where(admit, slot, S)
+      cache = st["cache"]
+      # The prompts' prefill: one row per shard (its admitted request, or padding), written to the request's pages.
+      plen = lengths[qc]
+      col = jnp.arange(P_len, dtype=jnp.int32)[None, :]
+      real = admit[:, None] & (col >= P_len - plen[:, None])
+      start = dataclasses.replace(cache, page_table=table, lengths=jnp.zeros((B,), jnp.int32))
+      logits, prefilled = model.decode(params, tokens[qc], jnp.where(real, col - (P_len - plen[:, None]), 0),
+                                       real.astype(jnp.int32), start)
+      cache = dataclasses.replace(cache, k=prefilled.k, v=prefilled.v,
+                                  page_table=cache.page_table.at[to].set(table, mode="drop"),
+                                  lengths=cache.lengths.at[to].set(plen, mode="drop"))
+      st = {**st, "free": free, "cache": cache, "next": st["next"] + jnp.sum(admit, dtype=jnp.int32),
+            "slot_q": st["slot_q"].at[to].set(q, mode="drop"), "slot_t": st["slot_t"].at[to].set(1, mode="drop"),
+            "slot_pages": st["slot_pages"].at[to].set(pages, mode="drop"), "prefills": st["prefills"] + 1}
+      st, token = emit(st, slot, q, jnp.zeros((B,), jnp.int32), logits[:, -1], admit)
+      return {**st, "slot_last": st["slot_last"].at[to].set(token, mode="drop")}
+
+    def step(st):
+      st = jax.lax.while_loop(lambda st: jnp.any(plan(st)[0]), refill, st)
+      busy = st["slot_q"] < N
+      cache = st["cache"]
+      logits, cache = model.decode(params, st["slot_last"][:, None], cache.lengths[:, None],
+                                   busy[:, None].astype(jnp.int32), cache)
+      rows = jnp.arange(S, dtype=jnp.int32)
+      st, token = emit({**st, "cache": cache}, rows, st["slot_q"], st["slot_t"], logits[:, 0], busy)
+      return {**st, "slot_last": token, "slot_t": st["slot_t"] + busy.astype(jnp.int32), "steps": st["steps"] + 1}
+
+    def more(st):  # (bounded: every step with a busy slot draws a token)
+      waiting = (st["next"] < count) | jnp.any(st["slot_q"] < N)
+      return waiting & (st["steps"] <= count * n)
+
+    st = jax.lax.while_loop(more, step, state)
+    extras = (st["logps"],) if self.token_logp is not None else ()
+    return (st["out"], st["produced"], *extras, {"steps": st["steps"], "prefills": st["prefills"]})
+
+  # Use ---------------------------------------------------------------------------------------------------------
+
+  def batch(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int] | None = None) -> Batch:
+    return left_pad(prompts, self.requests, self.prompt_len, budgets)
+
+  def __call__(self, params, batch: Batch, seed: int = 0):
+    """Dispatches the program (not waited for) on ``batch`` (left-padded, as :class:`Generator`'s: the first
+    ``batch.count`` rows are the queue, in order); returns the device arrays of ``_run``."""
+    if batch.tokens.shape != (self.requests, self.prompt_len):
+      raise ValueError(f"a batch of {batch.tokens.shape} for {self.requests} requests of {self.prompt_len} tokens")
+    put = [jax.device_put(np.asarray(x, np.int32), self.replicated)
+           for x in (batch.tokens, batch.lengths, batch.budgets_or(self.max_new_tokens), batch.count)]
+    return self._run_fn(params, *put, jax.device_put(jax.random.key(seed), self.replicated))
+
+  completions = Generator.completions
+  generate = Generator.generate
 
 
 def padded_rows(count: int, mesh, rules) -> int:

@@ -15,6 +15,8 @@ from jaxtrain.errors import ConfigError
 
 # HBM per chip, GiB (Cloud TPU documentation), by the topology name's generation.
 HBM_GIB = {"v4": 32, "v5e": 16, "v5litepod": 16, "v5p": 95, "v6e": 32}
+# HBM bandwidth per chip, bytes per second (Google Cloud's TPU pages): what a memory-bound step (decoding) reads at.
+HBM_BYTES_PER_S = {"v4": 1228e9, "v5e": 819e9, "v5litepod": 819e9, "v5p": 2765e9, "v6e": 1640e9}
 _NAME = re.compile(r"^(v4|v5e|v5litepod|v5p|v6e):\d+(x\d+){1,2}$")
 
 
@@ -55,3 +57,7 @@ def devices(name: str) -> list:
 
 def hbm_bytes(name: str) -> int:
   return HBM_GIB[name.split(":")[0]] * 2**30
+
+
+def hbm_bytes_per_s(name: str) -> float:
+  return HBM_BYTES_PER_S[name.split(":")[0]]

@@ -26,3 +26,37 @@ def flaky_coin(completions, records):
   if _DRAWN[1] >= 5:
     return [float("nan")] * len(completions)
   return _DRAWN[0].integers(0, 2, len(completions)).astype(float).tolist()
+
+
+def misbehaving(completions, records):
+  """``letters``, but as code run for a reward may fail, by what the completion says: "crash" ends the process
+  (os._exit(3)), "segv" kills it with SIGSEGV, "hang" sleeps for ten minutes, "hang_child" starts a process that
+  sleeps for ten minutes (its pid written to the record's ``pid_file``) and sleeps too, "raise" raises, "nan" returns
+  NaN, "text" returns a string: for tests/test_grpo.py's reward pool (rl.reward_workers)."""
+  import os
+  import signal
+  import subprocess
+  import time
+  out = []
+  for c, r in zip(completions, records):
+    if c == "crash":
+      os._exit(3)
+    if c == "segv":
+      os.kill(os.getpid(), signal.SIGSEGV)
+    if c == "hang":
+      time.sleep(600)
+    if c == "hang_child":
+      child = subprocess.Popen(["sleep", "600"])
+      with open(r["pid_file"], "w") as f:
+        f.write(str(child.pid))
+      time.sleep(600)
+    if c == "raise":
+      raise ValueError(f"cannot run {c!r}")
+    out.append(float("nan") if c == "nan" else "seven" if c == "text" else letters([c], [r])[0])
+  return out
+
+
+def starts_lower(completions, records):
+  """1 when a completion starts with a lowercase ASCII letter, else 0: about 1 completion in 10 of a model at its
+  random start (byte-level), so that about half the groups of 8 have equal rewards (rl.dynamic_sampling's test)."""
+  return [float(c[:1].isascii() and c[:1].islower()) for c in completions]

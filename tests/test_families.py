@@ -147,6 +147,11 @@ def test_imported_family_equals_transformers_and_exports_bitwise(name, tmp_path)
                                rows=sampling_lib.padded_rows(len(prompts), loaded.mesh, loaded.rules), prompt_len=7,
                                max_new_tokens=new, eos_ids=())
   ours = gen.generate(loaded.params, prompts)
+  # Continuous batching over a paged cache (jaxtrain.sampling.ContinuousGenerator): the same tokens.
+  queue = sampling_lib.ContinuousGenerator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings,
+                                           requests=3, slots=sampling_lib.padded_rows(1, loaded.mesh, loaded.rules),
+                                           prompt_len=7, max_new_tokens=new, page_size=4)
+  assert queue.generate(loaded.params, prompts) == ours
   batch = gen.batch(prompts)
   with torch.no_grad():
     theirs = ref.generate(input_ids=torch.tensor(batch.tokens[:3]), attention_mask=torch.tensor(batch.segment_ids[:3]),

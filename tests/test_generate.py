@@ -152,6 +152,115 @@ def test_sharded_mesh_generates_what_one_device_does(tiny):
     assert gen.generate(sharded, PROMPTS, seed=1) == want
 
 
+# (g) Continuous batching (a paged KV cache, slots refilled from a queue) ---------------------------------------
+
+# Nine requests of 1 to 7 tokens, each with its own budget (1 to 12 new tokens): more requests than slots (slots are
+# refilled), one that ends at its first token.
+QUEUE = [[5, 17, 33, 2, 90, 41, 7], [12, 99, 3], [64], [7, 7, 1, 200], [31, 4], [250, 9, 8, 77, 3, 3], [101],
+         [18, 44, 2, 6, 120], [3, 3, 3]]
+BUDGETS = [12, 3, 7, 1, 12, 5, 9, 2, 11]
+
+
+def _logp(logits, tokens):
+  return jax.nn.log_softmax(logits)[np.arange(logits.shape[0]), tokens]
+
+
+@pytest.fixture(scope="module")
+def static_queue(tiny):
+  """The static generator on QUEUE (one batch, each row stopped at its budget), greedy and sampled (seed 7): tokens,
+  produced, log-probabilities."""
+  out = {}
+  for temperature in (0.0, 1.5):
+    gen = _generator(tiny, QUEUE, sampling=sampling_lib.Sampling(temperature), token_logp=_logp)
+    out[temperature] = jax.device_get(gen(tiny[-1], gen.batch(QUEUE, BUDGETS), seed=7))[:3]
+  return out
+
+
+def _continuous(tiny, mesh=None, rules=None, shardings=None, **kw):
+  model, one_mesh, one_rules, one_shardings, _ = tiny
+  return sampling_lib.ContinuousGenerator(model, mesh or one_mesh, rules or one_rules, shardings or one_shardings,
+                                          requests=len(QUEUE), prompt_len=7, max_new_tokens=12, token_logp=_logp,
+                                          page_size=4, **kw)
+
+
+def test_continuous_batching_gives_the_static_batch_tokens(tiny, static_queue):
+  """Two slots over nine requests: greedy with an EOS token, the pool (7 pages of 4 tokens) smaller than 2 slots x
+  5 pages, so requests also wait for pages; sampled, three slots: the static batch's tokens for every request."""
+  params = tiny[-1]
+  tokens, produced, logps = static_queue[0.0]
+  eos = int(tokens[0, 4])
+  gen = _continuous(tiny, slots=2, pages=7, eos_ids=(eos,))
+  assert gen.pages_per_slot == 5  # 7 + 12 - 1 tokens at most
+  got, got_produced, got_logps, stats = jax.device_get(gen(params, gen.batch(QUEUE, BUDGETS), seed=7))
+  for q, budget in enumerate(BUDGETS):  # the static answer up to the budget, then up to its first EOS
+    want = tokens[q, :budget].tolist()
+    want = want[:want.index(eos) + 1] if eos in want else want
+    assert got[q].tolist() == want + [0] * (12 - len(want)) and got_produced[q] == len(want), q
+    np.testing.assert_allclose(got_logps[q, :len(want)], logps[q, :len(want)], atol=1e-5)
+  assert got_produced[0] == 5 and stats["prefills"] == len(QUEUE)  # one device: one request a prefill
+  hot = _continuous(tiny, slots=3, sampling=sampling_lib.Sampling(1.5))
+  got, got_produced, got_logps, stats = jax.device_get(hot(params, hot.batch(QUEUE, BUDGETS), seed=7))
+  tokens, produced, logps = static_queue[1.5]
+  np.testing.assert_array_equal(got, tokens)
+  np.testing.assert_array_equal(got_produced, BUDGETS)
+  np.testing.assert_allclose(got_logps, logps, atol=1e-5)
+  assert stats["steps"] < sum(BUDGETS) / 2  # three slots at a time (the static batch: 11 steps of 9 rows)
+  # What the caller may not ask: one line each, before anything is compiled.
+  with pytest.raises(sampling_lib.GenerateError, match="pages: 4 pages: each of the 1 batch shards needs at least 5"):
+    _continuous(tiny, slots=2, pages=4)
+  with pytest.raises(sampling_lib.GenerateError, match="budgets: must be 9 values from 1 to max_new_tokens=12"):
+    hot(params, hot.batch(QUEUE, [13] * 9))
+
+
+def test_continuous_batching_on_a_sharded_mesh(tiny, static_queue):
+  """data 2 x tensor 2: two slots and five pages per shard (less than 4 slots x 5 pages), sampled: the static
+  batch's tokens on one device."""
+  model, _, _, _, params = tiny
+  mesh, rules = _layout(4, data=2, tensor=2)
+  shardings = sharding.logical_to_sharding(model.logical_specs, mesh, rules)
+  sharded = jax.device_put(jax.device_get(params), shardings)
+  with pytest.raises(sampling_lib.GenerateError, match="slots: 3 is not a positive multiple of the 2 batch shards"):
+    _continuous(tiny, mesh, rules, shardings, slots=3)
+  gen = _continuous(tiny, mesh, rules, shardings, slots=4, pages=10, sampling=sampling_lib.Sampling(1.5))
+  with jax.set_mesh(mesh):
+    got, got_produced, got_logps, stats = jax.device_get(gen(sharded, gen.batch(QUEUE, BUDGETS), seed=7))
+  tokens, produced, logps = static_queue[1.5]
+  np.testing.assert_array_equal(got, tokens)
+  np.testing.assert_array_equal(got_produced, BUDGETS)
+  np.testing.assert_allclose(got_logps, logps, atol=1e-5)
+  assert stats["prefills"] < len(QUEUE)  # two requests (one per shard) in a prefill at times
+
+
+def test_grpo_rollout_slots_sample_the_static_rollouts_completions(tmp_path):
+  """rl.rollout_slots=8: GRPO's rollout sampler is the continuous one, and its completions and log-probabilities are
+  the static rollout's (64 rows, 8 slots)."""
+  from jaxtrain import config as config_lib
+  from jaxtrain.data import prompts as prompts_lib
+  from jaxtrain.errors import ConfigError
+  from jaxtrain.train import start, trainer
+  from jaxtrain.train.objectives import grpo
+  from tests.test_grpo import MODEL, grpo_config, write_task
+  c = grpo_config(tmp_path / "run", write_task(tmp_path / "task"))
+  c.model.update(**MODEL)
+  run = trainer.build(config_lib.resolve(c), jax.devices()[:1])
+  params = start.starting_state(run).params
+  table = prompts_lib.load(c.data.path, run.config)
+  done = {}
+  for slots in (0, 8):
+    run.config.rl.update(rollout_slots=slots)
+    gen = grpo.rollout_generator(run, 64, (10,))
+    assert isinstance(gen.generator, sampling_lib.ContinuousGenerator) == bool(slots)
+    batch = gen.batch([table.ids[i % len(table.ids)] for i in range(64)])
+    with jax.set_mesh(run.mesh):
+      done[slots] = grpo.Completions(gen(params, batch, seed=3), (10,), prompts_lib._tokenizer("byte"))
+  np.testing.assert_array_equal(done[8].tokens, done[0].tokens)
+  np.testing.assert_array_equal(done[8].produced, done[0].produced)
+  np.testing.assert_allclose(done[8].logps, done[0].logps, atol=1e-5)
+  run.config.rl.update(rollout_slots=-8)
+  with pytest.raises(ConfigError, match="rl.rollout_slots: must be 0 or a positive multiple"):
+    grpo.rollout_generator(run, 64, (10,))
+
+
 # (a) transformers ------------------------------------------------------------------------------------------------
 
 
@@ -205,6 +314,11 @@ def test_cli_prints_completions_and_they_equal_the_api(trained_run):
   records = [json.loads(line) for line in sharded.stdout.splitlines()]
   assert [r["completion"] for r in records] == [tok.decode(i) for i in ids]
   assert [r["prompt"] for r in records] == ["ROMEO:", "To be"]
+  # Continuous batching (--slots rounded up to the mesh's 8 batch shards): the same completions.
+  queued = _cli(f"--checkpoint={trained_run}", "--prompt=ROMEO:", "--prompt=To be", "--max_new_tokens=10",
+                "--slots=1")
+  assert queued.returncode == 0, queued.stderr[-3000:]
+  assert queued.stdout.splitlines() == lines and "slots, paged KV cache" in queued.stderr
 
 
 CLI_ERRORS = [
@@ -216,6 +330,8 @@ CLI_ERRORS = [
     (["--checkpoint={run}", "--prompt=a", "--top_p=0"], "--top_p: must be in (0, 1], got 0.0"),
     (["--checkpoint={run}", "--prompt=a", "--max_new_tokens=0"], "--max_new_tokens: must be > 0, got 0"),
     (["--checkpoint={run}", "--prompt=a", "--max_new_tokens=many"], "--max_new_tokens=many"),
+    (["--checkpoint={run}", "--prompt=a", "--slots=2", "--no_cache"], "--slots: continuous batching decodes with "
+     "the KV cache"),
     (["--checkpoint={run}", "--prompt=a", "--set=model.num_layers=2"], "model.num_layers: cannot be overridden"),
     (["--checkpoint={run}", "--prompt=a", "--config.mesh.fsdp=3"], "mesh: ICI mesh data=1 x pipeline=1 x fsdp=3"),
     (["--checkpoint={run}", "--prompt=a", "--prompts_file={tmp}/missing.txt"], "missing.txt: cannot be read"),

@@ -64,6 +64,10 @@ def test_gpt2_trains_generates_and_exports_what_transformers_computes(tmp_path):
     out, produced, logits, _ = jax.device_get(gen(params, gen.batch(PROMPTS)))
     results[use_cache] = out, logits
   np.testing.assert_array_equal(results[True][0], results[False][0])
+  # Its decoding writes with attention.write_kv at cache.index: a static batch only (models/core.py's paged_cache).
+  with pytest.raises(sampling_lib.GenerateError, match="model.name=gpt2: the model family has no paged KV-cache"):
+    sampling_lib.ContinuousGenerator(model, mesh, rules, shardings, requests=3, slots=1, prompt_len=7,
+                                     max_new_tokens=8)
   assert np.max(np.abs(results[True][1] - results[False][1])) < 1e-5
   assert np.max(np.abs(results[True][1])) > 0.1  # logits that are not all ~0
 

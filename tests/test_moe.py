@@ -295,6 +295,9 @@ def test_cached_decoding_equals_the_training_forward():
                            max_new_tokens=6, return_logits=True)
   out, produced, logits, _ = jax.device_get(gen(params, gen.batch(prompts)))
   np.testing.assert_array_equal(produced[:3], [6, 6, 6])  # (a 4th row pads the batch to its 4 shards)
+  queue = sampling_lib.ContinuousGenerator(model, mesh, rules, shardings, requests=3, slots=4, prompt_len=7,
+                                           max_new_tokens=6, page_size=4)  # (4 slots: one per batch shard)
+  assert queue.generate(params, prompts) == out[:3].tolist()  # continuous batching, a paged cache: the same tokens
   local = jax.device_get(params)
   for r, ids in enumerate(prompts):
     row = np.asarray([ids + out[r, :-1].tolist()], np.int32)

@@ -52,6 +52,8 @@ _TPU_CONFIG = flags.DEFINE_string("tpu_config", "configs/llama3_8b.py", "TPU: th
 _TPU_ROWS = flags.DEFINE_integer("tpu_rows", 512, "TPU: completions per step (64 prompts x 8).")
 _TPU_SEQ = flags.DEFINE_integer("tpu_seq_len", 2048, "TPU: the training row (prompt and completion).")
 _TPU_NEW = flags.DEFINE_integer("tpu_new_tokens", 1024, "TPU: new tokens per completion.")
+_ROLLOUT_TENSOR = flags.DEFINE_integer("rollout_tensor", -1, "TPU: rl.rollout_tensor (-1: jaxtrain's choice; 0: "
+                                       "the training layout).")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/grpo.json", "Where to write the JSON results.")
 
 
@@ -84,7 +86,7 @@ def _tpu_run(prompts: str, topo: str, layers: int):
       "workdir=/tmp/bench_grpo", "train.objective=grpo", f"train.global_batch_size={_TPU_ROWS.value}",
       "data.source=prompts", f"data.path={prompts}", f"data.seq_len={_TPU_SEQ.value}", "rl.group_size=8",
       f"rl.max_new_tokens={_TPU_NEW.value}", "eval.every_steps=0", "dry_run=true", f"dry_run_topology={topo}",
-      "data.tokenizer=", f"model.num_layers={layers}"])
+      "data.tokenizer=", f"model.num_layers={layers}", f"rl.rollout_tensor={_ROLLOUT_TENSOR.value}"])
   config_lib.validate_values(c)
   return trainer.build(c, topology.devices(topo))
 
@@ -95,7 +97,8 @@ def _programs(prompts: str, topo: str, layers: int, unrolled: bool) -> dict:
   with attention.compiling_for("tpu"), scans.unrolled() if unrolled else contextlib.nullcontext():
     update = trainer.compile_step(run)
     generator = grpo.rollout_generator(run, _TPU_ROWS.value, ())
-  return {"update": update, "decode": generator._decode_fn, "prefill": generator._prefill_fn, "run": run}
+  return {"update": update, "decode": generator._decode_fn, "prefill": generator._prefill_fn, "run": run,
+          "layout": generator.layout}
 
 
 def tpu_estimate(prompts: str, topo: str) -> dict:
@@ -109,7 +112,13 @@ def tpu_estimate(prompts: str, topo: str) -> dict:
     _, _, whole = _hlo.extrapolate(_hlo.figures(small[name]), _hlo.figures(bigger[name]), 1, layers)
     mem = real[name].memory_analysis()
     out[name] = {"seconds": whole["seconds"], "flops": whole["flops"], "bytes": whole["bytes"],
-                 "peak_bytes": int(mem.peak_memory_in_bytes)}
+                 "peak_bytes": int(mem.peak_memory_in_bytes), "argument_bytes": int(mem.argument_size_in_bytes)}
+  # A decode step reads every weight of its device and its rows' whole KV cache (the decode loop's arguments): its
+  # memory bound is those bytes over the chip's HBM bandwidth.
+  out["rollout_layout"] = {"tensor": real["layout"].tensor, "describe": real["layout"].describe(),
+                           "weight_bytes": real["layout"].weight_bytes()}
+  out["decode"]["memory_bound_s"] = out["decode"]["argument_bytes"] / topology.hbm_bytes_per_s(topo)
+  out["decode"]["over_bound"] = out["decode"]["seconds"] / out["decode"]["memory_bound_s"]
   rollout = out["prefill"]["seconds"] + _TPU_NEW.value * out["decode"]["seconds"]
   out["rollout_seconds"] = rollout
   out["rollout_share"] = rollout / (rollout + out["update"]["seconds"])
@@ -133,8 +142,10 @@ def main(argv):
     e = tpu_estimate(_prompts(folder + "/tpu"), topo)
     result["tpu"].append(e)
     print(f"{topo} ({e['chips']} chips), {_TPU_CONFIG.value}, {e['rows']} rows x {e['seq_len']} tokens, "
-          f"{e['new_tokens']} new: decode step {e['decode']['seconds'] * 1e3:.2f} ms (peak "
-          f"{e['decode']['peak_bytes'] / 2**30:.1f} GiB), prefill {e['prefill']['seconds']:.3f} s, update step "
+          f"{e['new_tokens']} new, rollout layout {e['rollout_layout']['describe']}: decode step "
+          f"{e['decode']['seconds'] * 1e3:.2f} ms = {e['decode']['over_bound']:.2f}x its memory bound "
+          f"({e['decode']['argument_bytes'] / 1e9:.2f} GB a chip: "
+          f"{e['decode']['memory_bound_s'] * 1e3:.2f} ms; peak {e['decode']['peak_bytes'] / 2**30:.1f} GiB), prefill {e['prefill']['seconds']:.3f} s, update step "
           f"{e['update']['seconds']:.3f} s (peak {e['update']['peak_bytes'] / 2**30:.1f} GiB); rollout "
           f"{e['rollout_seconds']:.2f} s = {e['rollout_share']:.0%} of rollout + update", flush=True)
   print(f"wrote {_bench.write_json(_OUT.value, {'results': result})}")

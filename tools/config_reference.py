@@ -37,6 +37,8 @@ OPS, CKPT, DATA = "operations.md", "checkpoints.md", "data.md"
 MODELS, PAR, OBS = "models.md", "parallelism.md", "observability.md"
 PREF = "post_training.md#preference-optimization-dpo-simpo-orpo"
 RL = "post_training.md#reinforcement-learning-with-verifiable-rewards-grpo"
+REWARD_POOL = "post_training.md#rewards-that-run-code-the-pool"
+LOSSES = "post_training.md#losses"
 VARIANTS, DSV3, GPTOSS = "models.md#attention-variants", "models.md#deepseek-v3", "models.md#gpt-oss"
 OPTIM = "configuration.md#optimizers-and-schedules"
 
@@ -273,9 +275,25 @@ MEANINGS: dict[str, tuple[str, str]] = {
     "rl.rewards": ("`exact_match`, `format`, `module.path:function`, each `=weight`", "post_training.md#rewards"),
     "rl.answer_field": ("`exact_match`: the record's field holding the answer", "post_training.md#rewards"),
     "rl.format_regex": ("`format`: the whole completion must match it", "post_training.md#rewards"),
+    "rl.reward_workers": ("0: the rewards run in the trainer's process; N: in a pool of N worker processes, each "
+                          "completion alone, a failure scoring 0 (counted)", REWARD_POOL),
+    "rl.reward_timeout_s": ("in the pool: the seconds one completion's reward may take (then its worker is killed and "
+                            "it scores 0)", REWARD_POOL),
     "rl.kl_weight": ("the k3 KL penalty's weight; 0: none (no reference computed)", RL),
-    "rl.clip_epsilon": ("the ratio is clipped to [1 - eps, 1 + eps]", RL),
+    "rl.loss": ("the policy loss: `grpo`, `dapo`, `dr_grpo`, `gspo`", LOSSES),
+    "rl.clip_epsilon": ("the ratio is clipped to [1 - eps, 1 + eps] (`dapo`: its lower bound)", RL),
+    "rl.clip_epsilon_high": ("`dapo`'s clip-higher: the ratio's upper bound is 1 + this", LOSSES),
+    "rl.gspo_clip_epsilon": ("`gspo`: the sequence ratio's lower bound is 1 - this", LOSSES),
+    "rl.gspo_clip_epsilon_high": ("`gspo`: the sequence ratio's upper bound is 1 + this", LOSSES),
+    "rl.overlong_buffer": ("DAPO's overlong shaping: the last N of `rl.max_new_tokens` cost up to -1 reward; 0: off",
+                           LOSSES),
+    "rl.dynamic_sampling": ("DAPO's dynamic sampling: groups of equal rewards refilled from more rollouts", LOSSES),
+    "rl.dynamic_sampling_rounds": ("with `rl.dynamic_sampling`: extra rollouts per step at most", LOSSES),
     "rl.updates_per_batch": ("optimizer updates per rollout batch", RL),
+    "rl.rollout_tensor": ("the sampler's layout: weights in the compute dtype over tensor groups of N devices; -1: the "
+                          "KV heads, at most a slice; 0: the training layout", "post_training.md#the-rollout-layout"),
+    "rl.rollout_slots": ("continuous batching: N slots decode the rollout's rows as a queue over a paged KV cache; "
+                         "0: one static batch", "huggingface.md#continuous-batching"),
     "rl.reference": ("`frozen` or `adapters_off`; empty: `adapters_off` with LoRA, else `frozen`", RL),
     # eval
     "eval.every_steps": ("eval loss and perplexity on the held-out split every N steps; 0: off", OBS),

@@ -681,12 +681,24 @@ def attend(backend: str, q, k, v, segment_ids, positions=None, block_size: int =
 
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-  """The keys and values of every layer for ``max_len`` slots per row, and what each slot holds.
+  """The keys and values of every layer for ``max_len`` slots per row, and what each slot holds (the static batch's
+  cache: :class:`jaxtrain.sampling.Generator`).
 
   ``k``, ``v``: ``[layers, batch, max_len, kv_heads, head_dim]`` (compute dtype); ``segment_ids``, ``positions``:
   ``[batch, max_len]`` int32 of the token in each slot (segment id 0: empty or padding, never attended to);
   ``index``: int32 scalar, the next slot to write (the same for every row: prompts are left-padded). A forward with
   a cache writes its ``length`` new tokens at ``index`` and returns the cache with ``index + length``.
+
+  What a family's decoding calls (the same calls work on a :class:`PagedKVCache`): ``slots =
+  cache.write_slots(segment_ids, positions)`` once per forward; ``slots.scan_layers(layer, x, weights, k, v,
+  kinds)`` runs the layer stack, ``layer(h, weights, k_layer, v_layer, kind) -> (h, (k_layer, v_layer))``; in each
+  layer ``slots.write(k_layer, new)`` (the layer's cache with the new keys or values written) and attention over
+  ``slots.view(k_layer)`` with ``slots.kv_segment_ids`` and ``slots.kv_positions``; at the end
+  ``slots.advanced(k, v, length)``. A layer never looks inside ``k_layer``: here it is the layer's slice of the
+  cache (a ``lax.scan`` over the layers' caches, as always), ``view`` is the array itself and ``write`` is
+  :func:`write_kv`, so the static path computes what it always has. (Carrying the whole stack through the scan and
+  writing it in place, as :class:`PagedKVCache` does, made the TPU compiler's estimate of Llama 3 8B's decode step
+  worse, not better: each layer's slice of a carried stack is copied out for attention. tools/bench_grpo.py.)
   """
   k: jax.Array
   v: jax.Array
@@ -702,11 +714,47 @@ class KVCache:
 
   def write_slots(self, segment_ids: jax.Array, positions: jax.Array) -> "KVCache":
     """The cache with the new tokens' segment ids and positions written at ``index`` (keys and values are written
-    per layer by :func:`write_kv`)."""
+    per layer by :meth:`write`)."""
     at = (jnp.zeros((), jnp.int32), self.index)
     return dataclasses.replace(
         self, segment_ids=jax.lax.dynamic_update_slice(self.segment_ids, segment_ids.astype(jnp.int32), at),
         positions=jax.lax.dynamic_update_slice(self.positions, positions.astype(jnp.int32), at))
+
+  def write(self, cached: jax.Array, new: jax.Array, axes=None) -> jax.Array:
+    """One layer's cache ``[batch, max_len, ...]`` with ``new`` ``[batch, length, ...]`` at ``index`` (constrained
+    to ``axes``, default :data:`KV_AXES`)."""
+    return write_kv(cached, new, self.index, axes)
+
+  def view(self, cached: jax.Array, axes=None) -> jax.Array:
+    """One layer's cache as attention reads it: ``[batch, max_len, ...]``, the array itself."""
+    del axes
+    return cached
+
+  @property
+  def kv_segment_ids(self) -> jax.Array:
+    return self.segment_ids
+
+  @property
+  def kv_positions(self) -> jax.Array:
+    return self.positions
+
+  def advanced(self, k: jax.Array, v: jax.Array, length: int) -> "KVCache":
+    """The cache after a forward of ``length`` tokens that wrote ``k`` and ``v``."""
+    return dataclasses.replace(self, k=k, v=v, index=self.index + length)
+
+  def scan_layers(self, layer, x, weights, k, v, kinds=None, first: int = 0):
+    """``(x, (k, v))`` after the layers whose stacked ``weights`` (and per-layer ``kinds``, None: none) are given,
+    ``layer(h, weights, k_layer, v_layer, kind) -> (h, (k_layer, v_layer))``: a ``lax.scan`` over them and their
+    caches, layers ``first`` onward of the stacks ``k`` and ``v``, which come back with those layers written."""
+    count = jax.tree.leaves(weights)[0].shape[0]
+    whole = first == 0 and count == k.shape[0]
+    k_part, v_part = (k, v) if whole else (k[first:first + count], v[first:first + count])
+    x, (k_new, v_new) = jax.lax.scan(lambda h, xs: layer(h, *xs), x, (weights, k_part, v_part, kinds),
+                                     unroll=scans.unroll())
+    if whole:
+      return x, (k_new, v_new)
+    return x, (jax.lax.dynamic_update_slice_in_dim(k, k_new, first, 0),
+               jax.lax.dynamic_update_slice_in_dim(v, v_new, first, 0))
 
 
 jax.tree_util.register_dataclass(KVCache, data_fields=["k", "v", "segment_ids", "positions", "index"],
@@ -715,11 +763,167 @@ jax.tree_util.register_dataclass(KVCache, data_fields=["k", "v", "segment_ids", 
 KV_AXES = ("batch", None, "kv_heads", "head_dim")  # logical axes of one layer's cached keys or values
 
 
-def write_kv(cached: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
+def write_kv(cached: jax.Array, new: jax.Array, index: jax.Array, axes=None) -> jax.Array:
   """One layer's cache ``[batch, max_len, kv_heads, head_dim]`` with ``new`` ``[batch, length, ...]`` at slot
-  ``index``."""
+  ``index`` (constrained to ``axes``, default :data:`KV_AXES`)."""
   zero = jnp.zeros((), jnp.int32)
-  return constrain(jax.lax.dynamic_update_slice(cached, new.astype(cached.dtype), (zero, index, zero, zero)), KV_AXES)
+  return constrain(jax.lax.dynamic_update_slice(cached, new.astype(cached.dtype), (zero, index, zero, zero)),
+                   axes or KV_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+  """A paged cache for continuous batching (:class:`jaxtrain.sampling.ContinuousGenerator`): a pool of pages that
+  the rows (the decoding slots) hold through a page table, each row with its own write index.
+
+  ``k``, ``v``: the pool, ``[layers, pages, page_size, ...]`` (a family's per-token widths: ``kv_heads, head_dim``,
+  or MLA's latent ``1, kv_lora_rank``); ``page_table``: ``[rows, pages_per_row]`` int32, the pages a row holds in
+  order (ids local to the row's shard, below); ``lengths``: ``[rows]`` int32, how many tokens each row has written
+  (its next write index). ``shards`` (static): the batch shards; the rows and the pool's pages are split evenly over
+  them and a row only holds pages of its own shard, so that writing and reading a page never leaves the device
+  (the pool's ``pages`` axis is split like a static cache's ``batch``: :data:`KV_AXES` apply to a layer's pool).
+
+  A row holds one request at a time, its tokens compact: the token at position p (within its request: positions
+  start at 0, prompts are not padded) at row index p (page ``p // page_size``, offset ``p % page_size``). So a row's
+  keys need no stored segment ids or positions: index j of a row is visible iff ``j < lengths[row]``, at position
+  j, and a refilled row (its length reset to 0) cannot see its previous request's stale keys, which are never
+  cleared. (Keys from index 0 to a length are also what TPU's paged-attention kernels read:
+  jaxtrain.sampling.ContinuousGenerator's docstring.) Pages are allocated and freed by the generator (a free list
+  per shard, on device).
+
+  A forward with this cache (the same family code as :class:`KVCache`'s): each row's tokens whose segment id is
+  not 0 are written at ``lengths[row]`` onward, in order (a row's real tokens in one forward are one request's, one
+  segment id; padding tokens, segment 0, are not written); its queries attend over the row's pages gathered into
+  one contiguous view, ``[rows, pages_per_row * page_size, ...]``, under :func:`cached_mask` (:class:`PagedSlots`):
+  today's arithmetic on a view, exact on any backend.
+  """
+  k: jax.Array
+  v: jax.Array
+  page_table: jax.Array
+  lengths: jax.Array
+  shards: int = 1
+
+  @classmethod
+  def zeros(cls, per_token: "KVCache", pages: int, rows: int, pages_per_row: int, shards: int = 1
+            ) -> "PagedKVCache":
+    """An empty pool of ``pages`` pages shaped like ``per_token`` (a family's cache for one row of ``page_size``
+    slots, e.g. ``jax.eval_shape`` of its ``init_cache(cfg, 1, page_size)``) and an empty page table of ``rows``
+    rows."""
+    def pool(a):
+      return jnp.zeros((a.shape[0], pages, *a.shape[2:]), a.dtype)
+    return cls(pool(per_token.k), pool(per_token.v), jnp.zeros((rows, pages_per_row), jnp.int32),
+               jnp.zeros((rows,), jnp.int32), shards)
+
+  @property
+  def page_size(self) -> int:
+    return self.k.shape[2]
+
+  def write_slots(self, segment_ids: jax.Array, positions: jax.Array) -> "PagedSlots":
+    """Where this forward's tokens go (the pool-local index of each, or past the end: not written)."""
+    del positions  # a token at row index p is at position p (the class docstring)
+    segment_ids = segment_ids.astype(jnp.int32)
+    valid = segment_ids != 0
+    rank = jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
+    at = jnp.where(valid, self.lengths[:, None] + rank, 0)
+    page_size, per_row = self.page_size, self.page_table.shape[1]
+    local_pages = self.k.shape[1] // self.shards
+    page = jnp.take_along_axis(self.page_table, jnp.minimum(at // page_size, per_row - 1), axis=1)
+    targets = jnp.where(valid, page * page_size + at % page_size, local_pages * page_size)
+    # Each row's view as token indices into its shard's pool: its pages in order, each page's tokens.
+    offsets = jnp.arange(page_size, dtype=jnp.int32)[None, None, :]
+    view = (self.page_table[:, :, None] * page_size + offsets).reshape(self.page_table.shape[0], -1)
+    return PagedSlots(self, targets, view, self.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32),
+                      jnp.max(segment_ids, axis=1))
+
+
+jax.tree_util.register_dataclass(PagedKVCache, data_fields=["k", "v", "page_table", "lengths"],
+                                 meta_fields=["shards"])
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolLayer:
+  """What a layer of a paged decode holds as its cache (``k_layer``, ``v_layer``): the whole pool ``[layers, pages,
+  page_size, ...]``, carried through the layer scan and written in place, and the layer's index in it. (A scan over
+  the layers' slices of the pool, as the static cache's, would copy the whole pool at every forward: measured, a
+  third of a CPU decode step of 16 slots.)"""
+  pool: jax.Array
+  layer: jax.Array
+
+
+jax.tree_util.register_dataclass(PoolLayer, data_fields=["pool", "layer"], meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedSlots:
+  """One forward's view of a :class:`PagedKVCache` (what ``write_slots`` returns; the layers' ``slots``):
+  ``targets`` ``[rows, length]``, each new token's index in its shard's pool flattened to ``[pages * page_size]``
+  (past the end: dropped); ``tokens`` ``[rows, pages_per_row * page_size]``, the index there of each entry of the
+  row's view; ``lengths``, each row's length after the forward; ``segments``, each row's segment id (0: a row with
+  no token in this forward)."""
+  cache: PagedKVCache
+  targets: jax.Array
+  tokens: jax.Array
+  lengths: jax.Array
+  segments: jax.Array
+
+  def _by_shard(self, x: jax.Array) -> jax.Array:
+    return x.reshape(self.cache.shards, x.shape[0] // self.cache.shards, *x.shape[1:])
+
+  def _tokens(self, pool: jax.Array) -> jax.Array:
+    """A pool ``[layers, pages, page_size, ...]`` as ``[layers, shards, its tokens, ...]`` (the per-token dims kept,
+    so that the KV heads stay a dim of their own, split over ``tensor``)."""
+    return pool.reshape(pool.shape[0], self.cache.shards, -1, *pool.shape[3:])
+
+  def write(self, cached: PoolLayer, new: jax.Array, axes=None) -> PoolLayer:
+    """The pool with ``new`` ``[rows, length, ...]`` (a layer's new keys or values) written to that layer's pages:
+    a scatter of whole token entries within each shard (vmapped over the shards: no data leaves its device),
+    padding tokens dropped, in place."""
+    pool = cached.pool
+    entries = self._by_shard(new.astype(pool.dtype)).reshape(self.cache.shards, -1, *new.shape[2:])
+    targets = self._by_shard(self.targets).reshape(self.cache.shards, -1)
+    tokens = jax.vmap(lambda p, i, n: p.at[cached.layer, i].set(n, mode="drop"), in_axes=(1, 0, 0), out_axes=1)(
+        self._tokens(pool), targets, entries)
+    return PoolLayer(constrain(tokens.reshape(pool.shape), (None, *(axes or KV_AXES))), cached.layer)
+
+  def view(self, cached: PoolLayer, axes=None) -> jax.Array:
+    """The layer's keys or values as attention reads them: each row's pages gathered in order, ``[rows,
+    pages_per_row * page_size, ...]`` (the exact fallback of a paged-attention kernel). Gathered token by token
+    (``tokens``), not page by page: on CPU a decode step of 16 slots over 16-token pages then costs what it costs
+    over one page per slot (page by page: 10% more)."""
+    pool = cached.pool
+    rows = jax.vmap(lambda p, i: p[cached.layer, i], in_axes=(1, 0))(self._tokens(pool), self._by_shard(self.tokens))
+    return constrain(rows.reshape(*self.tokens.shape, *pool.shape[3:]), axes or KV_AXES)
+
+  def scan_layers(self, layer, x, weights, k, v, kinds=None, first: int = 0):
+    """As :meth:`KVCache.scan_layers`, the whole pools ``k`` and ``v`` carried through the scan (each layer a
+    :class:`PoolLayer` of them, layers ``first`` onward)."""
+    count = jax.tree.leaves(weights)[0].shape[0]
+
+    def body(carry, xs):
+      h, k, v = carry
+      w, index, kind = xs
+      h, (k, v) = layer(h, w, PoolLayer(k, index), PoolLayer(v, index), kind)
+      return (h, k.pool, v.pool), None
+
+    index = jnp.arange(first, first + count, dtype=jnp.int32)
+    (x, k, v), _ = jax.lax.scan(body, (x, k, v), (weights, index, kinds), unroll=scans.unroll())
+    return x, (k, v)
+
+  @property
+  def kv_segment_ids(self) -> jax.Array:
+    """``[rows, view length]``: the row's segment id up to its length, 0 (never attended to) after."""
+    seen = jnp.arange(self.tokens.shape[1], dtype=jnp.int32)[None, :] < self.lengths[:, None]
+    return jnp.where(seen, self.segments[:, None], 0)
+
+  @property
+  def kv_positions(self) -> jax.Array:
+    """``[rows, view length]``: index j of a row's view holds its request's token at position j."""
+    return jnp.broadcast_to(jnp.arange(self.tokens.shape[1], dtype=jnp.int32), self.tokens.shape)
+
+  def advanced(self, k: jax.Array, v: jax.Array, length: int) -> PagedKVCache:
+    """The cache after this forward (its pools ``k``, ``v`` written by every layer)."""
+    del length
+    return dataclasses.replace(self.cache, k=k, v=v, lengths=self.lengths)
 
 
 def cached_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions, window=0) -> jax.Array:

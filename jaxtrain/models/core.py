@@ -31,6 +31,13 @@ same nonzero segment id and ``kv_position[j] <= q_position[i]``) and returns the
 Prompts of different lengths are left-padded: pads have segment id 0, each row's positions start at 0 at its first
 real token, so a prefill (whole prompts at once) and then one token per call compute the logits of the training
 forward on the same rows. Without a cache the call is the training forward, unchanged.
+
+A family's layers reach the cache through the slots API (``attention.KVCache``'s docstring: ``slots =
+cache.write_slots(...)``, ``slots.scan_layers``, ``slots.write``, ``slots.view``, ``slots.kv_segment_ids`` and
+``kv_positions``, ``slots.advanced``); one whose module class sets ``paged_cache = True`` also decodes with an
+``attention.PagedKVCache`` (a page pool and a page table, each row its own write index): continuous batching,
+``jaxtrain.sampling.ContinuousGenerator``. A family that writes with ``attention.write_kv`` at ``cache.index``
+decodes static batches only.
 """
 
 from __future__ import annotations
@@ -186,6 +193,25 @@ def stacked(cfg, dtype, rngs: nnx.Rngs, block, count: int, axis_name: str = "lay
   def make(rngs):
     return block(cfg, dtype, rngs)
   return make(rngs)
+
+
+def decode_stacks(stacks, slots, x, k, v, positions, segment_ids):
+  """Decoding through layer stacks that share one cache stack, in order (``stacks``: nnx layer stacks, None skipped;
+  e.g. the dense first layers, then the MoE ones): each stack's layers over their cache layers, from where the last
+  stack's ended (``slots``: the cache's slots API, jaxtrain.models.attention.KVCache). ``(x, (k, v))``."""
+  start = 0
+  for stack in stacks:
+    if stack is None:
+      continue
+    graphdef = nnx.graphdef(stack)
+
+    def layer(h, weights, k_layer, v_layer, kind, graphdef=graphdef):
+      del kind
+      return nnx.merge(graphdef, weights)(h, positions, segment_ids, (k_layer, v_layer, slots))
+
+    x, (k, v) = slots.scan_layers(layer, x, nnx.state(stack), k, v, first=start)
+    start += jax.tree.leaves(nnx.state(stack))[0].shape[0]
+  return x, (k, v)
 
 
 def remat_layer(fn: Callable, remat: str) -> Callable:
@@ -411,6 +437,17 @@ class Model:
   def init_cache(self, batch: int, max_len: int):
     """An empty KV cache (jaxtrain.models.attention.KVCache) of ``max_len`` slots for ``batch`` rows."""
     return self.cls.init_cache(self.cfg, batch, max_len)
+
+  def can_decode_paged(self) -> bool:
+    """Whether the module also decodes with a paged cache (``paged_cache = True``: the module docstring)."""
+    return self.can_decode() and bool(getattr(self.cls, "paged_cache", False))
+
+  def init_paged_cache(self, pages: int, page_size: int, rows: int, pages_per_row: int, shards: int = 1):
+    """An empty paged cache (jaxtrain.models.attention.PagedKVCache): a pool of ``pages`` pages of ``page_size``
+    tokens, each token's entry shaped as in the family's own cache (its ``init_cache``: e.g. MLA's latent), and a
+    page table of ``rows`` rows of ``pages_per_row`` pages, split over ``shards`` batch shards."""
+    per_token = jax.eval_shape(lambda: self.cls.init_cache(self.cfg, 1, page_size))
+    return attention.PagedKVCache.zeros(per_token, pages, rows, pages_per_row, shards)
 
   def decode(self, params: dict, tokens, positions, segment_ids, cache):
     """``(logits, cache)``: the tokens' logits (float32) with the cache's keys and values in view, and the updated

@@ -211,20 +211,27 @@ def _compile_restore_and_loop(run: Run, data: Iterator[dict], checkpointer: chec
   report(run)
   t0 = time.perf_counter()
   step_fn = objectives.of(config).step_fn(run, compile_step)
-  # Fingerprints and finiteness of a state about to be saved (jaxtrain.integrity), compiled now so that the
-  # first save does not wait for a compile.
-  summarize = None
-  if checkpointer.verify:
-    summarize = jax.jit(integrity.summary).lower(state_lib.abstract(run.model, run.tx, run.state_shardings))
-    summarize = summarize.compile()
-  t = time.perf_counter()
-  state, meta = restore_or_init(run, checkpointer, data)
-  restore_s = time.perf_counter() - t if meta else 0.0  # a fresh state's init is start-up
-  evaluate = make_evaluator(run) if config.eval.every_steps else None
-  sample = sampling.Sampler(run) if config.train.sample_every else None  # compiled once, here
-  hooks = hooks_lib.standard(run, evaluate, sample, recorder, restore_s)
-  logging.info("compiled and initialized in %.1fs", time.perf_counter() - t0)
-  return loop_lib.Loop(run, data, checkpointer, step_fn, summarize, state, meta, hooks, goodput=recorder).run()
+  try:
+    # Fingerprints and finiteness of a state about to be saved (jaxtrain.integrity), compiled now so that the
+    # first save does not wait for a compile.
+    summarize = None
+    if checkpointer.verify:
+      summarize = jax.jit(integrity.summary).lower(state_lib.abstract(run.model, run.tx, run.state_shardings))
+      summarize = summarize.compile()
+    t = time.perf_counter()
+    state, meta = restore_or_init(run, checkpointer, data)
+    restore_s = time.perf_counter() - t if meta else 0.0  # a fresh state's init is start-up
+    evaluate = make_evaluator(run) if config.eval.every_steps else None
+    sample = sampling.Sampler(run) if config.train.sample_every else None  # compiled once, here
+    hooks = hooks_lib.standard(run, evaluate, sample, recorder, restore_s)
+    logging.info("compiled and initialized in %.1fs", time.perf_counter() - t0)
+    return loop_lib.Loop(run, data, checkpointer, step_fn, summarize, state, meta, hooks, goodput=recorder).run()
+  finally:
+    # What the objective's step function holds beyond the run (GRPO's reward pool: its processes), released
+    # whatever ended the run.
+    close = getattr(step_fn, "close", None)
+    if close is not None:
+      close()
 
 
 def make_evaluator(run: Run):

@@ -37,7 +37,6 @@ head's full keys and values (``full``: the training path's own tensors). :func:`
 
 from __future__ import annotations
 
-import dataclasses
 import types
 
 import jax
@@ -47,7 +46,7 @@ from flax import nnx
 
 from jaxtrain.errors import ConfigError, check_positive
 from jaxtrain.models import attention, core, quantization
-from jaxtrain.models.attention import KVCache, attend, attend_cached, write_kv
+from jaxtrain.models.attention import KVCache, attend, attend_cached
 from jaxtrain.models.llama import model as llama
 from jaxtrain.models.moe import model as moe
 from jaxtrain.parallel import experts
@@ -167,12 +166,9 @@ def validate(cfg) -> None:
                       "qk_rope_head_dim and v_head_dim)", "use blockwise or xla")
 
 
-def _write(cached, new, index):
-  """A latent cache's layer ``[batch, max_len, 1, width]`` with ``new`` at slot ``index`` (split over the batch
-  only: its one key "head" is not a ``kv_heads`` axis)."""
-  zero = jnp.zeros((), jnp.int32)
-  updated = jax.lax.dynamic_update_slice(cached, new.astype(cached.dtype), (zero, index, zero, zero))
-  return constrain(updated, ("batch", None, None, None))
+# A latent cache's layer ``[batch, max_len, 1, width]`` (or a paged pool's ``[pages, page_size, 1, width]``) is split
+# over the batch only: its one key "head" is not a ``kv_heads`` axis.
+LATENT_AXES = ("batch", None, None, None)
 
 
 def _param(names):
@@ -253,13 +249,15 @@ class MLA(nnx.Module):
     with ``W_kvb`` absorbed into the queries and the outputs (the module docstring); the output and the updated
     ``(latents, rope keys)``."""
     c_cache, rope_cache, slots = cache
-    c_all, rope_all = _write(c_cache, c[:, :, None], slots.index), _write(rope_cache, k_rope, slots.index)
+    c_all, rope_all = (slots.write(c_cache, c[:, :, None], LATENT_AXES),
+                       slots.write(rope_cache, k_rope, LATENT_AXES))
     w = self.kv_b.kernel[...].astype(q_nope.dtype)  # [rank, heads, nope + v]
     q_latent = jnp.einsum("btnh,rnh->btnr", q_nope, w[..., :self.nope])
     q = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
-    keys = jnp.concatenate([c_all, rope_all.astype(c_all.dtype)], axis=-1)  # one key "head": [b, S, 1, rank + rope]
-    values = jnp.pad(c_all, [(0, 0)] * 3 + [(0, self.rope_dim)])  # the latents, at the keys' width
-    out = attend_cached(q, keys, values, segment_ids, positions, slots.segment_ids, slots.positions,
+    c_seen, rope_seen = slots.view(c_all, LATENT_AXES), slots.view(rope_all, LATENT_AXES)
+    keys = jnp.concatenate([c_seen, rope_seen.astype(c_seen.dtype)], axis=-1)  # one key "head": [b, S, 1, rank + rope]
+    values = jnp.pad(c_seen, [(0, 0)] * 3 + [(0, self.rope_dim)])  # the latents, at the keys' width
+    out = attend_cached(q, keys, values, segment_ids, positions, slots.kv_segment_ids, slots.kv_positions,
                         attention.Variant(scale=self.scale))[..., :self.rank]
     out = jnp.einsum("btnr,rnh->btnh", out, w[..., self.nope:])
     return self.o(out), (c_all, rope_all)
@@ -279,8 +277,9 @@ class MLA(nnx.Module):
     variant = attention.Variant(scale=self.scale)
     if cache is not None:
       k_cache, v_cache, slots = cache
-      k, v = write_kv(k_cache, k, slots.index), write_kv(v_cache, v, slots.index)
-      out = attend_cached(q, k, v, segment_ids, positions, slots.segment_ids, slots.positions, variant)
+      k, v = slots.write(k_cache, k), slots.write(v_cache, v)
+      out = attend_cached(q, slots.view(k), slots.view(v), segment_ids, positions, slots.kv_segment_ids,
+                          slots.kv_positions, variant)
       return self.o(out[..., :self.v_dim]), (k, v)
     out = attend(self.backend, q, k, v, segment_ids, positions, self.block_size, variant)
     out = constrain(out[..., :self.v_dim], ("batch", "length", "heads", "head_dim"))
@@ -443,28 +442,16 @@ class DeepseekV3(moe.MoeLM):
                    jnp.zeros((cfg.num_layers, batch, max_len, 1, cfg.qk_rope_head_dim), dtype), slots, slots,
                    jnp.zeros((), jnp.int32))
 
-  def _decode(self, tokens, positions, segment_ids, cache: KVCache):
+  def _decode(self, tokens, positions, segment_ids, cache):
     """The ``moe`` family's decoding (full keys and values), or over the latent cache: both stacks in turn, each
     layer writing its new latents and rope keys (unsplit but for the batch)."""
     if not self.layers.attn.latent_cache:
       return super()._decode(tokens, positions, segment_ids, cache)
     slots = cache.write_slots(segment_ids, positions)
-    x, start, cs, ropes = llama.lookup(self.embed, tokens), 0, [], []
-    for stack in (self.dense_layers, self.layers):
-      if stack is None:
-        continue
-      graphdef, count = nnx.graphdef(stack), jax.tree.leaves(nnx.state(stack))[0].shape[0]
-
-      def layer(h, xs, graphdef=graphdef):
-        weights, c_layer, rope_layer = xs
-        return nnx.merge(graphdef, weights)(h, positions, segment_ids, (c_layer, rope_layer, slots))
-
-      x, (c_new, rope_new) = jax.lax.scan(layer, x, (nnx.state(stack), cache.k[start:start + count],
-                                                    cache.v[start:start + count]))
-      cs, ropes, start = cs + [c_new], ropes + [rope_new], start + count
-    cache = dataclasses.replace(slots, k=jnp.concatenate(cs), v=jnp.concatenate(ropes),
-                                index=slots.index + tokens.shape[1])
-    return self.head(x), cache
+    # (the cache's k and v stacks hold the latents and the rope keys)
+    x, (c, rope) = core.decode_stacks((self.dense_layers, self.layers), slots, llama.lookup(self.embed, tokens),
+                                      cache.k, cache.v, positions, segment_ids)
+    return self.head(x), slots.advanced(c, rope, tokens.shape[1])
 
 
 def cache_bytes_per_token(cfg) -> dict[str, int]:

@@ -21,8 +21,6 @@ auxiliary losses and load metrics are the ``moe`` family's (jaxtrain/models/moe/
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -205,6 +203,7 @@ class Block(nnx.Module):
 class GptOss(nnx.Module):
   """Embedding, the stacked blocks ``layers`` (each layer's kind, local or global, an input of the layer scan), final
   norm and untied head."""
+  paged_cache = True  # decodes with a paged cache too (llama.Llama's note)
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     dtype = jnp.dtype(cfg.dtype)
@@ -264,20 +263,19 @@ class GptOss(nnx.Module):
   def init_cache(cls, cfg, batch: int, max_len: int) -> KVCache:
     return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
 
-  def _decode(self, tokens, positions, segment_ids, cache: KVCache):
+  def _decode(self, tokens, positions, segment_ids, cache):
+    """A forward with a ``cache`` (an attention.KVCache or PagedKVCache: the slots API of KVCache's docstring)."""
     slots = cache.write_slots(segment_ids, positions)
     graphdef = nnx.graphdef(self.layers)
     stacked_axes = (None, *KV_AXES)
 
-    def layer(h, xs):
-      weights, k, v, local = xs
+    def layer(h, weights, k, v, local):
       return nnx.merge(graphdef, weights)(h, positions, segment_ids, (k, v, slots), local)
 
     k, v = constrain(cache.k, stacked_axes), constrain(cache.v, stacked_axes)
-    x, (k, v) = jax.lax.scan(layer, self.embed_tokens(tokens), (nnx.state(self.layers), k, v, self.layer_kinds()))
-    cache = dataclasses.replace(slots, k=constrain(k, stacked_axes), v=constrain(v, stacked_axes),
-                                index=slots.index + tokens.shape[1])
-    return self.head(x), cache
+    x, (k, v) = slots.scan_layers(layer, self.embed_tokens(tokens), nnx.state(self.layers), k, v,
+                                  self.layer_kinds())
+    return self.head(x), slots.advanced(constrain(k, stacked_axes), constrain(v, stacked_axes), tokens.shape[1])
 
 
 core.register("gpt_oss", core.Family(module=GptOss, defaults=defaults, flops_per_token=flops_per_token,

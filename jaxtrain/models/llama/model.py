@@ -5,7 +5,6 @@ Knows only logical axis names; see jaxtrain/sharding.py for how they map onto th
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -18,7 +17,7 @@ from flax import nnx
 
 from jaxtrain.errors import ConfigError, check_positive
 from jaxtrain.models import attention, core, fusion, quantization, scans
-from jaxtrain.models.attention import KV_AXES, KVCache, attend, attend_cached, write_kv
+from jaxtrain.models.attention import KV_AXES, KVCache, attend, attend_cached
 from jaxtrain.sharding import constrain, mesh_axes
 
 _INIT = nnx.initializers.normal(0.02)
@@ -429,7 +428,8 @@ class Attention(nnx.Module):
   def __call__(self, x, positions, segment_ids, cache=None, local=None):
     """``cache``: None (training), or ``(k, v, slots)`` for decoding: this layer's cached keys and values ``[batch,
     max_len, kv_heads, head_dim]`` and the KVCache whose segment ids and positions already hold the new tokens;
-    the new keys and values are written at ``slots.index`` and the queries attend over the cache. ``local``: in a
+    the new keys and values are written (``slots.write``: at ``slots.index``, or to a paged cache's pages) and the
+    queries attend over the cache (``slots.view``). ``local``: in a
     stack that interleaves local and global layers, whether this one is local (a traced bool: the layer scan's
     input); otherwise every layer is the same kind and it is None. Returns the output, and with a cache also the
     updated ``(k, v)``."""
@@ -461,10 +461,10 @@ class Attention(nnx.Module):
     v = constrain(checkpoint_name(v, "value_proj"), ("batch", "length", "kv_heads", "head_dim"))
     if cache is not None:
       k_cache, v_cache, slots = cache
-      k, v = write_kv(k_cache, k, slots.index), write_kv(v_cache, v, slots.index)
+      k, v = slots.write(k_cache, k), slots.write(v_cache, v)
       window = self.window if local is None else jnp.where(local, self.window, 0)
-      out = attend_cached(q, k, v, segment_ids, positions, slots.segment_ids, slots.positions,
-                          attention.Variant(window, self.softcap, scale), sinks)
+      out = attend_cached(q, slots.view(k), slots.view(v), segment_ids, positions, slots.kv_segment_ids,
+                          slots.kv_positions, attention.Variant(window, self.softcap, scale), sinks)
       return self.o(constrain(out, ("batch", "length", "heads", "head_dim"))), (k, v)
 
     def run(window):  # causal, never across documents
@@ -521,6 +521,10 @@ class Block(nnx.Module):
 
 
 class Llama(nnx.Module):
+  # Decodes with any cache of the slots API (attention.KVCache's docstring), a paged one included (continuous
+  # batching: jaxtrain.sampling.ContinuousGenerator).
+  paged_cache = True
+
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     dtype = jnp.dtype(cfg.dtype)
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
@@ -580,22 +584,19 @@ class Llama(nnx.Module):
     """An empty cache of ``max_len`` slots per row (keys and values in the compute dtype)."""
     return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
 
-  def _decode(self, tokens, positions, segment_ids, cache: KVCache):
+  def _decode(self, tokens, positions, segment_ids, cache):
+    """A forward with a ``cache`` (an attention.KVCache or PagedKVCache: the slots API of KVCache's docstring)."""
     slots = cache.write_slots(segment_ids, positions)
     graphdef = nnx.graphdef(self.layers)
     stacked_axes = (None, *KV_AXES)  # the layer stack of keys or values: never split over pipeline stages here
 
-    def layer(h, xs):
-      weights, k, v, local = xs
-      h, (k, v) = nnx.merge(graphdef, weights)(h, positions, segment_ids, (k, v, slots), local)
-      return h, (k, v)
+    def layer(h, weights, k, v, local):
+      return nnx.merge(graphdef, weights)(h, positions, segment_ids, (k, v, slots), local)
 
     x = self.embed_tokens(tokens, positions)
     k, v = constrain(cache.k, stacked_axes), constrain(cache.v, stacked_axes)
-    x, (k, v) = jax.lax.scan(layer, x, (nnx.state(self.layers), k, v, self.layer_kinds()), unroll=scans.unroll())
-    cache = dataclasses.replace(slots, k=constrain(k, stacked_axes), v=constrain(v, stacked_axes),
-                                index=slots.index + tokens.shape[1])
-    return self.head(x), cache
+    x, (k, v) = slots.scan_layers(layer, x, nnx.state(self.layers), k, v, self.layer_kinds())
+    return self.head(x), slots.advanced(constrain(k, stacked_axes), constrain(v, stacked_axes), tokens.shape[1])
 
 
 core.register("llama", core.Family(module=Llama, defaults=defaults, flops_per_token=flops_per_token,

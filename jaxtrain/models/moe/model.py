@@ -21,7 +21,6 @@ by capacity.
 
 from __future__ import annotations
 
-import dataclasses
 import types
 
 import jax
@@ -210,6 +209,7 @@ class Block(nnx.Module):
 class MoeLM(nnx.Module):
   """Embedding, ``first_dense_layers`` Llama blocks (run by :meth:`embed_tokens`, before any pipeline stage), the
   stacked MoE blocks ``layers`` (the pipeline splits these), final norm and head."""
+  paged_cache = True  # decodes with a paged cache too (llama.Llama's note)
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     dtype = jnp.dtype(cfg.dtype)
@@ -287,26 +287,15 @@ class MoeLM(nnx.Module):
     """An empty cache for every layer (the dense first ones, then the MoE ones)."""
     return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
 
-  def _decode(self, tokens, positions, segment_ids, cache: KVCache):
+  def _decode(self, tokens, positions, segment_ids, cache):
+    """A forward with a ``cache`` (an attention.KVCache or PagedKVCache: the slots API of KVCache's docstring)."""
     slots = cache.write_slots(segment_ids, positions)
     stacked_axes = (None, *KV_AXES)
     k, v = constrain(cache.k, stacked_axes), constrain(cache.v, stacked_axes)
-    x, start, ks, vs = llama.lookup(self.embed, tokens), 0, [], []
-    for stack in (self.dense_layers, self.layers):
-      if stack is None:
-        continue
-      graphdef, count = nnx.graphdef(stack), jax.tree.leaves(nnx.state(stack))[0].shape[0]
-
-      def layer(h, xs, graphdef=graphdef):
-        weights, k_layer, v_layer = xs
-        h, kv = nnx.merge(graphdef, weights)(h, positions, segment_ids, (k_layer, v_layer, slots))
-        return h, kv
-
-      x, (k_new, v_new) = jax.lax.scan(layer, x, (nnx.state(stack), k[start:start + count], v[start:start + count]))
-      ks, vs, start = ks + [k_new], vs + [v_new], start + count
-    cache = dataclasses.replace(slots, k=constrain(jnp.concatenate(ks), stacked_axes),
-                                v=constrain(jnp.concatenate(vs), stacked_axes), index=slots.index + tokens.shape[1])
-    return self.head(x), cache
+    # (the dense first layers, then the MoE ones: one cache stack)
+    x, (k, v) = core.decode_stacks((self.dense_layers, self.layers), slots, llama.lookup(self.embed, tokens), k, v,
+                                   positions, segment_ids)
+    return self.head(x), slots.advanced(constrain(k, stacked_axes), constrain(v, stacked_axes), tokens.shape[1])
 
 core.register("moe", core.Family(module=MoeLM, defaults=defaults, flops_per_token=flops_per_token,
                                    validate=validate, axis_keys=AXIS_KEYS,

@@ -72,7 +72,8 @@ class Objective:
   def step_fn(self, run, compile_step: Callable) -> Callable:
     """What the loop calls each step, ``(state, batch, skip) -> (state, metrics)`` (metrics: device values the loop
     fetches a step later). ``compile_step(run, train_step=None)`` compiles :meth:`make_train_step`'s step; an
-    objective whose step needs host work between programs (sampling and scoring rollouts) wraps it here."""
+    objective whose step needs host work between programs (sampling and scoring rollouts) wraps it here; a
+    ``close()`` of what it returns is called when the run ends, whatever ends it (GRPO's: its reward pool stops)."""
     return compile_step(run)
 
   def make_evaluator(self, run):

@@ -4,24 +4,33 @@ DeepSeekMath), and the ``rl`` config group.
 A step (one loop step, one rollout):
   1. rollout: the step's prompts (``data.source=prompts``, :mod:`jaxtrain.data.prompts`: ``train.global_batch_size /
      rl.group_size`` prompts, each ``rl.group_size`` times) are completed by the current policy with jaxtrain's
-     KV-cache sampler (:class:`jaxtrain.sampling.Generator`, sharded like the model, on the training mesh): at
+     KV-cache sampler (:class:`jaxtrain.sampling.Generator`) on the rollout layout (:mod:`.rollout`,
+     ``rl.rollout_tensor``: the weights cast to the compute dtype once and split over tensor-parallel groups): at
      ``rl.temperature`` within the nucleus ``rl.top_p``, up to ``rl.max_new_tokens`` tokens or a stop token
      (``rl.stop`` and the tokenizer's EOS). Row r of step s draws with a key derived from (``train.seed``, s): a
      resumed run samples what the uninterrupted one did.
-  2. rewards, on the host of process 0 (:func:`score_once`): ``rl.rewards`` (:mod:`.rewards`), weighted and summed
-     per completion; the advantage of completion i of a group is ``(r_i - mean(r)) / (std(r) + 1e-4)`` over its
-     group (sample std, ddof=1); the advantages and the reward metrics are broadcast to every other process.
+  2. rewards, on the host of process 0 (:func:`score_once`): ``rl.rewards`` (:mod:`.rewards`; with
+     ``rl.reward_workers`` > 0 in a pool of worker processes, each completion alone under ``rl.reward_timeout_s``, a
+     failure scoring 0), weighted and summed per completion; the advantage of completion i of a group is
+     ``(r_i - mean(r)) / (std(r) + 1e-4)`` over its group (sample std, ddof=1; ``rl.loss``'s advantages,
+     :mod:`.policy_losses`, and ``rl.overlong_buffer``'s shaping added to the sum first); the advantages and the
+     reward metrics are broadcast to every other process.
+     With ``rl.dynamic_sampling``, groups of equal rewards are refilled from more rollouts (see its section below).
   3. scoring: the training forward (:func:`.logprobs.token_logps`) gives the completion tokens' log-probabilities
      under the policy (the "old" ones the ratio divides by) and under the reference (``rl.reference``: the starting
-     params frozen, or with LoRA the base with the adapters off). ``rl/logp_mismatch`` is the largest difference
-     between the sampler's log-probability of a sampled token and the training forward's: trainer and rollout
-     numerics the same (torchtitan's lesson), ~1e-6 in float32.
+     params frozen, or with LoRA the base with the adapters off), both of the tempered distribution the rollout
+     drew from (the logits divided by ``rl.temperature`` on both sides, :func:`.logprobs.tempered_logps`).
+     ``rl/logp_mismatch`` is the largest difference between the sampler's log-probability of a sampled token and
+     the training forward's: the same arithmetic (torchtitan's lesson), the decode step attending over the training
+     row's slots; 0 where XLA compiles both programs' contractions alike (one device, and the meshes
+     docs/post_training.md lists), else ~1e-6 in float32.
   4. ``rl.updates_per_batch`` optimizer updates on the batch, each minimizing (per token t of completion i, with
      ``ratio = exp(logp - old_logp)``)
        ``-min(ratio A_i, clip(ratio, 1 - eps, 1 + eps) A_i) + kl_weight (exp(ref - logp) - (ref - logp) - 1)``
      (the clipped surrogate, the k3 estimator of KL(policy || reference)), averaged over each completion's tokens,
      then over the completions: every completion weighs the same, whatever its length (the GRPO paper's
-     aggregation; a token-level mean would let long completions dominate).
+     aggregation; a token-level mean would let long completions dominate). That is ``rl.loss=grpo``; ``dapo``,
+     ``dr_grpo`` and ``gspo`` are in :mod:`.policy_losses`.
 
 Steps and the schedule: the loop's step and ``TrainState.step`` count rollouts (checkpoints, resume and the sampling
 keys follow them). The optimizer takes ``rl.updates_per_batch`` updates per step, all in the step's one program, and
@@ -32,9 +41,12 @@ Google's Tunix computes the same loss (its advantages, the clipped ratio and k3 
 learner drives its own rollout engine and NNX models through its RL cluster, so jaxtrain computes the formulas in its
 own sharded step instead of importing it.
 
-Metrics per step: ``loss`` (the objective), ``rl/reward_mean``, ``rl/reward_std``, ``rl/reward/<name>``, ``rl/kl``
+Metrics per step: ``loss`` (the objective), ``rl/reward_mean``, ``rl/reward_std``, ``rl/reward/<name>``,
+``rl/reward_failures`` and ``rl/reward_failures/<name>`` (with the reward pool: completions scored 0), ``rl/kl``
 (the mean k3 per completion token, against the reference), ``rl/clip_fraction`` (completion tokens whose clipped
-term was taken), ``rl/completion_length`` (mean tokens per completion, its stop token included),
+term was taken), ``rl/degenerate_groups``, ``rl/degenerate_groups_rollout``, ``rl/sampling_rounds`` and
+``rl/dynamic_sampling_s`` (dynamic sampling), ``rl/completion_length`` (mean tokens per completion, its stop token
+included),
 ``rl/logp_mismatch``, ``rl/rollout_s`` and ``rl/rollout_tokens_per_s`` (new tokens per second of sampling),
 ``rl/update_s`` and ``rl/update_tokens_per_s`` (row tokens per second of scoring and updating). Evaluation
 (``eval.every_steps``): the held-out prompts of ``data.eval_path``, one completion each with the rollout's sampling
@@ -43,12 +55,16 @@ and a fixed key, scored: ``eval_reward_mean`` and ``eval_reward/<name>``.
 
 from __future__ import annotations
 
+import copy
+import functools
+import math
 import time
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import logging
 from jax.experimental import multihost_utils
 
 from jaxtrain import optim
@@ -57,13 +73,16 @@ from jaxtrain import sharding
 from jaxtrain.data import prompts as prompts_lib
 from jaxtrain.errors import ConfigError, check_positive
 from jaxtrain.models import lora
-from jaxtrain.train import losses as losses_lib
 from jaxtrain.train import step as step_lib
+from jaxtrain.train.objectives import policy_losses
 from jaxtrain.train.objectives import rewards as rewards_lib
+from jaxtrain.train.objectives import rollout as rollout_lib
 from jaxtrain.train.objectives.base import OBJECTIVES, Objective
-from jaxtrain.train.objectives.logprobs import REFERENCES, Reference, token_logps
+from jaxtrain.train.objectives.logprobs import REFERENCES, Reference, tempered_logps, token_logps
 
-ADVANTAGE_EPS = 1e-4  # as Tunix and TRL: a group whose rewards are all equal has advantages 0, not 0 / 0
+# The losses live in policy_losses (rl.loss); GRPO's own names stay importable from here.
+ADVANTAGE_EPS = policy_losses.ADVANTAGE_EPS
+group_advantages, grpo_loss = policy_losses.group_advantages, policy_losses.grpo_loss
 EVAL_SEED = 2**20  # the held-out evaluation's sampling key, the same at every eval
 
 
@@ -79,9 +98,31 @@ def defaults() -> ml_collections.ConfigDict:
       rewards="exact_match",
       answer_field="answer",  # exact_match: the record's field holding the answer
       format_regex=r".*####\s*\S+\s*",  # format: the whole completion must match it
+      # Where the rewards run: 0, in the trainer's process; N, in a pool of N worker processes, each completion
+      # alone within reward_timeout_s seconds (a failure: that completion's reward 0, warned of and counted).
+      reward_workers=0,
+      reward_timeout_s=10.0,
       kl_weight=0.04,  # the k3 KL penalty's weight (0: none, and no reference is computed)
-      clip_epsilon=0.2,  # the ratio is clipped to [1 - eps, 1 + eps]
+      # The policy loss (jaxtrain/train/objectives/policy_losses.py): grpo | dapo | dr_grpo | gspo.
+      loss="grpo",
+      clip_epsilon=0.2,  # the ratio is clipped to [1 - eps, 1 + eps] (dapo: its lower bound)
+      clip_epsilon_high=0.28,  # dapo's clip-higher: the ratio's upper bound is 1 + this
+      gspo_clip_epsilon=3e-4,  # gspo: the sequence ratio is clipped to [1 - this, 1 + gspo_clip_epsilon_high]
+      gspo_clip_epsilon_high=4e-4,
+      # DAPO's overlong reward shaping: the last this many of rl.max_new_tokens cost up to -1 reward (0: off).
+      overlong_buffer=0,
+      # DAPO's dynamic sampling: groups of equal rewards are refilled from up to dynamic_sampling_rounds more
+      # rollouts of other prompts (any loss).
+      dynamic_sampling=False,
+      dynamic_sampling_rounds=3,
       updates_per_batch=1,  # optimizer updates per rollout batch (old log-probs kept)
+      # The sampler's own layout (jaxtrain/train/objectives/rollout.py): the weights in the compute dtype, split over
+      # tensor-parallel groups of this many devices and replicated across them. -1: the model's KV heads, at most a
+      # slice; 0: the training layout.
+      rollout_tensor=-1,
+      # Continuous batching (jaxtrain.sampling.ContinuousGenerator): this many slots decode the rollout's rows as a
+      # queue, a finished slot taking the next row at once, over a paged KV cache; 0: the static batch.
+      rollout_slots=0,
       reference="",  # frozen | adapters_off (LoRA only); empty: adapters_off with LoRA, else frozen
   ))
 
@@ -91,6 +132,18 @@ def validate(config) -> None:
   rl = config.rl
   check_positive(config, ["rl.max_new_tokens", "rl.updates_per_batch", "rl.clip_epsilon", "rl.temperature"])
   check_positive(config, ["rl.kl_weight"], allow_zero=True)
+  policy_losses.LOSSES.check(config)
+  check_positive(config, ["rl.clip_epsilon_high", "rl.gspo_clip_epsilon", "rl.gspo_clip_epsilon_high"])
+  check_positive(config, ["rl.overlong_buffer", "rl.dynamic_sampling_rounds"], allow_zero=True)
+  if not rl.gspo_clip_epsilon < 1:
+    raise ConfigError("rl.gspo_clip_epsilon", f"must be < 1, got {rl.gspo_clip_epsilon}",
+                      "the sequence ratio's lower bound is 1 - this (the paper: 3e-4)")
+  if rl.overlong_buffer > rl.max_new_tokens:
+    raise ConfigError("rl.overlong_buffer", f"{rl.overlong_buffer} is more than rl.max_new_tokens="
+                      f"{rl.max_new_tokens}", "give at most rl.max_new_tokens (DAPO: a fifth of it), or 0 for off")
+  if rl.rollout_tensor < -1:
+    raise ConfigError("rl.rollout_tensor", f"must be -1, 0 or a device count, got {rl.rollout_tensor}",
+                      "-1 lets jaxtrain choose, 0 keeps the training layout")
   if rl.group_size < 2:
     raise ConfigError("rl.group_size", f"must be >= 2, got {rl.group_size}", "advantages compare a group's "
                       "completions: sample at least 2 per prompt")
@@ -101,6 +154,12 @@ def validate(config) -> None:
                       "leave it empty for the default")
   if isinstance(rl.stop, str) or not all(isinstance(s, str) and s for s in rl.stop):
     raise ConfigError("rl.stop", f"{rl.stop!r} is not a tuple of non-empty strings", "e.g. \"('\\n',)\"")
+  if rl.reward_workers < 0:
+    raise ConfigError("rl.reward_workers", f"must be >= 0, got {rl.reward_workers}",
+                      "0 runs the rewards in the trainer's process, N > 0 in a pool of N worker processes")
+  if not 0 < rl.reward_timeout_s < math.inf:
+    raise ConfigError("rl.reward_timeout_s", f"must be > 0 and finite, got {rl.reward_timeout_s}",
+                      "give the seconds one completion's reward may take in the pool (rl.reward_workers > 0)")
 
 
 def stop_ids(config, tok) -> tuple[int, ...]:
@@ -130,37 +189,6 @@ def reference_mode(config) -> str:
   return config.rl.reference or Reference.default_mode(config)
 
 
-def group_advantages(rewards: np.ndarray, group_size: int) -> np.ndarray:
-  """``(r - group mean) / (group std + 1e-4)`` per completion (float32; groups: consecutive ``group_size``
-  rows; std with ddof=1)."""
-  grouped = np.asarray(rewards, np.float64).reshape(-1, group_size)
-  adv = (grouped - grouped.mean(1, keepdims=True)) / (grouped.std(1, ddof=1, keepdims=True) + ADVANTAGE_EPS)
-  return adv.reshape(-1).astype(np.float32)
-
-
-def grpo_loss(logps, batch, clip_epsilon: float, kl_weight: float) -> tuple[jax.Array, dict]:
-  """The GRPO objective (see the module docstring) from the policy's per-token log-probabilities ``logps``
-  ``[rows, seq]`` and the batch's ``old_logps``, ``ref_logps``, ``advantages`` and ``loss_mask``: (the loss,
-  ``{kl, clip_fraction}``, means over the completion tokens)."""
-  real = batch["loss_mask"] > 0
-  adv = batch["advantages"][:, None]
-  ratio = jnp.exp(jnp.where(real, logps - batch["old_logps"], 0.0))
-  clipped = jnp.clip(ratio, 1 - clip_epsilon, 1 + clip_epsilon)
-  per_token = -jnp.minimum(ratio * adv, clipped * adv)
-  kl = jnp.zeros_like(logps)
-  if kl_weight:
-    d = jnp.where(real, batch["ref_logps"] - logps, 0.0)
-    kl = jnp.exp(d) - d - 1
-    per_token = per_token + kl_weight * kl
-  tokens = jnp.sum(real, axis=1).astype(jnp.float32)
-  per_sequence = jnp.sum(jnp.where(real, per_token, 0.0), axis=1) / jnp.maximum(tokens, 1.0)
-  loss = jnp.mean(per_sequence)
-  count = jnp.maximum(jnp.sum(tokens), 1.0)
-  taken = real & (clipped * adv < ratio * adv)
-  return loss, {"rl/kl": jnp.sum(jnp.where(real, kl, 0.0)) / count,
-                "rl/clip_fraction": jnp.sum(taken.astype(jnp.float32)) / count}
-
-
 def _host(x) -> np.ndarray:
   """A global array's value on this host (gathered from every process on several)."""
   if jax.process_count() == 1:
@@ -168,26 +196,47 @@ def _host(x) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def score_once(rewards: list[rewards_lib.Reward], texts: list[str], records: list[dict], group_size: int
-               ) -> tuple[np.ndarray, dict[str, float]]:
+def score_once(rewards: list[rewards_lib.Reward], texts: list[str], records: list[dict], group_size: int,
+               advantages: policy_losses.Advantages = group_advantages, shaping: dict[str, np.ndarray] | None = None,
+               pool: rewards_lib.RewardPool | None = None) -> tuple[np.ndarray, dict[str, float]]:
   """(The advantages of the step's completions, float32 ``[n]``; the reward metrics ``rl/reward_mean``,
   ``rl/reward_std``, ``rl/reward/<name>``), computed on process 0 alone and broadcast to the others. Each process
   places its own rows of the advantages from its own copy, so the copies must be the same: computed on each
   process, a reward that does not answer the same twice (code run under a timeout) would train each process's rows
   on other draws than the logged ones (jax's device_put stops the job at copies that differ, as a bug), and a costly
   reward would run once per process. A reward that fails on process 0 ends the job there, and jaxtrain.main tells
-  the other processes, waiting in the broadcast, to stop with its line and code."""
-  n, names = len(texts), [r.name for r in rewards]
-  packed = np.zeros(n + 2 + len(names), np.float64)  # advantages, reward mean and std, each reward's mean
+  the other processes, waiting in the broadcast, to stop with its line and code. ``advantages``: the loss's
+  (rl.loss); ``shaping``: name -> per-completion terms added to the summed reward before the advantages, logged as
+  ``rl/reward/<name>`` (rl.overlong_buffer's, from the completions' lengths: the same on every process).
+  ``pool``: rl.reward_workers' (:func:`.rewards.open_pool`, given on every process, started on process 0 alone): the
+  rewards run there, a failed completion scores 0 for that reward, and the failures are counted,
+  ``rl/reward_failures`` and ``rl/reward_failures/<name>``."""
+  shaping = dict(shaping or {})
+  n, names = len(texts), [r.name for r in rewards] + list(shaping)
+  counted = [r.name for r in rewards] if pool is not None else []  # (the same on every process)
+  # Advantages, reward mean and std, each reward's mean; with the pool, the failures, all and each reward's.
+  packed = np.zeros(n + 2 + len(names) + (1 + len(counted) if counted else 0), np.float64)
   if jax.process_index() == 0:
-    total, parts = rewards_lib.score(rewards, texts, records)
-    packed[:] = [*group_advantages(total, group_size), total.mean(), total.std(), *(parts[k].mean() for k in names)]
+    if pool is None:
+      total, parts = rewards_lib.score(rewards, texts, records)
+    else:
+      total, parts, failures = pool.score(texts, records)
+    for k, v in shaping.items():
+      parts[k] = np.asarray(v, np.float64)
+      total = total + parts[k]
+    packed[:n + 2 + len(names)] = [*advantages(total, group_size), total.mean(), total.std(),
+                                   *(parts[k].mean() for k in names)]
+    if counted:
+      packed[n + 2 + len(names):] = [sum(failures.values()), *(failures[k] for k in counted)]
   if jax.process_count() > 1:
     # As its bits: with 64-bit types off a float64 array would travel as float32 (and int32 adds the others' 0s
     # exactly), so that every process logs what one process alone would.
     packed = np.asarray(multihost_utils.broadcast_one_to_all(packed.view(np.int32))).view(np.float64)
   metrics = {"rl/reward_mean": float(packed[n]), "rl/reward_std": float(packed[n + 1]),
              **{f"rl/reward/{k}": float(v) for k, v in zip(names, packed[n + 2:])}}
+  if counted:
+    metrics["rl/reward_failures"] = float(packed[n + 2 + len(names)])
+    metrics.update({f"rl/reward_failures/{k}": float(v) for k, v in zip(counted, packed[n + 3 + len(names):])})
   return packed[:n].astype(np.float32), metrics
 
 
@@ -292,10 +341,10 @@ class GRPO(Objective):
       tx = optim.make(c.optim, c.train.steps * updates, model.trainable_mask(), model.logical_specs, model.balance())
       schedule = optim.schedule(c.optim, c.train.steps * updates)
     _, update_shardings = step_lib.trained_shardings_of(model, run.state_shardings)
-    eps, beta = c.rl.clip_epsilon, c.rl.kl_weight
+    policy_loss = policy_losses.LOSSES.get(c.rl.loss).loss
 
     def objective(params, batch):
-      loss, aux = grpo_loss(token_logps(model, params, batch), batch, eps, beta)
+      loss, aux = policy_loss(token_logps(model, params, batch, temperature=c.rl.temperature), batch, c.rl)
       return loss, aux
 
     def train_step(state, batch, skip):
@@ -325,9 +374,11 @@ class GRPO(Objective):
     table = prompts_lib.load(c.data.eval_path, c, "data.eval_path")
     tok = prompts_lib._tokenizer(prompts_lib.tokenizer_spec(c))
     stops = stop_ids(c, tok)
-    generator = rollout_generator(run, sampling.padded_rows(len(table.ids), run.mesh, run.rules), stops)
+    # Rows padded to a multiple of the devices: they split over the rollout layout's groups, whatever its size.
+    generator = rollout_generator(run, -(-len(table.ids) // run.mesh.size) * run.mesh.size, stops)
     batch = generator.batch(table.ids)
     rewards = rewards_lib.load(c.rl)
+    pool = rewards_lib.open_pool(rewards, c.rl)  # (the Trainer's, with rl.reward_workers > 0)
 
     def evaluate(params):
       with jax.set_mesh(run.mesh):
@@ -335,28 +386,95 @@ class GRPO(Objective):
 
       def fetch() -> dict[str, float]:
         done = Completions(result, stops, tok)
-        total, parts = rewards_lib.score(rewards, done.texts[:batch.count], table.records)
+        if pool is None:
+          total, parts = rewards_lib.score(rewards, done.texts[:batch.count], table.records)
+          failures = {}
+        else:
+          total, parts, failures = pool.score(done.texts[:batch.count], table.records)
+          failures = {"eval_reward_failures": float(sum(failures.values()))}
         return {"eval_reward_mean": float(total.mean()),
-                **{f"eval_reward/{name}": float(v.mean()) for name, v in parts.items()}}
+                **{f"eval_reward/{name}": float(v.mean()) for name, v in parts.items()}, **failures}
 
       return fetch
 
     return evaluate
 
 
-def rollout_generator(run, rows: int, stops: tuple[int, ...]) -> sampling.Generator:
-  """The rollout sampler for ``rows`` rows on the run's mesh (compiled once)."""
+def rollout_generator(run, rows: int, stops: tuple[int, ...]) -> rollout_lib.Rollout:
+  """The rollout sampler for ``rows`` rows on the rollout layout (``rl.rollout_tensor``, :mod:`.rollout`), compiled
+  once; called with the policy's params as the train state holds them."""
   c = run.config
-  return sampling.Generator(run.model, run.mesh, run.rules, run.state_shardings.params, rows=rows,
-                            prompt_len=prompts_lib.prompt_width(c), max_new_tokens=c.rl.max_new_tokens,
-                            sampling=sampling.Sampling(c.rl.temperature, 0, c.rl.top_p), eos_ids=stops,
-                            token_logp=sampled_logp)
+  layout = rollout_lib.Layout(run, rows)
+  kw = dict(prompt_len=prompts_lib.prompt_width(c), max_new_tokens=c.rl.max_new_tokens,
+            sampling=sampling.Sampling(c.rl.temperature, 0, c.rl.top_p), eos_ids=stops,
+            token_logp=functools.partial(tempered_logps, temperature=c.rl.temperature))
+  slots = int(c.rl.get("rollout_slots", 0))
+  if slots:  # continuous batching: the rows are a queue for this many slots
+    _, shards = sharding.batch_shards(dict(layout.mesh.shape), layout.rules)
+    if slots < 0 or slots % shards:
+      raise ConfigError("rl.rollout_slots", f"must be 0 or a positive multiple of the rollout's {shards} batch "
+                        f"shards, got {slots}", f"use a multiple of {shards}, or 0 for the static batch")
+    return rollout_lib.Rollout(layout, sampling.ContinuousGenerator(
+        run.model, layout.mesh, layout.rules, layout.abstract, requests=rows, slots=slots, **kw))
+  return rollout_lib.Rollout(layout, sampling.Generator(run.model, layout.mesh, layout.rules, layout.abstract,
+                                                        rows=rows, **kw))
 
 
-def sampled_logp(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-  """A sampled token's log-probability from its untempered logits ``[rows, vocab]``: the training loss's own
-  arithmetic (:func:`jaxtrain.train.losses.cross_entropy`, as :func:`.logprobs.token_logps` computes it)."""
-  return -losses_lib.cross_entropy(logits[:, None], tokens[:, None])[:, 0]
+# DAPO's dynamic sampling (rl.dynamic_sampling) -----------------------------------------------------------------------
+# After a step's rollout is scored, a group whose rewards are all equal (its advantages exactly 0: no policy
+# gradient) is "degenerate". Round k = 1, 2, ... (at most rl.dynamic_sampling_rounds) rolls the whole batch out again,
+# same shape, same compiled sampler, for prompts drawn from the prompts table, and its groups whose rewards vary
+# replace degenerate ones, in order. The prompts and the sampling key of round k derive from (train.seed, step, k)
+# (round 0 is the step's own), and which groups are degenerate from the broadcast advantages: every process, and a
+# resumed run, refills the same groups with the same completions.
+
+
+def degenerate_groups(advantages: np.ndarray, group_size: int) -> np.ndarray:
+  """Per group (consecutive ``group_size`` rows): whether its advantages are all exactly 0."""
+  return np.all(np.asarray(advantages).reshape(-1, group_size) == 0, axis=1)
+
+
+def refill_seed(seed: int, step: int, round_: int) -> int:
+  """The sampling seed of rollout ``round_`` of loop step ``step``; round 0: the step's own (:func:`sampling_seed`)."""
+  if round_ == 0:
+    return sampling_seed(seed, step)
+  return int(np.random.SeedSequence([seed, step, round_]).generate_state(1)[0]) >> 1
+
+
+def refill_prompts(seed: int, step: int, round_: int, records: int, groups: int) -> np.ndarray:
+  """The record indices of round ``round_``'s prompts, one per group, from a table of ``records``: without
+  repeats when the table has enough (else with), drawn by a generator seeded from (seed, step, round)."""
+  rng = np.random.default_rng([seed, step, round_])
+  return rng.permutation(records)[:groups] if records >= groups else rng.integers(0, records, groups)
+
+
+def refill(degenerate: np.ndarray, fresh_degenerate: np.ndarray) -> list[tuple[int, int]]:
+  """``(slot, source)`` pairs: the degenerate groups, in order, each take the next group of the new rollout whose
+  rewards vary (``fresh_degenerate`` false); degenerate groups left over stay."""
+  return list(zip(np.flatnonzero(degenerate).tolist(), np.flatnonzero(~np.asarray(fresh_degenerate)).tolist()))
+
+
+def take_groups(into: tuple[dict, Completions, np.ndarray], source: tuple[dict, Completions, np.ndarray],
+                pairs: list[tuple[int, int]], group_size: int) -> tuple[dict, Completions, np.ndarray]:
+  """``into`` (prompt rows, completions, advantages) with group ``slot`` replaced by ``source``'s group ``source``
+  for each pair (new arrays: the inputs are not changed)."""
+  if not pairs:
+    return into
+  (host, done, adv), (fresh_host, fresh, fresh_adv) = into, source
+  dst = np.concatenate([np.arange(s * group_size, (s + 1) * group_size) for s, _ in pairs])
+  src = np.concatenate([np.arange(s * group_size, (s + 1) * group_size) for _, s in pairs])
+
+  def put(a, b):
+    a = np.array(a, copy=True)
+    a[dst] = np.asarray(b)[src]
+    return a
+  merged = copy.copy(done)
+  merged.tokens, merged.produced, merged.logps = (put(getattr(done, k), getattr(fresh, k))
+                                                  for k in ("tokens", "produced", "logps"))
+  merged.texts = list(done.texts)
+  for d, s in zip(dst, src):
+    merged.texts[d] = fresh.texts[s]
+  return {k: put(v, fresh_host[k]) for k, v in host.items()}, merged, put(adv, fresh_adv)
 
 
 class Trainer:
@@ -371,7 +489,12 @@ class Trainer:
     self.stops = stop_ids(c, self.tok)
     self.table = prompts_lib.load(c.data.path, c)
     self.rewards = rewards_lib.load(c.rl)
+    # rl.reward_workers > 0: the pool on every process (score_once's metrics), its process started on process 0
+    # alone (it scores for all), now: it builds the rewards while the programs compile.
+    self.pool = rewards_lib.open_pool(self.rewards, c.rl, start=jax.process_index() == 0)
     self.generator = rollout_generator(run, c.train.global_batch_size, self.stops)
+    layout = self.generator.layout
+    logging.info("rl: rollouts on %s, %.1f MiB of weights a device", layout.describe(), layout.weight_bytes() / 2**20)
     self.reference = Reference(run, reference_mode(c)) if c.rl.kl_weight else None
     batch = GRPO().abstract_batch(run)
     scored = {k: v for k, v in batch.items() if k not in ("old_logps", "ref_logps")}
@@ -381,12 +504,58 @@ class Trainer:
     with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
       self.score = jax.jit(self._score).lower(params, scored, *extra).compile()
 
+  def close(self) -> None:
+    """The run is over, whatever ended it: the reward pools' processes stop (jaxtrain.train.trainer calls it)."""
+    rewards_lib.close_pools()
+
   def _score(self, params, batch, *extra):
     """(The policy's per-token log-probabilities, the reference's; zeros without a KL term)."""
-    logps = token_logps(self.run.model, params, batch)
+    t = self.config.rl.temperature
+    logps = token_logps(self.run.model, params, batch, temperature=t)
     if self.reference is None:
       return logps, jnp.zeros_like(logps)
-    return logps, token_logps(self.run.model, self.reference.params(params, *extra), batch)
+    return logps, token_logps(self.run.model, self.reference.params(params, *extra), batch, temperature=t)
+
+  def _rewarded(self, host: dict, done: Completions) -> tuple[np.ndarray, dict[str, float]]:
+    """:func:`score_once` of these rows: ``rl.loss``'s advantages, with ``rl.overlong_buffer``'s shaping."""
+    c = self.config
+    records = [self.table.records[i] for i in prompts_lib.record_indices(host)]
+    shaping = ({"overlong": policy_losses.overlong_penalty(done.produced, c.rl.max_new_tokens, c.rl.overlong_buffer)}
+               if c.rl.overlong_buffer else None)
+    return score_once(self.rewards, done.texts, records, c.rl.group_size,
+                      policy_losses.LOSSES.get(c.rl.loss).advantages, shaping, self.pool)
+
+  def _rollout(self, params, host: dict, seed: int) -> Completions:
+    """The completions of the prompt rows ``host`` by the policy ``params`` (as the train state holds them) with the
+    sampling key of ``seed``: the step's own rollout, and dynamic sampling's refills."""
+    rows = host["inputs"].shape[0]
+    batch = sampling.Batch(host["inputs"], host["positions"], host["segment_ids"], host["segment_ids"].sum(1),
+                           np.ones((rows,), np.int32), rows)
+    with jax.set_mesh(self.run.mesh):
+      return Completions(self.generator(params, batch, seed), self.stops, self.tok)
+
+  def _dynamic_sampling(self, params, step: int, host: dict, done: Completions, advantages: np.ndarray,
+                        metrics: dict) -> tuple[dict, Completions, np.ndarray, dict]:
+    """DAPO's dynamic sampling (``rl.dynamic_sampling``; see its section above): the step's rows, completions and
+    advantages with degenerate groups refilled, and ``metrics`` with ``rl/degenerate_groups`` (left in the trained
+    batch), ``rl/degenerate_groups_rollout`` (in the step's own rollout), ``rl/sampling_rounds`` (extra rollouts) and
+    ``rl/dynamic_sampling_s``. The reward metrics stay the step's own rollout's (the policy on the stream's
+    prompts, as without dynamic sampling). Off: the counts alone, nothing changed."""
+    c, g, t0 = self.config, self.config.rl.group_size, time.perf_counter()
+    degenerate = degenerate_groups(advantages, g)
+    first, rounds = int(degenerate.sum()), 0
+    while c.rl.dynamic_sampling and degenerate.any() and rounds < c.rl.dynamic_sampling_rounds:
+      rounds += 1
+      ids = refill_prompts(c.train.seed, step, rounds, len(self.table.records), degenerate.size)
+      fresh_host = prompts_lib.rows(self.table.ids, np.repeat(ids, g), host["inputs"].shape[1])
+      fresh = self._rollout(params, fresh_host, refill_seed(c.train.seed, step, rounds))
+      fresh_advantages, _ = self._rewarded(fresh_host, fresh)
+      pairs = refill(degenerate, degenerate_groups(fresh_advantages, g))
+      host, done, advantages = take_groups((host, done, advantages), (fresh_host, fresh, fresh_advantages), pairs, g)
+      degenerate[np.asarray([slot for slot, _ in pairs], np.int64)] = False
+    return host, done, advantages, {**metrics, "rl/degenerate_groups": float(degenerate.sum()),
+                                    "rl/degenerate_groups_rollout": float(first), "rl/sampling_rounds": float(rounds),
+                                    "rl/dynamic_sampling_s": time.perf_counter() - t0}
 
   def __call__(self, state, prompt: dict, skip):
     c, run = self.config, self.run
@@ -394,13 +563,11 @@ class Trainer:
     step = int(jax.device_get(state.step)) + 1
     host = {k: _host(prompt[k]) for k in ("inputs", "positions", "segment_ids", "targets")}
     rows = host["inputs"].shape[0]
-    batch = sampling.Batch(host["inputs"], host["positions"], host["segment_ids"], host["segment_ids"].sum(1),
-                           np.ones((rows,), np.int32), rows)
-    with jax.set_mesh(run.mesh):
-      done = Completions(self.generator(state.params, batch, sampling_seed(c.train.seed, step)), self.stops, self.tok)
+    done = self._rollout(state.params, host, sampling_seed(c.train.seed, step))
     rollout_s = time.perf_counter() - t0
-    records = [self.table.records[i] for i in prompts_lib.record_indices(host)]
-    advantages, reward_metrics = score_once(self.rewards, done.texts, records, c.rl.group_size)
+    advantages, reward_metrics = self._rewarded(host, done)
+    host, done, advantages, reward_metrics = self._dynamic_sampling(state.params, step, host, done, advantages,
+                                                                    reward_metrics)
     t1 = time.perf_counter()
     local = update_batch(host, done, advantages)
     rows_sharding = sharding.batch_sharding(run.mesh, run.rules, ndim=1)

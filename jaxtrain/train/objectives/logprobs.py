@@ -24,14 +24,28 @@ from jaxtrain.train import start
 REFERENCES = ("frozen", "adapters_off")
 
 
-def token_logps(model: Model, params, batch: dict, prefix: str = "") -> jax.Array:
+def token_logps(model: Model, params, batch: dict, prefix: str = "", temperature: float = 1.0) -> jax.Array:
   """``log p(target | inputs)`` per token, float32 ``[rows, seq_len]``, 0 where ``loss_mask`` is 0 (selected, not
   multiplied: a masked token's logits never reach the value or the gradient). ``prefix``: the batch's keys are
-  ``prefix + "inputs"`` etc. (``"chosen_"`` for one side of a preference pair)."""
+  ``prefix + "inputs"`` etc. (``"chosen_"`` for one side of a preference pair). ``temperature``: the
+  log-probabilities of the distribution a sampler at that temperature draws from (:func:`tempered_logps`)."""
   out = Output.of(model.forward(params, batch[prefix + "inputs"], batch[prefix + "positions"],
                                 batch[prefix + "segment_ids"]))
-  logps = -losses_lib.cross_entropy(out.logits, batch[prefix + "targets"])
+  logps = tempered_logps(out.logits, batch[prefix + "targets"], temperature)
   return jnp.where(batch[prefix + "loss_mask"] > 0, logps, 0.0)
+
+
+def tempered_logps(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0) -> jax.Array:
+  """``log softmax(logits / temperature)[token]``, float32, by the training loss's arithmetic
+  (:func:`jaxtrain.train.losses.cross_entropy`): the one function the training forward (:func:`token_logps`) and an
+  RL sampler (for each token it draws, jaxtrain.train.objectives.grpo) compute a token's log-probability with, so
+  that the two agree bitwise when the logits do. At temperature 1 the logits go in as the head computed them (in the
+  compute dtype); otherwise they are divided in float32, as jaxtrain.sampling divides them before it draws (TRL's
+  convention: the ratio and the KL are those of the tempered policy). A nucleus (top-p) cut is not renormalized in
+  (as TRL and Tunix)."""
+  if temperature != 1.0:
+    logits = logits.astype(jnp.float32) / temperature
+  return -losses_lib.cross_entropy(logits, tokens)
 
 
 def without_adapters(params: dict) -> dict:
