@@ -59,7 +59,8 @@ MIX_PREPARE_CODE = "--output=data/code"
 MIX_TRAIN = "--config.workdir=runs/mixture"
 PREPARE_SFT = "--output=data/chats"
 TRAIN_SFT = "--config.data.path=data/chats"
-GENERATE = "--checkpoint=runs/tiny"
+GENERATE = "--checkpoint=runs/tiny --prompt="
+GENERATE_SLOTS = "--checkpoint=runs/tiny --prompts_file=prompts.txt --slots="  # continuous batching
 HF_IMPORT = "import --hf=hf/my-llama"
 HF_PREPARE = "--tokenizer=imported/my-llama/hf"
 HF_TRAIN = "--config.data.path=data/llama_chats --config.model.lora.rank=8"
@@ -138,7 +139,7 @@ def test_every_readme_command_is_run_by_a_test():
   """A command added to the README or a docs page without a test here (or one a test no longer finds) fails."""
   parts = (TRAIN_LONGER, INSPECT, PLOT, TP, DRY_RUN, ONE_F_ONE_B, CIRCULAR, MOE, CONTEXT, PREPARE, TRAIN_PREPARED,
            PREPARE_BEAM, TRAIN_RAW, MIX_PREPARE_WEB, MIX_PREPARE_CODE, MIX_TRAIN, PREPARE_SFT, TRAIN_SFT, GENERATE,
-           HF_IMPORT, HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT, HF_POD_CONFIG, LOCAL, GOODPUT, HF_REHEARSAL,
+           GENERATE_SLOTS, HF_IMPORT, HF_PREPARE, HF_TRAIN, HF_GENERATE, HF_EXPORT, HF_POD_CONFIG, LOCAL, GOODPUT, HF_REHEARSAL,
            ATTENTION_AUTO,
            ATTENTION_BLOCKWISE, ESTIMATE_70B, RESTART_BUDGET, FLOAT16, GRPO_DATA, GRPO_SFT,
            GRPO_TRAIN, DPO_IMPORT, DPO_PREPARE, DPO_TRAIN, EVAL_RUN, EVAL_IMPORT,
@@ -379,8 +380,10 @@ def test_generate_from_the_quick_start_run(user):
   lines = out.splitlines()
   # one line: the 64 bytes that follow the prompt (the byte tokenizer has no EOS), newlines written as \\n
   assert len(lines) == 1 and len(lines[0].replace("\\n", "\n").encode()) >= 60, out
-  again = _ok_out(user.run(readme.command(GENERATE)))
-  assert again == out  # greedy: the same completion every time
+  # Continuous batching (docs/huggingface.md): the same prompt from a file, through slots: the same greedy completion.
+  (user.repo / "prompts.txt").write_text("ROMEO:\n")
+  again = _ok_out(user.run(readme.command(GENERATE_SLOTS)))
+  assert again == out
 
 
 def test_grpo_on_arithmetic(user):
