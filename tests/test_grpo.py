@@ -268,7 +268,8 @@ class _StandIn:
     records = prompts_lib.record_indices(host)
     varied = [self.varied(int(i), len(self.seeds) - 1) for i in records]
     rewards = np.where(varied, np.arange(len(records)) % 2, 1.0)
-    return policy_losses.group_advantages(rewards, 2), {"rl/reward_mean": float(rewards.mean())}
+    return policy_losses.group_advantages(rewards, 2), {"rl/reward_mean": float(rewards.mean()),
+                                                        "rl/reward_failures": 1.0}  # (one a rollout: all counted)
 
 
 def _dynamic_sampling(stand_in, step=4):
@@ -318,7 +319,7 @@ def test_dynamic_sampling_refills_degenerate_groups_in_order_from_rounds_seeded_
   assert prompts_lib.record_indices(host0).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]  # (the inputs are not changed)
   assert {k: v for k, v in metrics.items() if k != "rl/dynamic_sampling_s"} == {
       "rl/reward_mean": 0.75, "rl/degenerate_groups": 0.0, "rl/degenerate_groups_rollout": 2.0,
-      "rl/sampling_rounds": 1.0}
+      "rl/sampling_rounds": 1.0, "rl/reward_failures": 2.0}
   assert stand_in.seeds == [grpo.sampling_seed(3, 4), grpo.refill_seed(3, 4, 1)]
   again = _dynamic_sampling(_StandIn(dynamic=True))[0]
   assert again[1].texts == done.texts and (again[2] == advantages).all()
@@ -330,6 +331,7 @@ def test_dynamic_sampling_refills_degenerate_groups_in_order_from_rounds_seeded_
   stuck = _StandIn(dynamic=True, rounds=2, varied=lambda record, rollout: rollout == 0 and record % 2 == 1)
   (_, _, advantages, metrics), _ = _dynamic_sampling(stuck)
   assert metrics["rl/sampling_rounds"] == 2 and metrics["rl/degenerate_groups"] == 2 and len(stuck.seeds) == 3
+  assert metrics["rl/reward_failures"] == 3  # (the step's rollout's and both rounds')
 
 
 def test_the_reward_pool_scores_as_the_trainers_process_and_a_failure_costs_one_completion_one_reward(tmp_path,

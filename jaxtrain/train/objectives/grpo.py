@@ -540,7 +540,8 @@ class Trainer:
     advantages with degenerate groups refilled, and ``metrics`` with ``rl/degenerate_groups`` (left in the trained
     batch), ``rl/degenerate_groups_rollout`` (in the step's own rollout), ``rl/sampling_rounds`` (extra rollouts) and
     ``rl/dynamic_sampling_s``. The reward metrics stay the step's own rollout's (the policy on the stream's
-    prompts, as without dynamic sampling). Off: the counts alone, nothing changed."""
+    prompts, as without dynamic sampling), but for the reward pool's failures (``rl/reward_failures*``), which count
+    every round's. Off: the counts alone, nothing changed."""
     c, g, t0 = self.config, self.config.rl.group_size, time.perf_counter()
     degenerate = degenerate_groups(advantages, g)
     first, rounds = int(degenerate.sum()), 0
@@ -549,7 +550,9 @@ class Trainer:
       ids = refill_prompts(c.train.seed, step, rounds, len(self.table.records), degenerate.size)
       fresh_host = prompts_lib.rows(self.table.ids, np.repeat(ids, g), host["inputs"].shape[1])
       fresh = self._rollout(params, fresh_host, refill_seed(c.train.seed, step, rounds))
-      fresh_advantages, _ = self._rewarded(fresh_host, fresh)
+      fresh_advantages, fresh_metrics = self._rewarded(fresh_host, fresh)
+      metrics = {**metrics, **{k: metrics.get(k, 0.0) + v for k, v in fresh_metrics.items()
+                               if k.startswith("rl/reward_failures")}}
       pairs = refill(degenerate, degenerate_groups(fresh_advantages, g))
       host, done, advantages = take_groups((host, done, advantages), (fresh_host, fresh, fresh_advantages), pairs, g)
       degenerate[np.asarray([slot for slot, _ in pairs], np.int64)] = False
