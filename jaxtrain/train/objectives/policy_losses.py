@@ -114,6 +114,15 @@ def overlong_penalty(lengths: np.ndarray, max_new_tokens: int, buffer: int) -> n
 # Losses (jax) --------------------------------------------------------------------------------------------------------
 
 
+def _k3(logps, batch, real, kl_weight: float):
+  """Per token, the k3 estimator of KL(policy || reference), ``exp(ref - logp) - (ref - logp) - 1`` (0 on padding);
+  zeros without a KL term."""
+  if not kl_weight:
+    return jnp.zeros_like(logps)
+  d = jnp.where(real, batch["ref_logps"] - logps, 0.0)
+  return jnp.exp(d) - d - 1
+
+
 def _token_terms(logps, batch, low: float, high: float, kl_weight: float):
   """(real tokens, advantages [rows, 1], ratio, clipped ratio, per-token surrogate plus ``kl_weight`` k3, k3)."""
   real = batch["loss_mask"] > 0
@@ -121,10 +130,8 @@ def _token_terms(logps, batch, low: float, high: float, kl_weight: float):
   ratio = jnp.exp(jnp.where(real, logps - batch["old_logps"], 0.0))
   clipped = jnp.clip(ratio, 1 - low, 1 + high)
   per_token = -jnp.minimum(ratio * adv, clipped * adv)
-  kl = jnp.zeros_like(logps)
+  kl = _k3(logps, batch, real, kl_weight)
   if kl_weight:
-    d = jnp.where(real, batch["ref_logps"] - logps, 0.0)
-    kl = jnp.exp(d) - d - 1
     per_token = per_token + kl_weight * kl
   return real, adv, ratio, clipped, per_token, kl
 
@@ -177,10 +184,8 @@ def gspo_loss(logps, batch, clip_low: float, clip_high: float, kl_weight: float)
   ratio = jnp.exp(jnp.sum(jnp.where(real, logps - batch["old_logps"], 0.0), axis=1) / per_row)
   clipped = jnp.clip(ratio, 1 - clip_low, 1 + clip_high)
   per_sequence = -jnp.minimum(ratio * adv, clipped * adv)
-  kl = jnp.zeros_like(logps)
+  kl = _k3(logps, batch, real, kl_weight)
   if kl_weight:
-    d = jnp.where(real, batch["ref_logps"] - logps, 0.0)
-    kl = jnp.exp(d) - d - 1
     per_sequence = per_sequence + kl_weight * jnp.sum(jnp.where(real, kl, 0.0), axis=1) / per_row
   present = tokens > 0
   loss = jnp.mean(jnp.where(present, per_sequence, 0.0))
