@@ -25,6 +25,8 @@ def get_config(variant: str = "qwen3"):
     c.model.update(sliding_window=32, global_every=min(c.model.global_every, 4))
   if "num_experts" in c.model:
     c.model.update(num_experts=4, experts_per_token=2, expert_mlp_dim=128)
+  if c.model.get("attention_chunk_size"):  # Llama 4: chunks of 32 tokens, the temperature over them
+    c.model.update(attention_chunk_size=32, floor_scale=32)
   if c.model.query_scale:  # Gemma: 1 / sqrt(head_dim), as released
     c.model.query_scale = 32 ** -0.5
   return _rest(c, variant)

@@ -423,7 +423,7 @@ def read_params(hf_dir: str, model: Any) -> tuple[dict, str]:
                     "the weights do not match config.json")
   abstract = models.Model.from_config(model).abstract_params
   params = jax.tree.map(lambda a: np.empty(a.shape, np.float32), abstract)
-  dtypes = set()
+  dtypes, written = set(), {}
   for name, path, layer, shape, is_linear in expected:
     if name in stored:
       parts, make = stored[name]
@@ -435,6 +435,14 @@ def read_params(hf_dir: str, model: Any) -> tuple[dict, str]:
       w = entries[name].read()
     dtypes.add(str(w.dtype))
     target = _get(params, path)
+    where = (path, layer)
+    if where in written:  # a copy of a shared tensor (DeepSeek-V3's MTP layers' embedding and head): equal, or refused
+      if not np.array_equal(target if layer is None else target[layer], to_jaxtrain(
+          w, target.shape if layer is None else target.shape[len(layer):], is_linear).astype(np.float32)):
+        raise HFError(hf_dir, f"has {name} unequal to {written[where]}, which jaxtrain holds as one tensor",
+                      "the weights do not belong to this config.json")
+      continue
+    written[where] = name
     if layer is None:
       target[...] = to_jaxtrain(w, target.shape, is_linear)
     else:
@@ -507,6 +515,7 @@ def import_model(hf_dir: str, output: str) -> dict:
       if source != local:
         with _store_faults(source):
           _fetch(source, local, weights=True)
+      model = _exporter(model).fitted(model, _find_weights(local))  # (what only the weights tell)
       params, dtype = read_params(local, model)
       meta = {"hf_import": {"source": source, "dtype": dtype}}
       config = base_config(model=model.name)

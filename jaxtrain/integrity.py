@@ -124,7 +124,9 @@ def all_finite(tree: Any, shardings: Any = None, concatenate: bool | None = None
 
 
 def summary(tree: Any) -> tuple[Any, Any]:
-  """(fingerprint, finite) per array of ``tree``, as two pytrees of scalars (traceable)."""
+  """(fingerprint, finite) per array of ``tree``, as two pytrees of scalars (traceable). An array in host memory
+  (an offloaded optimizer state, ``optim.offload_state``) is read on the device, a copy per array."""
+  tree = jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
   return jax.tree.map(_fingerprint, tree), jax.tree.map(_finite, tree)
 
 

@@ -77,6 +77,8 @@ def wrap(tx: optax.GradientTransformation, value, initial: float, period: int) -
     updates, inner = tx.update(updates, state.inner, params)
     return updates, state._replace(inner=inner)
 
+  update.elementwise = getattr(tx.update, "elementwise", False)  # (jaxtrain.optim.elementwise)
+
   def adjust(state: LossScaleState, finite: jax.Array) -> LossScaleState:
     if mode == "static":
       return state

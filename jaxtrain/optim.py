@@ -30,17 +30,24 @@ then ``--config.optim.name=sgdm`` / ``--config.optim.schedule=...``:
   def step(cfg, steps):  # the lr from the end of warmup on; ``steps`` from there to the horizon
     return optax.piecewise_constant_schedule(cfg.lr, {steps // 2: 0.1})
 
-The optimizer state is laid out on the mesh like the params, whatever its shape (jaxtrain/train/state.py).
+The optimizer state is laid out on the mesh like the params, whatever its shape (jaxtrain/train/state.py); with
+``optim.offload_state`` its arrays are kept in host memory between steps (any optimizer: the update is the same),
+and an :data:`ELEMENTWISE` optimizer's update streams over the stacked layers (jaxtrain/train/offload.py). Its
+global-norm clipping is :func:`clip_by_global_norm` (optax's arithmetic and state; the streamed update gives it
+the norm of the whole gradients).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 import math
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 from jax.sharding import PartitionSpec as P
@@ -80,6 +87,9 @@ def defaults() -> ml_collections.ConfigDict:
       loss_scale="none",
       loss_scale_init=2.0 ** 15,  # dynamic: the first scale
       loss_scale_period=2000,  # dynamic: finite steps in a row before the scale doubles
+      # Keep the optimizer's per-parameter state (AdamW's moments) in the host's pinned memory between steps,
+      # brought to the device for the update only (jaxtrain/train/step.py apply_update; docs/parallelism.md).
+      offload_state=False,
   ))
 
 
@@ -138,14 +148,15 @@ def optimizer(optim_cfg, train_steps: int, trainable: Callable[[Any], Any] | Non
   frozen)."""
   chain = []
   if optim_cfg.clip_norm > 0:
-    chain.append(optax.clip_by_global_norm(optim_cfg.clip_norm))
+    chain.append(clip_by_global_norm(optim_cfg.clip_norm))
   factory = OPTIMIZERS.get(optim_cfg.name)
   takes_specs = "logical_specs" in inspect.signature(factory).parameters
   chain.append(factory(optim_cfg, schedule(optim_cfg, train_steps),
                        **({"logical_specs": logical_specs} if takes_specs else {})))
   tx = optax.chain(*chain)
+  elementwise = optim_cfg.name in ELEMENTWISE
   if trainable is None and balance is None:
-    return tx
+    return _marked(tx, elementwise)
 
   def labels(params):
     trained = trainable(params) if trainable is not None else jax.tree.map(lambda _: True, params)
@@ -155,7 +166,88 @@ def optimizer(optim_cfg, train_steps: int, trainable: Callable[[Any], Any] | Non
   transforms = {"train": tx, "frozen": optax.set_to_zero()}
   if balance is not None:
     transforms["balance"] = balance_update(balance[1])
-  return optax.multi_transform(transforms, labels)
+  return _marked(optax.multi_transform(transforms, labels), elementwise)
+
+
+# The optimizers whose update is elementwise given the clipping's global norm: every state leaf of one param is
+# shaped like it and each element's new value depends on that element's gradient, param and state alone (and the
+# shared counters). Their update over a slice of the params (one of the stacked layers) is the update of that slice,
+# bit for bit: what the streamed update of an offloaded state runs (jaxtrain/train/offload.py). Not Adafactor (its
+# factored moments average over a matrix's rows and columns) nor Muon (orthogonalizes whole matrices).
+ELEMENTWISE = ("adamw", "lion")
+
+
+def elementwise(tx) -> bool:
+  """Whether ``tx`` (from :func:`make`) is of an :data:`ELEMENTWISE` optimizer."""
+  return bool(getattr(tx.update, "elementwise", False))
+
+
+def _marked(tx: optax.GradientTransformation, elementwise: bool) -> optax.GradientTransformation:
+  """``tx`` whose update says whether it is elementwise (:func:`elementwise`; loss_scale.wrap passes it on)."""
+  def update(updates, state, params=None):
+    return tx.update(updates, state, params)
+
+  update.elementwise = elementwise
+  return optax.GradientTransformation(tx.init, update)
+
+
+# The global norm :func:`clip_by_global_norm` clips by, when the caller computed it (a streamed update clips a
+# slice of the gradients at a time by the norm of all of them), or _RECORD: stop at the clipping with its norm.
+_CLIP_NORM: contextvars.ContextVar = contextvars.ContextVar("jaxtrain_clip_norm", default=None)
+_RECORD = object()
+
+
+class _Norm(Exception):  # noqa: N818 - the clipping's norm, carried out of a recording update (same trace)
+  def __init__(self, norm):
+    super().__init__("clip norm")
+    self.norm = norm
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+  """optax.clip_by_global_norm, the same arithmetic and state, whose norm the caller may give
+  (:func:`clipping_by`) or ask for (:func:`clip_norm_of`)."""
+  def update(updates, state, params=None):
+    del params
+    given = _CLIP_NORM.get()
+    g_norm = optax.tree.norm(updates) if given is None or given is _RECORD else given
+    if given is _RECORD:
+      raise _Norm(g_norm)
+    trigger = jnp.squeeze(g_norm < max_norm)
+    return jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm),
+                        updates), state
+
+  return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+@contextlib.contextmanager
+def clipping_by(norm):
+  """Within it, :func:`clip_by_global_norm` clips by ``norm`` (traced: the global norm of the whole gradients)
+  instead of the norm of the updates it is given."""
+  token = _CLIP_NORM.set(norm)
+  try:
+    yield
+  finally:
+    _CLIP_NORM.reset(token)
+
+
+def clip_norm_of(tx, grads, opt_state, params):
+  """The global norm ``tx``'s clipping computes for ``grads`` (the very expression: over the leaves it sees), or
+  None without clipping. Traced only up to the clipping (``opt_state`` is not read before it); anything ``tx``
+  computes before it is left unused. Whether there is one is found on shapes first: without one, nothing is
+  traced."""
+  def recorded(grads, opt_state, params):
+    token = _CLIP_NORM.set(_RECORD)
+    try:
+      tx.update(grads, opt_state, params)
+    except _Norm as e:
+      return e.norm
+    finally:
+      _CLIP_NORM.reset(token)
+    return None
+
+  if jax.eval_shape(recorded, grads, opt_state, params) is None:
+    return None
+  return recorded(grads, opt_state, params)
 
 
 def make(optim_cfg, train_steps: int, trainable: Callable[[Any], Any] | None = None,
@@ -227,19 +319,22 @@ MUON_NS_STEPS = 5
 # The logical axes Muon treats as batch axes (one matrix per index): the stacked layers and an expert kernel's
 # experts (each expert's matrix is orthogonalized on its own).
 MUON_BATCH_AXES = ("layers", "experts")
+# The top-level params that are stacks of layers (leading axis the layer): the MoE families' dense first layers
+# (``dense_layers``) and DeepSeek-V3's multi-token-prediction modules (``mtp``) besides ``layers``.
+MUON_STACKS = ("layers", "dense_layers", "mtp")
 
 
 def muon_dimension_numbers(path, shape, logical=None) -> optax.contrib.MuonDimensionNumbers | None:
   """How Muon sees a param, or None for a param AdamW updates instead. Muon orthogonalizes the weight matrices
-  of the stacked layers (params under the top-level ``layers`` key, leading axis the layer: one matrix per
-  layer); embeddings, the output head and norm scales (and anything with fewer than two axes per layer) are
-  left to AdamW, as Muon's authors do. With the param's logical axis names (``logical``: the model's spec of it),
-  every axis named in :data:`MUON_BATCH_AXES` is a batch axis: an expert kernel ``[layers, experts, in, out]`` is
-  one ``in x out`` matrix per layer and expert. The axes left are the matrix between the leading and the trailing
-  ones, split where the two sizes are closest: attention's ``[embed, heads, head_dim]`` is ``embed x (heads *
-  head_dim)``, ``[heads, head_dim, embed]`` is ``(heads * head_dim) x embed`` (the heads flattened, as Moonlight
-  and the anchors do)."""
-  if not path or getattr(path[0], "key", None) != "layers":
+  of the stacked layers (params under a top-level key of :data:`MUON_STACKS`: ``layers``, and ``dense_layers`` /
+  ``mtp`` where a model has them; leading axis the layer: one matrix per layer); embeddings, the output head and
+  norm scales (and anything with fewer than two axes per layer) are left to AdamW, as Muon's authors do. With the
+  param's logical axis names (``logical``: the model's spec of it), every axis named in :data:`MUON_BATCH_AXES` is a
+  batch axis: an expert kernel ``[layers, experts, in, out]`` is one ``in x out`` matrix per layer and expert. The
+  axes left are the matrix between the leading and the trailing ones, split where the two sizes are closest:
+  attention's ``[embed, heads, head_dim]`` is ``embed x (heads * head_dim)``, ``[heads, head_dim, embed]`` is
+  ``(heads * head_dim) x embed`` (the heads flattened, as Moonlight and the anchors do)."""
+  if not path or getattr(path[0], "key", None) not in MUON_STACKS:
     return None
   batch = {0} | {i for i, name in enumerate(logical or ()) if name in MUON_BATCH_AXES}
   axes = tuple(a for a in range(len(shape)) if a not in batch)

@@ -17,6 +17,11 @@ from jaxtrain.errors import ConfigError
 HBM_GIB = {"v4": 32, "v5e": 16, "v5litepod": 16, "v5p": 95, "v6e": 32}
 # HBM bandwidth per chip, bytes per second (Google Cloud's TPU pages): what a memory-bound step (decoding) reads at.
 HBM_BYTES_PER_S = {"v4": 1228e9, "v5e": 819e9, "v5litepod": 819e9, "v5p": 2765e9, "v6e": 1640e9}
+# Host <-> chip bandwidth per chip and direction, bytes per second: what moving an offloaded optimizer state
+# (optim.offload_state) in and out costs (tools/estimate.py). An assumption, not a published figure (Cloud TPU's
+# pages give none): a PCIe Gen4 x8 link's ~16 GB/s a direction, reads and writes at once. Measure on the machine
+# (a device_put of a few GiB to and from pinned_host) before trusting a step time built on it.
+HOST_BYTES_PER_S = {"v4": 16e9, "v5e": 16e9, "v5litepod": 16e9, "v5p": 16e9, "v6e": 16e9}
 _NAME = re.compile(r"^(v4|v5e|v5litepod|v5p|v6e):\d+(x\d+){1,2}$")
 
 
@@ -61,3 +66,8 @@ def hbm_bytes(name: str) -> int:
 
 def hbm_bytes_per_s(name: str) -> float:
   return HBM_BYTES_PER_S[name.split(":")[0]]
+
+
+def host_bytes_per_s(name: str) -> float:
+  """:data:`HOST_BYTES_PER_S` of topology ``name``'s generation (a name, or a generation alone: ``v6e``)."""
+  return HOST_BYTES_PER_S[name.split(":")[0]]

@@ -52,6 +52,15 @@ def run_many(argvs: list[list[str]], preload: tuple[str, ...] = (), timeout: flo
           for argv, (code, out, err) in zip(argvs, json.loads(r.stdout))]
 
 
+
+def assert_one_line_exit_2(result: subprocess.CompletedProcess, message: str) -> None:
+  """``result`` (of :func:`run_many`) is a user mistake refused: exit 2, one ``: error:`` line that holds
+  ``message``, no traceback."""
+  errors = [line for line in result.stderr.splitlines() if ": error:" in line]
+  assert result.returncode == 2, result.stderr
+  assert len(errors) == 1 and message in errors[0], result.stderr
+  assert "Traceback" not in result.stderr
+
 def _exit_code(e: SystemExit) -> int:
   """What the interpreter exits with for ``raise SystemExit(e.code)``: None 0, an int itself, else the value
   printed to stderr and 1."""

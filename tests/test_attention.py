@@ -168,6 +168,7 @@ VARIANTS = {
     "window": attention.Variant(window=5),
     "window_softcap_scale": attention.Variant(window=9, softcap=2.0, scale=0.5),
     "softcap": attention.Variant(softcap=1.5),
+    "chunk": attention.Variant(chunk=6),  # Llama 4's chunks (by position: positions // chunk equal)
 }
 
 
@@ -182,6 +183,8 @@ def _brute_force(q, k, v, seg, pos, variant):
       seen = (seg[r] == seg[r, i]) & (pos[r] <= pos[r, i])
       if variant.window:
         seen &= pos[r, i] - pos[r] < variant.window
+      if variant.chunk:
+        seen &= pos[r] // variant.chunk == pos[r, i] // variant.chunk
       for head in range(n):
         s = k[r, :, head // group] @ q[r, i, head] * variant.scale_for(h)
         if variant.softcap:

@@ -47,8 +47,8 @@ ERRORS = [
     ([TINY, "--config.model.num_kv_heads=3"], "model.num_kv_heads: 3 does not divide model.num_heads=4"),
     ([TINY, "--config.train.microbatches=3"], "train.microbatches: 3 does not divide"),
     ([TINY, "--config.model.name=gpt9"], "model.name: 'gpt9' is not a registered model; use one of deepseek_v3, "
-                                         "gemma2, gemma3, gpt_oss, llama, mistral, moe, olmoe, qwen2, qwen3, qwen3_moe, "
-                                         "or register"),
+                                         "gemma2, gemma3, glm4_moe, gpt_oss, llama, llama4, mistral, moe, olmoe, qwen2, "
+                                         "qwen3, qwen3_moe, or register"),
     ([TINY, "--config.model.remat=everything"],
      "model.remat: 'everything' is not a registered remat policy; use one of full, minimal, none, offload_dots, "
      "offload_full, offload_minimal, save_dots, save_out_proj, save_qkv_proj"),
@@ -95,7 +95,8 @@ CPU_CONFIGS = ["configs/tiny.py", "configs/tiny.py:dp", "configs/tiny.py:tp", "c
 POD_CONFIGS = ["configs/llama3_1b.py", "configs/llama3_8b.py", "configs/llama3_70b.py", "configs/mixtral_8x7b.py",
                "configs/olmoe_1b_7b.py", "configs/qwen2_5_7b.py", "configs/qwen3_8b.py", "configs/qwen3_30b_a3b.py",
                "configs/mistral_7b.py", "configs/gemma2_9b.py", "configs/gemma3_1b.py", "configs/gpt_oss_20b.py",
-               "configs/gpt_oss_120b.py", "configs/deepseek_v3_671b.py"]
+               "configs/gpt_oss_120b.py", "configs/deepseek_v3_671b.py", "configs/glm4_5_air.py",
+               "configs/llama4_scout.py"]
 
 
 # CPU configs whose training command in the docs tests/test_readme.py runs as typed (plus --config.train.steps,

@@ -1,24 +1,25 @@
 """DeepSeek-V3 (jaxtrain/models/deepseek_v3): random small DeepseekV3ForCausalLMs built by transformers itself (MLA
 with a query rank and without one, the value head dim below and above the query/key one, YaRN with DeepSeek's
-mscale, 8 experts in 4 groups of which 2 compete, top-3, a shared expert, a dense first layer, a random choice bias):
+mscale, 8 experts in 4 groups of which 2 compete, top-3, a shared expert, a dense first layer, a random choice bias;
+the first with a multi-token-prediction layer beside, named as the released checkpoints' layer 61):
 imported, their logits equal transformers' on a padded batch and a packed row; each feature mapped wrong on purpose
-fails that comparison; greedy generation (the KV cache) equals transformers' token for token; import -> export is
-bitwise; fp8 block-quantized weights dequantize as transformers' do; the bad inputs are one line, exit 2."""
+fails that comparison; the MTP module computes DeepSeek's formula on the imported layer; greedy generation (the KV
+cache) equals transformers' token for token; import -> export is bitwise (the MTP layer too); fp8 block-quantized
+weights dequantize as transformers' do; the bad inputs are one line, exit 2."""
 
 import copy
 import json
-import math
 import pathlib
 
 import jax
 import numpy as np
 import pytest
 
-from jaxtrain import generate, hf
+from jaxtrain import hf
 from jaxtrain import models
-from jaxtrain import sampling as sampling_lib
 from tests import forked
-from tests.test_hf import TOL, _exported_equals_source, _hf_logits, _rel_err, _restore, logit_errors
+from tests.test_hf import (TOL, _hf_logits, _rel_err, _restore,
+                           assert_export_equals_source, assert_greedy_generation_equals, logit_errors)
 
 torch = pytest.importorskip("torch", reason="torch (test-only, in setup.cfg's test extra) is not installed: the "
                             "Hugging Face comparisons need it")
@@ -33,7 +34,8 @@ BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermedia
             qk_nope_head_dim=12, routed_scaling_factor=2.5, rms_norm_eps=1e-6, max_position_embeddings=64,
             num_nextn_predict_layers=0)
 HF_CONFIGS = {
-    "q_lora": dict(BASE, q_lora_rank=24, v_head_dim=10, rope_parameters={
+    # (with an MTP layer: _add_mtp_layer)
+    "q_lora": dict(BASE, q_lora_rank=24, v_head_dim=10, num_nextn_predict_layers=1, rope_parameters={
         "rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7,
         "original_max_position_embeddings": 16, "rope_theta": 1e4}),
     "plain_q": dict(BASE, q_lora_rank=None, v_head_dim=24),  # v wider than q/k (20): q and k padded
@@ -51,7 +53,30 @@ def _hf_deepseek(folder, name="q_lora", seed=0):
         b.copy_(torch.randn_like(b) * 0.02)
   model.save_pretrained(folder, safe_serialization=True)
   (pathlib.Path(folder) / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')
+  if HF_CONFIGS[name]["num_nextn_predict_layers"]:
+    _add_mtp_layer(folder, seed)
   return model
+
+
+def _add_mtp_layer(folder, seed):
+  """The multi-token-prediction layer the released checkpoints carry (transformers' model has none) added to the
+  saved weights as layer num_hidden_layers: ``enorm``, ``hnorm``, ``eh_proj``, a MoE decoder layer (layer 1's
+  tensors plus noise), ``shared_head.norm``, and copies of the embedding and head (``embed_tokens``,
+  ``shared_head.head``)."""
+  from safetensors.torch import load_file, save_file
+  file = str(pathlib.Path(folder) / "model.safetensors")
+  tensors, gen = load_file(file), torch.Generator().manual_seed(seed + 7)
+  n = BASE["num_hidden_layers"]
+  noise = lambda t, s: t + torch.randn(t.shape, generator=gen) * s  # noqa: E731
+  for name in [k for k in tensors if k.startswith("model.layers.1.")]:
+    tensors[name.replace("model.layers.1.", f"model.layers.{n}.")] = noise(tensors[name], 0.05).contiguous()
+  d = BASE["hidden_size"]
+  for name in ("enorm", "hnorm", "shared_head.norm"):
+    tensors[f"model.layers.{n}.{name}.weight"] = noise(torch.ones(d), 0.1)
+  tensors[f"model.layers.{n}.eh_proj.weight"] = noise(torch.zeros(d, 2 * d), 0.1)
+  tensors[f"model.layers.{n}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+  tensors[f"model.layers.{n}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+  save_file(tensors, file, metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module", params=list(HF_CONFIGS))
@@ -146,6 +171,8 @@ def test_imported_logits_equal_transformers_and_each_mis_mapping_fails(imported)
   positions, segments = np.broadcast_to(np.arange(24, dtype=np.int32), (2, 24)), np.ones((2, 24), np.int32)
   for mis_map in MIS_MAPS + (MIS_MAPS_Q_LORA if name == "q_lora" else []):
     wrong_cfg, wrong_params = m.copy_and_resolve_references(), jax.tree.map(np.array, params)
+    wrong_cfg.mtp_depth = 0  # (the logits without the MTP module's work)
+    wrong_params.pop("mtp", None)
     mis_map(wrong_params, wrong_cfg)
     ours = np.asarray(models.Model.from_config(wrong_cfg).apply(wrong_params, tokens, positions, segments))
     wrong = _rel_err(ours, theirs)
@@ -159,48 +186,78 @@ def test_greedy_generation_equals_transformers(imported, mla_cache):
   one (every head's keys and values): token for token; the cache's bytes per token are cache_bytes_per_token's."""
   from jaxtrain.models import deepseek_v3
   _, tmp, ref, cfg, *_ = imported
-  prompts = [[5, 17, 33, 2, 90, 11, 64], [7, 8, 9], [100, 3, 55, 21]]
-  new = 10
-  loaded = generate.load(str(tmp / "out"), overrides=[f"model.mla_cache={mla_cache}"])
+  loaded = assert_greedy_generation_equals(tmp / "out", ref, [f"model.mla_cache={mla_cache}"])
   cache = loaded.model.init_cache(4, 17)
   per_token = deepseek_v3.cache_bytes_per_token(loaded.model.cfg)
   assert (cache.k.nbytes + cache.v.nbytes) / (4 * 17) == per_token[mla_cache]
   print(f"deepseek_v3 cache bytes per token ({cfg.model.num_layers} layers): {per_token}")
-  gen = sampling_lib.Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings,
-                               rows=sampling_lib.padded_rows(len(prompts), loaded.mesh, loaded.rules), prompt_len=7,
-                               max_new_tokens=new, eos_ids=())
-  ours = gen.generate(loaded.params, prompts)
-  # Continuous batching over a paged cache (jaxtrain.sampling.ContinuousGenerator): the same tokens.
-  queue = sampling_lib.ContinuousGenerator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings,
-                                           requests=3, slots=sampling_lib.padded_rows(1, loaded.mesh, loaded.rules),
-                                           prompt_len=7, max_new_tokens=new, page_size=4)
-  assert queue.generate(loaded.params, prompts) == ours
-  batch = gen.batch(prompts)
-  with torch.no_grad():
-    theirs = ref.generate(input_ids=torch.tensor(batch.tokens[:3]), attention_mask=torch.tensor(batch.segment_ids[:3]),
-                          do_sample=False, max_new_tokens=new, pad_token_id=0, eos_token_id=None).numpy()[:, 7:]
-  assert ours == theirs.tolist()
 
 
-def test_import_export_is_bitwise_and_loads_in_transformers(imported, tmp_path):
-  _, tmp, ref, *_ = imported
-  hf.export_model(str(tmp / "out" / "checkpoints"), str(tmp_path / "exported"))
-  _exported_equals_source(tmp / "src", tmp_path / "exported")
+def test_import_export_is_bitwise_and_loads_in_transformers(imported, tmp_path, monkeypatch):
+  """The MTP layer (q_lora) too: transformers ignores it as it ignores the released checkpoints' layer 61."""
+  name, tmp, ref, *_ = imported
+  n = BASE["num_hidden_layers"]
+  monkeypatch.setattr(transformers.DeepseekV3ForCausalLM, "_keys_to_ignore_on_load_unexpected",
+                      [rf"model\.layers\.{n}\..*"])
+  assert_export_equals_source(tmp, ref, tmp_path / "exported")
   config = json.loads((tmp_path / "exported" / "config.json").read_text())
-  assert config["model_type"] == "deepseek_v3" and config["architectures"] == ["DeepseekV3ForCausalLM"]
-  loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"),
-                                                                   output_loading_info=True)
-  assert not any(info.values()), info  # no missing, unexpected or mismatched keys
-  assert loaded.config.rope_parameters == ref.config.rope_parameters
-  tokens = np.random.default_rng(1).integers(0, 256, (2, 20))
-  np.testing.assert_array_equal(_hf_logits(loaded.eval(), tokens), _hf_logits(ref, tokens))
+  assert config["num_nextn_predict_layers"] == (1 if name == "q_lora" else 0)
+
+
+def test_the_mtp_module_computes_deepseeks_formula_on_the_imported_layer(imported, tmp_path):
+  """The imported MTP layer (model.mtp_depth 1, from the weights) computes DeepSeek's module: ``logits =
+  head(shared_head.norm(Block(eh_proj([enorm(Emb(t_{i+1})) | hnorm(h_i)]))))``, h_i the main model's output
+  (transformers' last hidden state), Block the checkpoint's layer-N decoder layer run by transformers (a one-layer
+  DeepseekV3ForCausalLM holding it, shared_head.norm as its final norm, shared_head.head as its head), the norms and
+  eh_proj in torch, all from the source file's tensors: within TOL of jaxtrain's module."""
+  from safetensors.torch import load_file, save_file
+  name, tmp, ref, cfg, model, params = imported
+  if name != "q_lora":
+    pytest.skip("the config with an MTP layer")
+  assert cfg.model.mtp_depth == 1
+  src, p = load_file(str(tmp / "src" / "model.safetensors")), f"model.layers.{BASE['num_hidden_layers']}."
+  own = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
+  tensors = {"model.layers.0." + k[len(p):]: v for k, v in src.items()
+             if k.startswith(p) and not k[len(p):].startswith(own)}
+  tensors.update({"model.embed_tokens.weight": src[p + "embed_tokens.weight"],
+                  "model.norm.weight": src[p + "shared_head.norm.weight"],
+                  "lm_head.weight": src[p + "shared_head.head.weight"]})
+  (tmp_path / "block").mkdir()
+  save_file(tensors, str(tmp_path / "block" / "model.safetensors"), metadata={"format": "pt"})
+  transformers.DeepseekV3Config(**dict(HF_CONFIGS[name], num_hidden_layers=1, first_k_dense_replace=0,
+                                       num_nextn_predict_layers=0)).save_pretrained(tmp_path / "block")
+  block, info = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "block", output_loading_info=True)
+  assert not any(info.values()), info
+  tokens = np.random.default_rng(2).integers(0, 256, (2, 24)).astype(np.int32)
+
+  def rms(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+  with torch.no_grad():
+    h = ref.model(input_ids=torch.tensor(tokens, dtype=torch.long)).last_hidden_state
+    emb = src[p + "embed_tokens.weight"][torch.tensor(tokens[:, 1:], dtype=torch.long)]
+    mixed = torch.cat([rms(emb, src[p + "enorm.weight"]), rms(h[:, :-1], src[p + "hnorm.weight"])], -1)
+    theirs = block.eval()(inputs_embeds=mixed @ src[p + "eh_proj.weight"].T).logits.numpy()
+  positions, segments = np.broadcast_to(np.arange(24, dtype=np.int32), (2, 24)), np.ones((2, 24), np.int32)
+  module = model.bind(params)
+  x, _ = module.stack(tokens, positions, segments)
+  ours = np.asarray(module.mtp_logits(x, tokens, positions, segments)[0][0], np.float32)[:, :-1]
+  err = _rel_err(ours, theirs)
+  print(f"deepseek_v3 mtp module: max relative logit error {err:.2e}")
+  assert err < TOL
+  # The layer's copy of the embedding one bit off the model's: refused (jaxtrain holds one embedding).
+  src[p + "embed_tokens.weight"] = src[p + "embed_tokens.weight"].clone()
+  src[p + "embed_tokens.weight"][0, 0] = torch.nextafter(src[p + "embed_tokens.weight"][0, 0], torch.tensor(1.0))
+  save_file(src, str(tmp_path / "block" / "model.safetensors"), metadata={"format": "pt"})
+  with pytest.raises(hf.HFError, match=r"has model.layers.3.embed_tokens.weight unequal to model.embed_tokens.weight"
+                                       r", which jaxtrain holds as one tensor"):
+    hf.read_params(str(tmp_path / "block"), cfg.model)
 
 
 def test_fp8_blocks_dequantize_on_import_as_transformers_does(imported, tmp_path):
   """The released checkpoints' form: every linear weight of the layers as float8_e4m3fn with a float32
   ``weight_scale_inv`` per 128 x 128 block (random codes, scales 2^-8 to 2^-5), the rest bf16, an MTP layer
-  beside (skipped). The import's weights are bitwise transformers' own dequantization (``_dequantize_fp8_weight``,
-  in bf16), and its logits equal those of transformers' model holding them."""
+  beside (imported). The import's weights are bitwise transformers' own dequantization (``_dequantize_fp8_weight``,
+  in bf16; the MTP layer's too), and its logits equal those of transformers' model holding them."""
   from safetensors.torch import load_file, save_file
   from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
   name, tmp, ref, *_ = imported
@@ -217,7 +274,6 @@ def test_fp8_blocks_dequantize_on_import_as_transformers_does(imported, tmp_path
     dequantized[n] = _dequantize_fp8_weight(codes, scale, [128, 128], torch.float32).to(torch.bfloat16)
   for n in [n for n in tensors if tensors[n].dtype == torch.float32 and not n.endswith("_scale_inv")]:
     tensors[n] = tensors[n].to(torch.bfloat16)
-  tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128, dtype=torch.bfloat16)  # an MTP module's
   save_file(tensors, str(tmp_path / "src" / "model.safetensors"))
   config = json.loads((tmp / "src" / "config.json").read_text())
   config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -245,6 +301,8 @@ def test_fp8_blocks_dequantize_on_import_as_transformers_does(imported, tmp_path
   q_b = np.asarray(params["layers"]["attn"]["q_b"]["kernel"][0])
   np.testing.assert_array_equal(q_b.reshape(q_b.shape[0], -1).T,
                                 dequantized["model.layers.1.self_attn.q_b_proj.weight"].float().numpy())
+  np.testing.assert_array_equal(np.asarray(params["mtp"]["eh_proj"]["kernel"][0]).T,
+                                dequantized["model.layers.3.eh_proj.weight"].float().numpy())
   padded, packed = logit_errors(model, params, theirs.eval())
   print(f"deepseek_v3 fp8: max relative logit error padded {padded:.2e}, packed {packed:.2e}")
   assert padded < TOL and packed < TOL
@@ -368,41 +426,51 @@ def test_trains_sharded_equal_to_one_device(tmp_path):
   expert 2 (blockwise: MLA's keys and values gathered over the context axis) and pipeline 2 x expert 2, against one
   device (packed rows, the auxiliary losses on): the loss and every gradient within 1e-5. (fsdp splits the weights
   in the first mesh; the others add their own axis to the expert split on 4 devices.)"""
-  from tests.test_pipeline import _loss_and_grads, _packed_batch
-  batch = _packed_batch()
-  ref_loss, ref_tokens, ref_grads, _ = _loss_and_grads(_config(tmp_path / "one"), batch, jax.devices()[:1])
-  for i, (mesh, impl) in enumerate([(dict(fsdp=2, tensor=2, expert=2), "dropless"),
-                                    (dict(tensor=2, expert=2), "capacity"),
-                                    (dict(context=2, expert=2), "dropless"),
-                                    (dict(pipeline=2, expert=2), "dropless")]):
-    config = _config(tmp_path / str(i), **mesh)
-    config.model.update(attention="blockwise" if "context" in mesh else "auto", moe_impl=impl, capacity_factor=8.0)
-    loss, tokens, grads, _ = _loss_and_grads(config, batch, jax.devices()[:math.prod(mesh.values())])
-    assert tokens == ref_tokens
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=f"{mesh} {impl}")
-    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):
-      scale = np.max(np.abs(r))
-      err = np.max(np.abs(g - r)) / scale if scale else np.max(np.abs(g))
-      assert err < 1e-5, f"{mesh} {impl} {jax.tree_util.keystr(path)}: relative gradient error {err:.2e}"
+  from tests.test_pipeline import assert_trains_like_one_device
+  assert_trains_like_one_device(lambda name, **mesh: _config(tmp_path / name, **mesh), [
+      (mesh, dict(attention="blockwise" if "context" in mesh else "auto", moe_impl=impl, capacity_factor=8.0))
+      for mesh, impl in [(dict(fsdp=2, tensor=2, expert=2), "dropless"), (dict(tensor=2, expert=2), "capacity"),
+                         (dict(context=2, expert=2), "dropless"), (dict(pipeline=2, expert=2), "dropless")]])
 
 
-def test_multi_token_prediction_loss_equals_an_independent_computation():
-  """mtp_depth 2 on a packed row of two documents and padding: the aux loss ``mtp`` (weighted by model.mtp_weight,
-  logged as aux_loss/mtp) equals the mean over the two modules of their mean cross-entropy computed here in numpy
-  from the stack's output (each module: [enorm(Emb(t_{i+k})) | hnorm(h)] W_eh, its block, post_norm, the shared
-  head; targets t_{i+k+1} of the same document only); the logits are those of the model without the modules."""
+def _seq_aux_reference(logits, ids, seg) -> float:
+  """DeepSeek-V3's sequence-wise balance loss (technical report eq. 17-20, without alpha) in float64, token by token:
+  per row of real tokens (T of them) sum_i f_i P_i, f_i = N_r / (K_r T) x the tokens that chose expert i, P_i the
+  mean of s'_{i,t} = s_{i,t} / sum_j s_{j,t} (s the sigmoid scores); the mean over the rows holding a token."""
+  s = 1.0 / (1.0 + np.exp(-np.asarray(logits, np.float64)))
+  n_r, k_r, ids = s.shape[-1], ids.shape[-1], np.asarray(ids)
+  rows = []
+  for b in range(s.shape[0]):
+    real = [t for t in range(s.shape[1]) if seg[b, t] != 0]
+    if real:
+      f = [n_r / (k_r * len(real)) * sum(i in ids[b, t] for t in real) for i in range(n_r)]
+      p = np.mean([s[b, t] / np.sum(s[b, t]) for t in real], axis=0)
+      rows.append(np.dot(f, p))
+  return float(np.mean(rows))
+
+
+def test_multi_token_prediction_and_sequence_wise_losses_equal_independent_computations():
+  """mtp_depth 2 on a packed row of two documents and padding, a row of one document and padding, and a row of
+  padding only: the aux loss ``mtp`` (weighted by model.mtp_weight, logged as aux_loss/mtp) equals the mean over the
+  two modules of their mean cross-entropy computed here in numpy from the stack's output (each module: h_k =
+  Block([enorm(Emb(t_{i+k})) | hnorm(h_{k-1})] W_eh), h_0 the stack's normalized output; logits the shared head's
+  of post_norm(h_k); targets t_{i+k+1} of the same document only); the logits are those of the model without the
+  modules. The modules' MoE blocks count among the MoE layers: ``load_balance`` and ``seq_aux`` (model.seq_aux_weight
+  > 0; _seq_aux_reference, float64, from each block's routing) are the means over the stack's layer and the two
+  blocks (the trainer moving the blocks' choice biases: test_a_training_step_moves_the_mtp_blocks_choice_bias)."""
   from jaxtrain.train import step as step_lib
   from flax import nnx
   m = models.defaults("deepseek_v3")
-  m.update(mtp_depth=2, vocab_size=64)
+  m.update(mtp_depth=2, vocab_size=64, seq_aux_weight=1e-4)
   model = models.Model.from_config(m)
-  assert model.aux_loss_weights(step_lib.aux_loss_names(model, 8))["mtp"] == 0.3
+  weights = model.aux_loss_weights(step_lib.aux_loss_names(model, 8))
+  assert (weights["mtp"], weights["seq_aux"], weights["bias_feedback"]) == (0.3, 1e-4, 1.0)
   params = jax.tree.map(lambda a: a + 0.1 * np.random.default_rng(0).standard_normal(a.shape).astype(np.float32),
                         model.init(jax.random.key(0)))
   t = 16
-  tokens = np.random.default_rng(1).integers(0, 64, (1, t)).astype(np.int32)
-  seg = np.array([[1] * 7 + [2] * 6 + [0] * 3], np.int32)
-  pos = np.array([list(range(7)) + list(range(6)) + [0] * 3], np.int32)
+  tokens = np.random.default_rng(1).integers(0, 64, (3, t)).astype(np.int32)
+  seg = np.array([[1] * 7 + [2] * 6 + [0] * 3, [1] * 11 + [0] * 5, [0] * t], np.int32)
+  pos = np.array([list(range(7)) + list(range(6)) + [0] * 3, list(range(11)) + [0] * 5, [0] * t], np.int32)
   out = model.forward(params, tokens, pos, seg)
   plain = {k: v for k, v in params.items() if k != "mtp"}
   m0 = m.copy_and_resolve_references()
@@ -411,33 +479,100 @@ def test_multi_token_prediction_loss_equals_an_independent_computation():
       plain, tokens, pos, seg).logits))
 
   module = model.bind(params)
-  x = module.embed_tokens(tokens, pos, seg)
+
+  def routed(block, x):  # (the block's aux losses, its routing's seq_aux in float64)
+    moe_in = block.mlp_norm(x + block.attn(block.attn_norm(x), pos, seg))
+    logits, _, ids, _ = block.moe.route(moe_in)
+    return block(x, pos, seg)[1], _seq_aux_reference(logits, ids, seg)
+
+  x, blocks = module.embed_tokens(tokens, pos, seg), []
   for i in range(m.num_layers - m.first_dense_layers):
-    x, _ = module.apply_layer(jax.tree.map(lambda a, i=i: a[i], nnx.state(module.layers)), x, (pos, seg))
+    w = jax.tree.map(lambda a, i=i: a[i], nnx.state(module.layers))
+    blocks.append(routed(nnx.merge(nnx.graphdef(module.layers), w), x))
+    x, _ = module.apply_layer(w, x, (pos, seg))
 
   def rms(v, scale, eps=m.norm_eps):
     v = np.asarray(v, np.float64)
     return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps) * np.asarray(scale)
 
   mtp, table, head = params["mtp"], np.asarray(params["embed"]["embedding"]), np.asarray(params["lm_head"]["kernel"])
-  h, losses = rms(x, params["final_norm"]["scale"]), []
+  h, losses, mtp_loads = rms(x, params["final_norm"]["scale"]), [], []
   for k in (1, 2):
     w = jax.tree.map(lambda a, k=k: np.asarray(a[k - 1]), mtp)
-    ahead = np.array([[tokens[0, min(i + k, t - 1)] for i in range(t)]])
+    ahead = np.array([[row[min(i + k, t - 1)] for i in range(t)] for row in tokens])
     mixed = np.concatenate([rms(table[ahead], w["enorm"]["scale"]), rms(h, w["hnorm"]["scale"])], -1)
     block = nnx.merge(nnx.graphdef(module.mtp), jax.tree.map(lambda a, k=k: a[k - 1], nnx.state(module.mtp))).block
-    y, _, _ = block(jax.numpy.asarray(mixed @ w["eh_proj"]["kernel"], jax.numpy.float32), pos, seg)
-    h = rms(y, w["post_norm"]["scale"])
-    logits = h @ head
+    block_in = jax.numpy.asarray(mixed @ w["eh_proj"]["kernel"], jax.numpy.float32)
+    blocks.append(routed(block, block_in))
+    h, _, metrics = block(block_in, pos, seg)  # h_k: the next module's input
+    mtp_loads.append(np.array([metrics[f"moe/load/e{e:02d}"] for e in range(m.num_experts)]))
+    logits = rms(h, w["post_norm"]["scale"]) @ head
     logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True)) - logits.max(
         -1, keepdims=True)
-    nll = [-logp[0, i, tokens[0, i + k + 1]] for i in range(t - k - 1)
-           if seg[0, i] != 0 and seg[0, i + k + 1] == seg[0, i]]
-    assert len(nll) == (7 - k - 1) + (6 - k - 1)
+    nll = [-logp[b, i, tokens[b, i + k + 1]] for b in range(3) for i in range(t - k - 1)
+           if seg[b, i] != 0 and seg[b, i + k + 1] == seg[b, i]]
+    assert len(nll) == (7 - k - 1) + (6 - k - 1) + (11 - k - 1)
     losses.append(np.mean(nll))
   ours = float(out.aux_losses["mtp"])
   print(f"deepseek_v3 mtp: {ours:.6f}, independent {np.mean(losses):.6f}")
   assert ours == pytest.approx(np.mean(losses), rel=1e-5)
+  assert len(blocks) == 3  # the stack's MoE layer and the two modules' blocks
+  assert float(out.aux_losses["load_balance"]) == pytest.approx(np.mean([float(a["load_balance"])
+                                                                          for a, _ in blocks]), rel=1e-5)
+  seq_aux = np.mean([r for _, r in blocks])
+  print(f"deepseek_v3 seq_aux: {float(out.aux_losses['seq_aux']):.6f}, float64 {seq_aux:.6f}")
+  assert float(out.aux_losses["seq_aux"]) == pytest.approx(seq_aux, rel=1e-5) and seq_aux > 1.0
+
+
+def test_muon_takes_the_dense_and_mtp_layers_matrices():
+  """optim.name=muon on DeepSeek-V3 with MTP: the dense first layers' and the MTP modules' matrices (stacked,
+  leading axis the layer) get Muon's momentum like the MoE layers', not AdamW's mu and nu; their norm scales, the
+  embedding and head stay AdamW's; the choice biases neither's (the balance update)."""
+  from jaxtrain import optim
+  from jaxtrain.config import base_config
+  m = models.defaults("deepseek_v3")
+  m.update(mtp_depth=1, vocab_size=64)
+  model = models.Model.from_config(m)
+  c = base_config()
+  c.optim.name = "muon"
+  optim.check_muon(model.abstract_params, model.logical_specs, "deepseek_v3")
+  tx = optim.make(c.optim, 10, model.trainable_mask(), model.logical_specs, model.balance())
+  state = jax.eval_shape(tx.init, model.abstract_params)
+  held = {"muon": set(), "adamw": set()}
+  for path, _ in jax.tree_util.tree_leaves_with_path(state):
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    part = next((k for k in keys if k in held), None)
+    if part and "mu" in keys:
+      held[part].add("/".join(str(k) for k in keys[keys.index("mu") + 1:]))
+  for name in ("dense_layers/mlp/gate/kernel", "dense_layers/mlp/down/kernel", "dense_layers/attn/kv_b/kernel",
+               "dense_layers/attn/q_a/kernel", "mtp/eh_proj/kernel", "mtp/block/moe/up", "layers/attn/o/kernel"):
+    assert name in held["muon"] and name not in held["adamw"], name
+  for name in ("dense_layers/mlp_norm/scale", "mtp/enorm/scale", "embed/embedding", "lm_head/kernel"):
+    assert name in held["adamw"] and name not in held["muon"], name
+  assert not any("score_bias" in n for n in held["muon"] | held["adamw"])
+
+
+@pytest.mark.slow
+def test_a_training_step_moves_the_mtp_blocks_choice_bias(tmp_path):
+  """Three steps of the trainer (Muon, the sequence-wise loss on, MTP depth 1, bias_update_speed 0.01): the MTP
+  block's choice bias moves by whole steps of the speed, as the stack's does (its load reaches it through the aux
+  loss bias_feedback, the modules' MoE outputs kept): at least half of each stack's biases away from 0 after
+  three steps; aux_loss/seq_aux and aux_loss/mtp are logged."""
+  from jaxtrain.train import trainer
+  c = _config(tmp_path)
+  c.model.update(mtp_depth=1, seq_aux_weight=1e-4, bias_update_speed=0.01)
+  c.optim.update(name="muon", lr=1e-9, warmup_steps=0)
+  c.train.update(steps=3, global_batch_size=4)
+  c.data.seq_len = 16
+  state, logged = trainer.train(c, devices=jax.devices()[:1])
+  assert {"aux_loss/seq_aux", "aux_loss/mtp", "aux_loss/bias_feedback"} <= set(logged[-1])
+  print(f"deepseek_v3 training step: seq_aux {logged[-1]['aux_loss/seq_aux']:.4f}, "
+        f"mtp {logged[-1]['aux_loss/mtp']:.4f}")
+  for stack in ("mtp", "layers"):
+    p = state.params[stack]
+    bias = np.asarray(jax.device_get((p["block"] if stack == "mtp" else p)["moe"]["score_bias"]))
+    np.testing.assert_allclose(bias / 0.01, np.round(bias / 0.01), atol=1e-3)
+    assert np.count_nonzero(np.round(bias / 0.01)) >= bias.size // 2, stack
 
 
 def test_mla_dims_the_cudnn_kernel_cannot_take_are_one_line():

@@ -16,10 +16,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import generate, hf
+from jaxtrain import hf
 from jaxtrain import models
-from jaxtrain import sampling as sampling_lib
-from tests.test_hf import TOL, _exported_equals_source, _hf_logits, _rel_err, _restore, logit_errors
+from tests.test_hf import (TOL, _exported_equals_source, _hf_logits, _rel_err, _restore,
+                           assert_greedy_generation_equals, logit_errors)
 from tests.test_pipeline import _loss_and_grads, _packed_batch
 from tests.conftest import small_config
 
@@ -140,23 +140,7 @@ def test_imported_family_equals_transformers_and_exports_bitwise(name, tmp_path)
     assert wrong > 100 * TOL, mis_map.__name__
 
   # Greedy generation, left-padded prompts, KV cache: token for token transformers' generate.
-  prompts = [[5, 17, 33, 2, 90, 11, 64], [7, 8, 9], [100, 3, 55, 21]]
-  new = 10
-  loaded = generate.load(str(tmp_path / "out"))
-  gen = sampling_lib.Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings,
-                               rows=sampling_lib.padded_rows(len(prompts), loaded.mesh, loaded.rules), prompt_len=7,
-                               max_new_tokens=new, eos_ids=())
-  ours = gen.generate(loaded.params, prompts)
-  # Continuous batching over a paged cache (jaxtrain.sampling.ContinuousGenerator): the same tokens.
-  queue = sampling_lib.ContinuousGenerator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings,
-                                           requests=3, slots=sampling_lib.padded_rows(1, loaded.mesh, loaded.rules),
-                                           prompt_len=7, max_new_tokens=new, page_size=4)
-  assert queue.generate(loaded.params, prompts) == ours
-  batch = gen.batch(prompts)
-  with torch.no_grad():
-    theirs = ref.generate(input_ids=torch.tensor(batch.tokens[:3]), attention_mask=torch.tensor(batch.segment_ids[:3]),
-                          do_sample=False, max_new_tokens=new, pad_token_id=0, eos_token_id=None).numpy()[:, 7:]
-  assert ours == theirs.tolist()
+  assert_greedy_generation_equals(tmp_path / "out", ref)
 
   hf.export_model(str(tmp_path / "out" / "checkpoints"), str(tmp_path / "exported"))
   _exported_equals_source(tmp_path / "src", tmp_path / "exported")
@@ -248,30 +232,9 @@ def test_lora_sft_fine_tune_of_an_import_exports_what_jaxtrain_computes(name, tm
   """Import, LoRA (rank 4 on q, v, o) on SFT data (prompt tokens masked) for 2 steps from OUT/config.py, export:
   the base weights stay as imported, transformers loads the merged export with no missing or unexpected keys, and
   its logits are those of jaxtrain's adapted model."""
-  from jaxtrain.train import trainer
-  from tests.test_hf import _load_config
+  from tests.test_hf import lora_fine_tune_exports_what_jaxtrain_computes
   _hf_family(tmp_path / "src", name)
-  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
-  cfg = _load_config(tmp_path / "out" / "config.py")
-  cfg.workdir = str(tmp_path / "run")
-  cfg.model.lora.update(rank=4, alpha=8.0, targets="q,v,o")
-  cfg.data.update(path=sft_data, seq_len=32, tokenizer="byte")  # (not the import's: the data says which it is)
-  cfg.train.update(steps=2, global_batch_size=8, log_every=1)
-  cfg.optim.update(lr=1e-2, warmup_steps=1)
-  state, _ = trainer.train(cfg)
-  params = jax.device_get(state.params)
-  _, _, imported = _restore(tmp_path / "out")
-  base = {k: v for k, v in params.items() if k != "lora"}
-  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(jax.device_get(imported))))
-  assert any(np.any(b != 0) for b in jax.tree.leaves(params["lora"]))  # B left zero: the adapters trained
-  hf.export_model(str(tmp_path / "run"), str(tmp_path / "exported"))
-  loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"),
-                                                                   output_loading_info=True)
-  assert not any(info.values()), info
-  tokens = np.random.default_rng(2).integers(0, 256, (2, 16)).astype(np.int32)
-  ours = np.asarray(models.Model.from_config(cfg.model).apply(
-      params, tokens, np.broadcast_to(np.arange(16, dtype=np.int32), (2, 16)), np.ones((2, 16), np.int32)))
-  assert _rel_err(ours, _hf_logits(loaded.eval(), tokens)) < TOL
+  lora_fine_tune_exports_what_jaxtrain_computes(tmp_path, sft_data)
 
 
 # The shipped configs of the published sizes: jaxtrain's parameter count is the published one, and transformers'

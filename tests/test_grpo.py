@@ -31,6 +31,7 @@ from jaxtrain.train.objectives import rewards as rewards_lib
 from jaxtrain.train.objectives.logprobs import token_logps
 from tests import forked, grpo_rewards, multiprocess, readme
 from tests.conftest import small_config
+from tests.test_moe import moe_config
 
 # The task (tools/letter_prompts.py, docs/post_training.md's GRPO example): "xy>" -> "yx" then a newline; 48 pairs
 # train, 16 held out (each letter seen in both places). MODEL: configs/grpo_letters.py's.
@@ -612,6 +613,71 @@ def test_a_lora_run_on_fsdp_x_tensor_measures_kl_against_the_adapters_off_refere
   assert all(np.isfinite(h["loss"]) and h["rl/completion_length"] >= 1 for h in history)
 
 
+def test_a_moe_models_router_losses_are_in_the_policy_loss(task, tmp_path):
+  """GRPO on a MoE model: the first update's policy loss is 0 (the ratio is 1 and a group's advantages sum to 0),
+  so its loss is the router's auxiliary losses weighted by their keys, as the language model's step adds them, and
+  they are logged (aux_loss/<name>)."""
+  c = grpo_config(tmp_path, task)
+  c.model = moe_config(tmp_path, steps=1).model
+  c.train.update(steps=1)
+  c.rl.update(rewards="tests.grpo_rewards:letters", kl_weight=0.0)
+  _, history = trainer.train(config_lib.resolve(c), devices=jax.devices()[:1])
+  first = history[0]
+  aux = {n: first[f"aux_loss/{n}"] for n in ("load_balance", "router_z")}
+  assert all(v > 0 for v in aux.values()) and first["rl/reward_std"] > 0, first
+  want = c.model.load_balance_weight * aux["load_balance"] + c.model.router_z_weight * aux["router_z"]
+  assert abs(first["loss"] - want) < 1e-6, (first["loss"], want)
+
+
+@pytest.mark.parametrize("dynamic_sampling", [False, True])  # the rewards while the devices update; before it
+def test_rollouts_ahead_are_the_policy_a_step_back_and_its_log_probabilities_divide_the_ratio(task, tmp_path,
+                                                                                               dynamic_sampling):
+  """rl.max_staleness=1: a fresh start first fills the state's queue with the starting policy's rollout; after step
+  s the queue holds the rollout of step s + 1's prompts, sampled and scored by the policy step s started from: its
+  old log-probabilities are that policy's training forward's, bitwise, and not the updated policy's. Step 2 trains the
+  queued rollout of its own prompts, produced by the starting policy: its loss is the policy loss of the step-1
+  policy on that rollout with the starting policy's log-probabilities in the ratio. With dynamic sampling (whose
+  refills roll out by the policy the step starts from) the rewards come before the update; without, while the
+  devices score and update."""
+  c = grpo_config(tmp_path, task, data=1, fsdp=1)
+  c.model.update(**MODEL)
+  c.rl.update(max_staleness=1, rewards="tests.grpo_rewards:letters", kl_weight=0.0, dynamic_sampling=dynamic_sampling)
+  c.optim.update(lr=1e-2)
+  run = trainer.build(config_lib.resolve(c), jax.devices()[:1])
+  objective = objectives.of(run.config)
+  step = objective.step_fn(run, trainer.compile_step)
+  try:
+    state, stream = start.init_state(run), objective.open_train(run.config)
+    params, queues, history = [], [], []
+    for _ in range(2):
+      params.append(jax.device_get(state.params))
+      state, metrics = step(state, objective.to_global(run, next(stream)), np.bool_(False))
+      queues.append(jax.device_get(state.extra["rollouts"]))
+      history.append(jax.device_get(metrics))
+    params.append(jax.device_get(state.params))
+  finally:
+    step.close()
+  rows = sharding_lib.batch_sharding(run.mesh, run.rules, ndim=1)
+  oldest = [{k: v[0] for k, v in q.items()} for q in queues]  # the queue's one rollout after step 1, after step 2
+
+  def logps(p, batch):  # the trainer's own scoring program
+    batch = {k: jax.device_put(v, run.batch_sharding if v.ndim == 2 else rows) for k, v in batch.items()
+             if k not in ("old_logps", "ref_logps")}
+    with jax.set_mesh(run.mesh):
+      return np.asarray(step.score(jax.device_put(p, run.state_shardings.params), batch)[0])
+
+  width = prompts_lib.prompt_width(run.config)
+  for s, batch in enumerate(oldest, start=1):  # after step s: step s + 1's prompts, by the policy before step s
+    assert np.array_equal(batch["inputs"][:, :width], stream.batch(s)["inputs"])
+    assert batch["loss_mask"].sum() > 0 and np.any(batch["advantages"] != 0)
+    np.testing.assert_array_equal(batch["old_logps"], logps(params[s - 1], batch))
+    assert np.abs(batch["old_logps"] - logps(params[s], batch)).max() > 1e-4  # (the update moved them)
+  with jax.set_mesh(run.mesh):
+    loss, _ = jax.jit(lambda p, b: policy_losses.LOSSES.get("grpo").loss(token_logps(run.model, p, b), b, run.config.rl))(
+        params[1], oldest[0])
+  np.testing.assert_allclose(history[1]["loss"], loss, rtol=1e-6)
+
+
 def test_updates_per_batch_update_the_optimizer_twice_and_count_one_step(task, tmp_path, caplog):
   """rl.updates_per_batch=2: two optimizer updates per rollout (the optimizer's own count is 4 after 2 steps, the
   second update of a batch sees a ratio away from 1), one loop and TrainState step each. The console line and the
@@ -766,15 +832,19 @@ def test_grpo_raises_the_held_out_reward(letters, task):
 
 @pytest.mark.slow
 def test_sigkill_mid_run_resumes_to_bitwise_the_same_rewards_and_losses(task, sft, tmp_path):
+  """Rollouts one step ahead (rl.max_staleness=1), killed once step 3's checkpoint is committed and resumed from it,
+  log bitwise what the uninterrupted run logs: the checkpoint holds the queued rollout (the policy that produced it is
+  gone), and each rollout's sampling key and prompts are its prompts' step's. (An on-policy resume needs a subset of
+  this: the same state, prompts and keys, without the queue.)"""
   flags = [*grpo_flags(task), f"--config.checkpoint.restore_from={sft}", "--config.train.steps=8",
-           "--config.checkpoint.every_steps=3"]
+           "--config.checkpoint.every_steps=3", "--config.rl.max_staleness=1"]
   full, killed = tmp_path / "full", tmp_path / "killed"
   r = forked.run(["-m", "jaxtrain.main", *flags, f"--config.workdir={full}"])
   assert r.returncode == 0, r.stderr[-3000:]
   p = forked.popen(["-m", "jaxtrain.main", *flags, f"--config.workdir={killed}"])
   deadline = time.time() + 300
-  while p.poll() is None and time.time() < deadline and len(read_records(killed)) < 5:
-    time.sleep(0.01)
+  while p.poll() is None and time.time() < deadline and not (killed / "checkpoints" / "3").is_dir():
+    time.sleep(0.01)  # killed once step 3's checkpoint is committed (orbax renames it into place), steps later
   assert p.poll() is None, "the run finished before it could be killed"
   p.send_signal(signal.SIGKILL)
   p.communicate(timeout=60)

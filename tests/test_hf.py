@@ -129,6 +129,113 @@ def logit_errors(model, params, ref, vocab=256):
                      _rel_err(packed[9:], _hf_logits(ref, b[None])[0]))
 
 
+def random_hf_model(build, folder, seed=0):
+  """``build()`` (a transformers model) made with torch seeded by ``seed``, every parameter (norms too) moved by
+  noise of 0.05 and every router's choice bias (``e_score_correction_bias``, a buffer) drawn with a spread of 0.02,
+  that of the scores', saved as safetensors in ``folder`` with a stub tokenizer; returned in eval mode."""
+  torch.manual_seed(seed)
+  model = build().eval()
+  with torch.no_grad():
+    for p in model.parameters():
+      p.add_(torch.randn_like(p) * 0.05)
+    for n, b in model.named_buffers():
+      if n.endswith("e_score_correction_bias"):
+        b.copy_(torch.randn_like(b) * 0.02)
+  model.save_pretrained(folder, safe_serialization=True)
+  (pathlib.Path(folder) / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')
+  return model
+
+
+def imported_from(tmp, build):
+  """``(tmp, the transformers model build(tmp / "src") saved there, the import's config, model and params)``."""
+  ref = build(tmp / "src")
+  hf.import_model(str(tmp / "src"), str(tmp / "out"))
+  return (tmp, ref, *_restore(tmp / "out"))
+
+
+def mis_mapping_errors(model_cfg, params, ref, mis_maps, vocab=256):
+  """{name: the largest relative logit error against the transformers model ``ref``} of each ``mis_map(params,
+  cfg)`` applied to a copy of an imported model group and its params (a family's own difference mapped wrong on
+  purpose), on two rows of 24 tokens."""
+  tokens = np.random.default_rng(0).integers(0, vocab, (2, 24)).astype(np.int32)
+  theirs = _hf_logits(ref, tokens)
+  side = (np.broadcast_to(np.arange(24, dtype=np.int32), (2, 24)), np.ones((2, 24), np.int32))
+  errors = {}
+  for mis_map in mis_maps:
+    cfg, wrong = model_cfg.copy_and_resolve_references(), jax.tree.map(np.array, params)
+    mis_map(wrong, cfg)
+    errors[mis_map.__name__] = _rel_err(np.asarray(models.Model.from_config(cfg).apply(wrong, tokens, *side)), theirs)
+  return errors
+
+
+def assert_export_equals_source(tmp, ref, exported):
+  """The import in TMP/out exported to ``exported``: its safetensors are TMP/src's bitwise, its config.json names
+  ``ref``'s (the transformers model saved in TMP/src) model_type and class, and transformers loads it with no missing, unexpected or mismatched keys,
+  ``ref``'s RoPE parameters and ``ref``'s logits; returns transformers' model of it."""
+  hf.export_model(str(tmp / "out" / "checkpoints"), str(exported))
+  _exported_equals_source(tmp / "src", exported)
+  config = json.loads((exported / "config.json").read_text())
+  assert (config["model_type"], config["architectures"]) == (ref.config.model_type, [type(ref).__name__])
+  loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(exported), output_loading_info=True)
+  assert not any(info.values()), info
+  assert loaded.config.rope_parameters == ref.config.rope_parameters
+  tokens = np.random.default_rng(1).integers(0, 256, (2, 20))
+  np.testing.assert_array_equal(_hf_logits(loaded.eval(), tokens), _hf_logits(ref, tokens))
+  return loaded
+
+def assert_greedy_generation_equals(out, ref, overrides=(), new=10):
+  """Greedy generation from the import in ``out`` (its config with ``overrides``: left-padded prompts through the KV
+  cache, and through continuous batching's paged cache) equals the transformers model ``ref``'s, token for token;
+  returns the loaded model (jaxtrain.generate.load's)."""
+  from jaxtrain import generate
+  from jaxtrain import sampling as sampling_lib
+  prompts = [[5, 17, 33, 2, 90, 11, 64], [7, 8, 9], [100, 3, 55, 21]]
+  loaded = generate.load(str(out), overrides=list(overrides))
+  gen = sampling_lib.Generator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings,
+                               rows=sampling_lib.padded_rows(len(prompts), loaded.mesh, loaded.rules), prompt_len=7,
+                               max_new_tokens=new, eos_ids=())
+  ours = gen.generate(loaded.params, prompts)
+  queue = sampling_lib.ContinuousGenerator(loaded.model, loaded.mesh, loaded.rules, loaded.param_shardings,
+                                           requests=3, slots=sampling_lib.padded_rows(1, loaded.mesh, loaded.rules),
+                                           prompt_len=7, max_new_tokens=new, page_size=4)
+  assert queue.generate(loaded.params, prompts) == ours
+  batch = gen.batch(prompts)
+  with torch.no_grad():
+    theirs = ref.generate(input_ids=torch.tensor(batch.tokens[:3]), attention_mask=torch.tensor(batch.segment_ids[:3]),
+                          do_sample=False, max_new_tokens=new, pad_token_id=0, eos_token_id=None).numpy()[:, 7:]
+  assert ours == theirs.tolist()
+  return loaded
+
+
+def lora_fine_tune_exports_what_jaxtrain_computes(tmp_path, sft_data):
+  """The LoRA check of a transformers model saved in TMP_PATH/src (vocab 256): imported, LoRA (rank 4 on q, v, o)
+  trained 2 steps on ``sft_data`` (tests/test_families.py's fixture) from OUT/config.py, exported merged; the base
+  stays as imported, transformers loads the export with no missing or unexpected keys, and its logits are jaxtrain's
+  adapted model's."""
+  from jaxtrain.train import trainer
+  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
+  cfg = _load_config(tmp_path / "out" / "config.py")
+  cfg.workdir = str(tmp_path / "run")
+  cfg.model.lora.update(rank=4, alpha=8.0, targets="q,v,o")
+  cfg.data.update(path=sft_data, seq_len=32, tokenizer="byte")  # (not the import's: the data says which it is)
+  cfg.train.update(steps=2, global_batch_size=8, log_every=1)
+  cfg.optim.update(lr=1e-2, warmup_steps=1)
+  state, _ = trainer.train(cfg)
+  params = jax.device_get(state.params)
+  _, _, imported = _restore(tmp_path / "out")
+  base = {k: v for k, v in params.items() if k != "lora"}
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(jax.device_get(imported))))
+  assert any(np.any(b != 0) for b in jax.tree.leaves(params["lora"]))  # B left zero: the adapters trained
+  hf.export_model(str(tmp_path / "run"), str(tmp_path / "exported"))
+  loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"),
+                                                                   output_loading_info=True)
+  assert not any(info.values()), info
+  tokens = np.random.default_rng(2).integers(0, 256, (2, 16)).astype(np.int32)
+  ours = np.asarray(models.Model.from_config(cfg.model).apply(
+      params, tokens, np.broadcast_to(np.arange(16, dtype=np.int32), (2, 16)), np.ones((2, 16), np.int32)))
+  assert _rel_err(ours, _hf_logits(loaded.eval(), tokens)) < TOL
+
+
 def _exported_equals_source(src, exported):
   ours = load_file(str(exported / "model.safetensors"))
   theirs = load_file(str(src / "model.safetensors"))

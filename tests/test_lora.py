@@ -201,7 +201,7 @@ def test_lora_run_resumes_exactly_and_refuses_a_plain_model(sharded_run, tmp_pat
   assert _bitwise_equal(jax.device_get(state2.opt_state), state.opt_state)
 
   plain = trainer.build(small_config(tmp_path / "plain", fsdp=8))
-  abstract = trainer.state_lib.abstract(plain.model, plain.tx, plain.state_shardings)
+  abstract = plain.abstract_state()
   with pytest.raises(checkpoint_lib.CheckpointError) as e:
     checkpoint_lib.restore_from(os.path.join(config.workdir, "checkpoints"), abstract, params_only=True)
   assert "\n" not in str(e.value) and "holds params of another model (it has params/lora/" in str(e.value)

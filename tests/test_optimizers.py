@@ -160,6 +160,8 @@ def test_muon_matrices():
   assert dims(("layers", "attn", "o", "kernel"), (2, 8, 16, 128)) == ((1, 2), (3,))
   assert dims(("layers", "mlp", "down", "kernel"), (2, 384, 128)) == ((1,), (2,))
   assert dims(("layers", "attn_norm", "scale"), (2, 128)) is None
+  assert dims(("dense_layers", "mlp", "down", "kernel"), (1, 384, 128)) == ((1,), (2,))  # (the MoE families')
+  assert dims(("dense_layers", "mlp_norm", "scale"), (1, 128)) is None
   assert dims(("embed", "embedding"), (256, 128)) is None
   assert dims(("lm_head", "kernel"), (128, 256)) is None
 

@@ -47,6 +47,24 @@ def _loss_and_grads(config, batch, devices):
   return float(loss_sum / tokens), float(tokens), jax.device_get(grads), run
 
 
+def assert_trains_like_one_device(config, layouts, batch=None):
+  """``config(name, **mesh)``: a config on that mesh; ``layouts``: ``(mesh, model keys)`` pairs. Each layout's loss
+  and every gradient (relative to the gradient's largest entry) within 1e-5 of one device's, on ``batch`` (default:
+  :func:`_packed_batch`)."""
+  batch = _packed_batch() if batch is None else batch
+  ref_loss, ref_tokens, ref_grads, _ = _loss_and_grads(config("one"), batch, jax.devices()[:1])
+  for i, (mesh, keys) in enumerate(layouts):
+    c = config(str(i), **mesh)
+    c.model.update(**keys)
+    loss, tokens, grads, _ = _loss_and_grads(c, batch, jax.devices()[:int(np.prod(list(mesh.values())))])
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=f"{mesh} {keys}")
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):
+      scale = np.max(np.abs(r))
+      err = np.max(np.abs(g - r)) / scale if scale else np.max(np.abs(g))
+      assert err < 1e-5, f"{mesh} {keys} {jax.tree_util.keystr(path)}: relative gradient error {err:.2e}"
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
   """The unpipelined model on one device: the loss and gradients every pipelined layout must reproduce."""

@@ -23,6 +23,7 @@ from jaxtrain.train import trainer
 from jaxtrain.train.objectives import logprobs
 from jaxtrain.train.objectives import preference
 from tests.conftest import small_config
+from tests.test_moe import moe_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SEQ_LEN = 48
@@ -331,6 +332,22 @@ def test_first_step_loss_is_ln2_and_metrics_are_logged(one_device_dpo):
   for key in preference.METRICS:
     assert all(key in h for h in one_device_dpo if "loss" in h)
   assert first["logps/chosen"] < 0 and first["logps/rejected"] < 0
+
+
+def test_a_moe_models_router_losses_are_in_the_preference_objective(tmp_path, pairs_data):
+  """DPO on a MoE model, in two microbatches: its first step's loss is ln 2 (the policy is the reference) plus the
+  router's auxiliary losses weighted by their keys (model.load_balance_weight, model.router_z_weight), as the
+  language model's step adds them, and they are logged (aux_loss/<name>): without them a preference run's routers
+  would drift from balance unchecked."""
+  c = moe_config(tmp_path, steps=1)
+  c.data.update(source="arrayrecord", path=pairs_data, seq_len=SEQ_LEN)
+  c.train.update(objective="dpo")
+  _, history = trainer.train(c, devices=jax.devices()[:1])
+  first = history[0]
+  aux = {n: first[f"aux_loss/{n}"] for n in ("load_balance", "router_z")}
+  assert all(v > 0 for v in aux.values()), first
+  want = math.log(2) + c.model.load_balance_weight * aux["load_balance"] + c.model.router_z_weight * aux["router_z"]
+  assert abs(first["loss"] - want) < 1e-6, (first["loss"], want)
 
 
 @pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)])

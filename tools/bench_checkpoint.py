@@ -52,7 +52,6 @@ from jaxtrain import data as data_lib  # noqa: E402
 from jaxtrain import integrity  # noqa: E402
 from jaxtrain import sharding  # noqa: E402
 from jaxtrain.data.synthetic import SyntheticSource  # noqa: E402
-from jaxtrain.train import state as state_lib  # noqa: E402
 from jaxtrain.train import trainer  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "cpu_50m", "Config module under configs/.")
@@ -88,7 +87,7 @@ def main(argv):
   for _ in range(_TRAIN_STEPS.value):
     state, _ = step_fn(state, data_lib.to_global(next(batches), run.batch_sharding), np.bool_(False))
   jax.block_until_ready(state)
-  abstract = state_lib.abstract(run.model, run.tx, run.state_shardings)
+  abstract = run.abstract_state()
   state_bytes = sharding.total_bytes(abstract)
   data = SyntheticSource(8, 256, 8, 0)
   shutil.rmtree(_DIR.value, ignore_errors=True)

@@ -42,6 +42,7 @@ from jaxtrain import topology  # noqa: E402
 from jaxtrain.models import attention, scans  # noqa: E402
 from jaxtrain.train import trainer  # noqa: E402
 from jaxtrain.train.objectives import grpo  # noqa: E402
+from jaxtrain.train.objectives import rewards as rewards_lib  # noqa: E402
 
 _STEPS = flags.DEFINE_integer("steps", 12, "CPU: GRPO steps timed (the first two are left out of the medians; 0: "
                               "no CPU run).")
@@ -54,7 +55,22 @@ _TPU_SEQ = flags.DEFINE_integer("tpu_seq_len", 2048, "TPU: the training row (pro
 _TPU_NEW = flags.DEFINE_integer("tpu_new_tokens", 1024, "TPU: new tokens per completion.")
 _ROLLOUT_TENSOR = flags.DEFINE_integer("rollout_tensor", -1, "TPU: rl.rollout_tensor (-1: jaxtrain's choice; 0: "
                                        "the training layout).")
+_STALENESS = flags.DEFINE_list("max_staleness", ["0"], "CPU: rl.max_staleness values, each a run (paired: the same "
+                                "rollouts' shapes and rewards; their step times compared).")
+_REWARD_S = flags.DEFINE_float("reward_s", 0.0, "CPU: seconds each reward call sleeps besides scoring (code run under "
+                               "a timeout takes seconds: what asynchronous rollouts hide behind the update).")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/grpo.json", "Where to write the JSON results.")
+
+
+@rewards_lib.REWARDS.register("bench_delayed")
+def _delayed(rl):
+  """exact_match, after ``--reward_s`` seconds a call."""
+  exact = rewards_lib.REWARDS.get("exact_match")(rl)
+
+  def reward(completions, records):
+    time.sleep(_REWARD_S.value)
+    return exact(completions, records)
+  return reward
 
 
 def _prompts(folder: str) -> str:
@@ -62,18 +78,21 @@ def _prompts(folder: str) -> str:
   return f"{folder}/train.jsonl"
 
 
-def cpu_split(folder: str) -> dict:
+def cpu_split(folder: str, staleness: int = 0, index: int = 0) -> dict:
   data, fsdp, tensor = (int(x) for x in _MESH.value)
   c = config_lib.load_file("configs/tiny.py", [
-      f"workdir={folder}/run", "train.objective=grpo", f"train.steps={_STEPS.value}", "train.log_every=1",
+      f"workdir={folder}/run{index}", "train.objective=grpo", f"train.steps={_STEPS.value}", "train.log_every=1",
+      f"rl.max_staleness={staleness}", *(["rl.rewards=bench_delayed"] if _REWARD_S.value else []),
       "train.global_batch_size=64", "data.source=prompts", f"data.path={_prompts(folder)}",
       f"data.seq_len={_NEW.value + 8}", "rl.group_size=8", f"rl.max_new_tokens={_NEW.value}",
       f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}", "checkpoint.async=false"])
   _, history = trainer.train(config_lib.resolve(c), devices=jax.devices()[:data * fsdp * tensor])
   timed = history[2:]
   med = {k: statistics.median(h[k] for h in timed) for k in
-         ("rl/rollout_s", "rl/update_s", "rl/rollout_tokens_per_s", "rl/update_tokens_per_s", "rl/logp_mismatch")}
+         ("rl/rollout_s", "rl/update_s", "rl/rollout_tokens_per_s", "rl/update_tokens_per_s", "rl/logp_mismatch",
+          "rl/step_s")}
   return {"config": "configs/tiny.py", "mesh": {"data": data, "fsdp": fsdp, "tensor": tensor},
+          "max_staleness": staleness, "reward_s": _REWARD_S.value, "step_s": med["rl/step_s"],
           "rows": 64, "group_size": 8, "seq_len": _NEW.value + 8, "new_tokens": _NEW.value, "steps": len(timed),
           "rollout_s": med["rl/rollout_s"], "update_s": med["rl/update_s"],
           "rollout_share": med["rl/rollout_s"] / (med["rl/rollout_s"] + med["rl/update_s"]),
@@ -130,13 +149,14 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   folder = tempfile.mkdtemp(prefix="bench_grpo-")
-  result = {"cpu": cpu_split(folder) if _STEPS.value else None}
-  r = result["cpu"]
-  if r:
-    print(f"CPU ({jax.devices()[0].device_kind}, mesh {r['mesh']}): rollout {r['rollout_s'] * 1e3:.1f} ms, update "
-          f"{r['update_s'] * 1e3:.1f} ms per step (rollout {r['rollout_share']:.0%}); rollout "
-          f"{r['rollout_tokens_per_s']:,.0f} new tokens/s, update {r['update_tokens_per_s']:,.0f} row tokens/s; "
-          f"logp mismatch {r['logp_mismatch']:.1e}", flush=True)
+  runs = [cpu_split(folder, int(k), i) for i, k in enumerate(_STALENESS.value)] if _STEPS.value else []
+  result = {"cpu": runs[0] if runs else None, "cpu_staleness": runs}
+  for r in runs:
+    print(f"CPU ({jax.devices()[0].device_kind}, mesh {r['mesh']}, rl.max_staleness={r['max_staleness']}, rewards "
+          f"+{r['reward_s']:.2f} s): step {r['step_s'] * 1e3:.1f} ms ({r['step_s'] / runs[0]['step_s']:.2f}x the "
+          f"first), rollout {r['rollout_s'] * 1e3:.1f} ms, update {r['update_s'] * 1e3:.1f} ms per step (rollout "
+          f"{r['rollout_share']:.0%}); rollout {r['rollout_tokens_per_s']:,.0f} new tokens/s, update "
+          f"{r['update_tokens_per_s']:,.0f} row tokens/s; logp mismatch {r['logp_mismatch']:.1e}", flush=True)
   result["tpu"] = []
   for topo in filter(None, _TOPOS.value):
     e = tpu_estimate(_prompts(folder + "/tpu"), topo)

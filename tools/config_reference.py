@@ -40,6 +40,8 @@ RL = "post_training.md#reinforcement-learning-with-verifiable-rewards-grpo"
 REWARD_POOL = "post_training.md#rewards-that-run-code-the-pool"
 LOSSES = "post_training.md#losses"
 VARIANTS, DSV3, GPTOSS = "models.md#attention-variants", "models.md#deepseek-v3", "models.md#gpt-oss"
+GLM = "models.md#glm-45"
+LLAMA4 = "models.md#llama-4"
 OPTIM = "configuration.md#optimizers-and-schedules"
 
 # The groups in the order the page lists them: (title, key prefix); "model/shared" and "model/family" split the
@@ -68,8 +70,8 @@ MEANINGS: dict[str, tuple[str, str]] = {
                               "compiling it; local or `gs://`; `''`: off; `JAX_COMPILATION_CACHE_DIR` wins",
                               "operations.md#goodput"),
     # model: every family's
-    "model.name": ("a registered family: `llama`, `moe`, `gpt_oss`, `deepseek_v3` and the open families over them; "
-                   "on the command line it swaps in that family's keys", "models.md#the-families"),
+    "model.name": ("a registered family: `llama`, `moe`, `gpt_oss`, `deepseek_v3`, `glm4_moe`, `llama4` and the open "
+                   "families over them; on the command line it swaps in that family's keys", "models.md#the-families"),
     "model.vocab_size": ("the embedding and output rows; at least the tokenizer's vocabulary (token ids are checked "
                          "against it)", "data.md#token-ids-are-checked-against-the-models-vocabulary"),
     "model.dtype": ("the compute dtype: `float32`, `bfloat16` or `float16` (with `optim.loss_scale`); params are "
@@ -151,8 +153,21 @@ MEANINGS: dict[str, tuple[str, str]] = {
                                 "mean load; 0: fixed", DSV3),
     "model.bias_feedback_weight": ("the weight of the zero-valued aux loss that carries the load to the bias: keep 1",
                                    DSV3),
-    "model.mtp_depth": ("multi-token prediction modules after the stack (training only); 0: none", DSV3),
+    "model.seq_aux_weight": ("DeepSeek-V3's sequence-wise balance loss's weight (aux loss `seq_aux`; the report's "
+                             "0.0001); 0: not computed", DSV3),
+    "model.mtp_depth": ("multi-token prediction modules after the stack (training only; imported and exported as a "
+                        "checkpoint's layers `num_hidden_layers`..); 0: none", DSV3),
     "model.mtp_weight": ("the multi-token prediction loss's weight", DSV3),
+    "model.partial_rotary_factor": ("the share of each head's dims RoPE turns (the first ones); the rest pass", GLM),
+    "model.attention_chunk_size": ("chunked attention: a local layer's query sees the keys of its own chunk of this "
+                                   "many positions; 0: no chunks (Llama 4: 8192)", LLAMA4),
+    "model.qk_l2_norm": ("the local layers' q and k L2-normalized per head, without weights, after RoPE", LLAMA4),
+    "model.attn_temperature_tuning": ("the global (NoPE) layers' queries times `1 + attn_scale log(1 + floor((p + "
+                                      "1) / floor_scale))` at position p", LLAMA4),
+    "model.floor_scale": ("with `attn_temperature_tuning`: the positions per step of the temperature", LLAMA4),
+    "model.attn_scale": ("with `attn_temperature_tuning`: the temperature's strength", LLAMA4),
+    "model.moe_every": ("every Nth layer a MoE, the others dense SwiGLUs of `mlp_dim`: 1 (Scout) or 2 (Maverick)",
+                        LLAMA4),
     # mesh
     "mesh.data": ("data-parallel size over ICI", PAR),
     "mesh.fsdp": ("FSDP size over ICI; one `-1` per kind fills the rest of the devices", PAR),
@@ -218,6 +233,9 @@ MEANINGS: dict[str, tuple[str, str]] = {
     "optim.loss_scale_init": ("`dynamic`: the first scale", "parallelism.md#float16-with-loss-scaling"),
     "optim.loss_scale_period": ("`dynamic`: finite steps in a row before the scale doubles",
                                 "parallelism.md#float16-with-loss-scaling"),
+    "optim.offload_state": ("keep the optimizer's moments in pinned host memory between steps, on the device "
+                            "for the update only; the same updates bitwise",
+                            "parallelism.md#the-optimizer-state-in-host-memory"),
     # train
     "train.steps": ("optimizer steps of the whole run (a resumed run goes on to this)", "recipes/first_run.md"),
     "train.seed": ("the init's and the data order's seed", "recipes/first_run.md"),
@@ -294,6 +312,8 @@ MEANINGS: dict[str, tuple[str, str]] = {
                           "KV heads, at most a slice; 0: the training layout", "post_training.md#the-rollout-layout"),
     "rl.rollout_slots": ("continuous batching: N slots decode the rollout's rows as a queue over a paged KV cache; "
                          "0: one static batch", "huggingface.md#continuous-batching"),
+    "rl.max_staleness": ("asynchronous rollouts: step s trains the rollout the policy of step s - 1 - K produced, "
+                         "queued in the state; 0: on-policy", "post_training.md#asynchronous-rollouts"),
     "rl.reference": ("`frozen` or `adapters_off`; empty: `adapters_off` with LoRA, else `frozen`", RL),
     # eval
     "eval.every_steps": ("eval loss and perplexity on the held-out split every N steps; 0: off", OBS),

@@ -11,6 +11,14 @@ then arithmetic over the mesh (no arrays are created, no program is compiled). A
   params) plus its int32 step counters; the train state adds one int32 step counter; with LoRA
   (model.lora.rank > 0) the optimizer state covers the adapters only, and the gradients are the adapters' plus
   the full gradient of every targeted kernel (the forward runs on merged weights: jaxtrain/models/lora.py);
+- optim.offload_state: the optimizer state's arrays (not its scalars) in host memory, out of the device's total;
+  each step moves them to the device and back after the backward pass, priced at the host link of --chip
+  (jaxtrain/topology.py HOST_BYTES_PER_S, an assumed 16 GB/s a direction): an elementwise optimizer's (adamw, lion)
+  streamed a layer at a time (jaxtrain/train/offload.py), twice to the device (the finiteness guard's pass and the
+  update's) and once back, both directions at once, the layers' small updates hidden under the copies, the device
+  holding one layer's state (or the other params') old and new; any other optimizer's whole, once each way, the
+  device holding all of it twice during the update. The total is the larger of the backward pass's and that
+  update's (params + grads + the state on the device);
 - optimizer FLOPs per step (jaxtrain.optim.update_flops; adamw and muon): Muon's Newton-Schulz iterations per
   weight matrix (one per layer and expert; 5 steps of X <- c0 X + (c1 A + c2 A A) X, A = X X^T, for an m x n
   matrix with m <= n: 4 m^2 n + 2 m^3 matmul FLOPs a step, plus 3 m^2 + 2 m n elementwise) and the elementwise
@@ -80,11 +88,12 @@ from absl import app, flags  # noqa: E402
 
 from jaxtrain import config as config_lib  # noqa: E402
 from jaxtrain import mesh as mesh_lib  # noqa: E402
-from jaxtrain import models, optim, sharding  # noqa: E402
+from jaxtrain import models, optim, sharding, topology  # noqa: E402
 from jaxtrain.errors import ConfigError  # noqa: E402
 from jaxtrain.models import attention, lora  # noqa: E402
 from jaxtrain.parallel import experts  # noqa: E402
 from jaxtrain.parallel import pipeline as pipeline_lib  # noqa: E402
+from jaxtrain.train import offload as offload_lib  # noqa: E402
 from jaxtrain.train import state as state_lib  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "configs/tiny.py", "Config file.")
@@ -92,6 +101,8 @@ _DEVICES = flags.DEFINE_integer("devices", 8, "Total devices of the target job."
 _SLICES = flags.DEFINE_integer("slices", 1, "Slices (or processes) the DCN axes span.")
 _SET = flags.DEFINE_multi_string("set", [], "key=value overrides, e.g. mesh.tensor=4.")
 _JSON = flags.DEFINE_bool("json", False, "Print JSON.")
+_CHIP = flags.DEFINE_enum("chip", "v5p", sorted(topology.HOST_BYTES_PER_S), "The TPU generation whose host link "
+                          "prices an offloaded optimizer state's transfers (optim.offload_state).")
 _PLATFORM = flags.DEFINE_enum("platform", "tpu", ["tpu", "gpu", "cpu"], "Where it runs: what model.attention=auto "
                               "resolves to.")
 
@@ -103,7 +114,7 @@ def _nbytes(tree) -> int:
   return sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
-def estimate(config, devices: int, slices: int = 1, platform: str = "tpu") -> dict:
+def estimate(config, devices: int, slices: int = 1, platform: str = "tpu", chip: str = "v5p") -> dict:
   ici, dcn = mesh_lib.mesh_shape(config.mesh, devices, slices)
   mesh = {a: ici[a] * dcn[a] for a in mesh_lib.MESH_AXES}
   rules = sharding.rules_from_config(config.sharding)
@@ -125,8 +136,13 @@ def estimate(config, devices: int, slices: int = 1, platform: str = "tpu") -> di
   # >= 128), laid out by the training run's own rule (train/state.py) on an abstract mesh of these sizes.
   # (LoRA: the adapters' state only; Muon: the logical axes tell an expert kernel's experts from its matrix)
   tx = optim.make(config.optim, config.train.steps, model.trainable_mask(), model.logical_specs, model.balance())
-  layout = state_lib.shardings(model, tx, jax.sharding.AbstractMesh(tuple(mesh.values()), tuple(mesh)), rules)
-  optimizer = sharding.shard_bytes(jax.eval_shape(tx.init, model.abstract_params), layout.opt_state)
+  # optim.offload_state: the moments laid out in host memory as training lays them out.
+  offload = bool(config.optim.get("offload_state"))
+  layout = state_lib.shardings(model, tx, jax.sharding.AbstractMesh(tuple(mesh.values()), tuple(mesh)), rules,
+                               offload=offload)
+  opt_shapes = jax.eval_shape(tx.init, model.abstract_params)
+  optimizer = sharding.shard_bytes(opt_shapes, layout.opt_state)
+  host_optimizer = state_lib.host_bytes(opt_shapes, layout.opt_state)
   grads = params
   if model.lora:  # gradients of the adapters, and the full gradient of each merged (targeted) kernel
     trained = model.split_trainable(model.abstract_params)[0]
@@ -140,7 +156,7 @@ def estimate(config, devices: int, slices: int = 1, platform: str = "tpu") -> di
   opt_flops = None if flops is None else sum(
       f * math.prod(s.shape) / math.prod(a.shape) for f, a, s in zip(jax.tree.leaves(flops), leaves, shards,
                                                                       strict=True))
-  state = params + optimizer + 4  # + the train state's int32 step counter
+  state = params + optimizer - host_optimizer + 4  # + the train state's int32 step counter; the device's part
   m, t = config.model, config.train
   microbatches = schedule.microbatches if schedule else (t.microbatches or 1)
   b = t.global_batch_size // microbatches // sharding.batch_shards(mesh, rules)[1]
@@ -187,12 +203,35 @@ def estimate(config, devices: int, slices: int = 1, platform: str = "tpu") -> di
   moe = _moe(config, mesh, rules, shards, specs, b, microbatches)
   if moe and moe["all_to_all"]["ep"] > 1:
     comm["expert_all_to_all"] = moe["all_to_all"]["sent_bytes_per_step"]
-  extra = {**({"moe": moe} if moe else {}), **({"pipeline": pipe} if pipe else {})}
+  offloaded, update_phase = None, None
+  if host_optimizer:
+    # Each step: every moment to the device and back, after the backward pass. Streamed (an elementwise optimizer,
+    # jaxtrain/train/offload.py): a layer's moments at a time, twice towards the device (the guard's pass, then the
+    # update's) and once back, the two directions at once; the device holds one layer's (or the other params')
+    # state, old and new. Whole (any other optimizer): once each way, and the device holds the whole state twice.
+    rate = topology.host_bytes_per_s(chip)
+    streamed = offload_lib.plan(tx, model, model.abstract_params, opt_shapes, layout.opt_state)
+    moved = [(a, s) for a, s in zip(jax.tree.leaves(opt_shapes), jax.tree.leaves(layout.opt_state), strict=True)
+             if s.memory_kind == state_lib.HOST]
+    if streamed is not None:
+      groups = [g for g, s in zip(streamed.state, jax.tree.leaves(layout.opt_state)) if s.memory_kind == state_lib.HOST]
+      per_layer = sum(sharding.shard_bytes([a], [s]) // g for (a, s), g in zip(moved, groups) if g is not None)
+      rest = sum(sharding.shard_bytes([a], [s]) for (a, s), g in zip(moved, groups) if g is None)
+      on_device, towards = 2 * max(per_layer, rest), 2 * host_optimizer
+    else:
+      on_device, towards = 2 * host_optimizer, host_optimizer
+    update_phase = state + grads + on_device
+    offloaded = {"host_bytes": host_optimizer, "streamed": streamed is not None,
+                 "transfer_bytes_per_step": towards + host_optimizer, "update_device_bytes": on_device,
+                 "chip": chip, "host_bytes_per_s": rate, "transfer_seconds_per_step": towards / rate}
+  extra = {**({"moe": moe} if moe else {}), **({"pipeline": pipe} if pipe else {}),
+           **({"offload": offloaded} if offloaded else {})}
   return {
       "mesh": mesh, "devices": devices, "params": model.num_params(), "local_batch_rows": b,
-      "bytes_per_device": {"params": params, "grads": grads, "optimizer": optimizer,
+      "bytes_per_device": {"params": params, "grads": grads, "optimizer": optimizer - host_optimizer,
                            "activations": activations, "transient": transient,
-                           "total": state + grads + (activations or 0) + (transient or 0)},
+                           # the larger of the backward's phase and (an offloaded state) the update's
+                           "total": max(state + grads + (activations or 0) + (transient or 0), update_phase or 0)},
       # The whole train state (params, optimizer state, step counter): what the compiled step takes as
       # arguments besides the batch, to the byte.
       # Offloading remat policies (model.remat=offload_*) keep these activations in host memory instead.
@@ -235,7 +274,7 @@ def main(argv):
   del argv
   config = load_config(_CONFIG.value, _SET.value)
   try:
-    info = estimate(config, _DEVICES.value, _SLICES.value, _PLATFORM.value)
+    info = estimate(config, _DEVICES.value, _SLICES.value, _PLATFORM.value, _CHIP.value)
   except config_lib.UserError as e:
     print(f"estimate: error: {e}", file=sys.stderr)
     sys.exit(2)
@@ -258,6 +297,15 @@ def main(argv):
     print(f"  {'pipeline':<12} {p['schedule']}: {p['stages']} stages x {p['repeats']} repeats, {p['microbatches']} "
           f"microbatches, bubble {p['bubble']:.1%}; activations: stage inputs ({kept}) "
           f"{p['stash_bytes'] / gib:.3f} GiB + one unit's ({p['layers_per_unit']} layers) {unit}")
+  if "offload" in info:
+    o = info["offload"]
+    how = ("streamed a layer at a time: twice to the device, once back" if o["streamed"] else
+           "the whole state at once (not an elementwise optimizer)")
+    print(f"  {'host':<12} {o['host_bytes'] / gib:10.3f} GiB per device of optimizer state in host memory "
+          f"(optim.offload_state; not in the device's total): {o['transfer_bytes_per_step'] / gib:.3f} GiB moved "
+          f"per step ({how}), {o['transfer_seconds_per_step']:.3f} s at {o['host_bytes_per_s'] / 1e9:.0f} GB/s a "
+          f"direction ({o['chip']}, assumed: jaxtrain/topology.py HOST_BYTES_PER_S), after the backward pass; "
+          f"{o['update_device_bytes'] / gib:.3f} GiB of it on the device during the update")
   if info["host_activation_bytes_per_device"]:
     print(f"  {'host':<12} {info['host_activation_bytes_per_device'] / gib:10.3f} GiB per device of activations "
           f"offloaded to host memory (model.remat={config.model.remat})")

@@ -344,6 +344,11 @@ class PersistentTier:
     """Raises CheckpointError if ``step`` was written for another model or optimizer (tensor names or shapes
     differ from ``abstract_state``), reading only metadata. Unreadable metadata raises what the read raised."""
     mismatch = shape_mismatch(saved_tensors(self.directory / str(step) / "state"), abstract_state)
+    if mismatch and all(part.startswith("extra/") for part in mismatch.split("; ")):
+      # The objective's own state alone (TrainState.extra: GRPO's rollouts ahead)
+      raise CheckpointError(os.fspath(self.directory / str(step)), f"holds another objective state ({mismatch})",
+                            "resume with the rl.max_staleness (and train.objective) that wrote it, or start a new "
+                            "workdir")
     if mismatch:
       raise CheckpointError(os.fspath(self.directory / str(step)), f"was written for another model or optimizer "
                             f"({mismatch})", "use a new workdir (or checkpoint.dir) for this config, or go back "

@@ -174,10 +174,14 @@ class PromptStream(StepPosition):
       out.append(self.order(j // n)[j % n])
     return np.asarray(out, np.int64)
 
+  def batch(self, step: int) -> dict[str, np.ndarray]:
+    """This process's rows of global step ``step`` (0-based), wherever the stream is (GRPO's rollouts produced
+    ahead read the steps to come)."""
+    return rows(self.prompts.ids, np.repeat(self.indices(step), self.group)[self.rows], self.width)
+
   def __next__(self) -> dict[str, np.ndarray]:
-    indices = np.repeat(self.indices(self.step), self.group)[self.rows]
     self.step += 1
-    return rows(self.prompts.ids, indices, self.width)
+    return self.batch(self.step - 1)
 
 
 def open_train(config) -> PromptStream:

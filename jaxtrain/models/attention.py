@@ -58,17 +58,27 @@ class Variant:
     window`` (``window`` keys, itself included: transformers' ``sliding_window``).
   softcap: attention-logit soft-capping, 0 = off: scores become ``softcap * tanh(scores / softcap)`` (Gemma 2).
   scale: the scores' scale, None = ``1 / sqrt(head_dim)`` (Gemma's ``query_pre_attn_scalar ** -0.5``).
+  chunk: chunked attention, 0 = off: query i sees key j only if ``positions[i] // chunk == positions[j] // chunk``
+    (the tokens of a document in chunks of ``chunk`` positions, each attending within its own: Llama 4's
+    ``attention_chunk_size``).
   """
   window: int = 0
   softcap: float = 0.0
   scale: float | None = None
+  chunk: int = 0
 
   def scale_for(self, head_dim: int) -> float:
     return self.scale if self.scale is not None else 1.0 / head_dim ** 0.5
 
+  @property
+  def reach(self) -> int:
+    """The most keys a query sees, itself included, by its window or its chunk (0: unbounded)."""
+    sizes = [r for r in (self.window, self.chunk) if r]
+    return min(sizes) if sizes else 0
+
 
 PLAIN = Variant()
-VARIANT_KEYS = ("sliding_window", "attn_softcap", "query_scale")  # the model keys that make a Variant
+VARIANT_KEYS = ("sliding_window", "attn_softcap", "query_scale", "attention_chunk_size")  # the keys of a Variant
 
 
 def layer_windows(cfg) -> list[int]:
@@ -77,9 +87,15 @@ def layer_windows(cfg) -> list[int]:
   return [0 if not w or (every and (i + 1) % every == 0) else w for i in range(cfg.num_layers)]
 
 
+def layer_chunks(cfg) -> list[int]:
+  """Each layer's attention chunk (0: none): ``attention_chunk_size`` on the local layers, as windows are placed."""
+  c, every = getattr(cfg, "attention_chunk_size", 0), getattr(cfg, "global_every", 0)
+  return [0 if not c or (every and (i + 1) % every == 0) else c for i in range(cfg.num_layers)]
+
+
 def mixed_layers(cfg) -> bool:
   """Whether the stack interleaves local and global layers (then a layer's kind is an input of its scan step)."""
-  return len(set(layer_windows(cfg))) > 1
+  return len(set(zip(layer_windows(cfg), layer_chunks(cfg)))) > 1
 
 
 def variant(cfg, window: int = 0) -> Variant:
@@ -88,20 +104,24 @@ def variant(cfg, window: int = 0) -> Variant:
   return Variant(window=window, softcap=float(getattr(cfg, "attn_softcap", 0.0)), scale=float(scale) if scale else None)
 
 
-def visible(q_segment_ids, q_positions, k_segment_ids, k_positions, window=0) -> jax.Array:
-  """``[batch, q_len, k_len]`` bool: query i sees key j iff same segment, ``positions[j] <= positions[i]``, and
-  (``window`` > 0) ``positions[i] - positions[j] < window``. ``window`` may be traced (a per-layer value)."""
+def visible(q_segment_ids, q_positions, k_segment_ids, k_positions, window=0, chunk=0) -> jax.Array:
+  """``[batch, q_len, k_len]`` bool: query i sees key j iff same segment, ``positions[j] <= positions[i]``,
+  (``window`` > 0) ``positions[i] - positions[j] < window`` and (``chunk`` > 0) both in the same chunk of positions.
+  ``window`` and ``chunk`` may be traced (per-layer values)."""
   delta = q_positions[:, :, None] - k_positions[:, None, :]
   seen = (q_segment_ids[:, :, None] == k_segment_ids[:, None, :]) & (delta >= 0)
-  if isinstance(window, int) and window == 0:
+  if not (isinstance(window, int) and window == 0):
+    seen = seen & ((window <= 0) | (delta < window))
+  if isinstance(chunk, int) and chunk == 0:
     return seen
-  return seen & ((window <= 0) | (delta < window))
+  size = jnp.maximum(chunk, 1)
+  return seen & ((chunk <= 0) | (q_positions[:, :, None] // size == k_positions[:, None, :] // size))
 
 
-def document_mask(segment_ids: jax.Array, positions: jax.Array, window=0) -> jax.Array:
+def document_mask(segment_ids: jax.Array, positions: jax.Array, window=0, chunk=0) -> jax.Array:
   """``[batch, 1, length, length]`` bool: :func:`visible` for a sequence against itself (the ``xla`` and
   ``reference`` backends' mask; the others never build it)."""
-  return visible(segment_ids, positions, segment_ids, positions, window)[:, None]
+  return visible(segment_ids, positions, segment_ids, positions, window, chunk)[:, None]
 
 
 def _cap(scores, softcap: float):
@@ -135,7 +155,7 @@ def xla(q, k, v, segment_ids, positions, block_size=None, variant: Variant = PLA
   """``jax.nn.dot_product_attention`` with an explicit mask: XLA's fused attention, any backend (soft-capped
   scores or sinks, which it has no option for: :func:`dense` in the compute dtype)."""
   del block_size
-  mask = document_mask(segment_ids, positions, variant.window)
+  mask = document_mask(segment_ids, positions, variant.window, variant.chunk)
   if variant.softcap or sinks is not None:
     return dense(q, k, v, mask, variant, sinks=sinks)
   return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=variant.scale)
@@ -145,7 +165,8 @@ def xla(q, k, v, segment_ids, positions, block_size=None, variant: Variant = PLA
 def reference(q, k, v, segment_ids, positions, block_size=None, variant: Variant = PLAIN, sinks=None):
   """Softmax attention written out in float32: the oracle the other backends are tested against."""
   del block_size
-  return dense(q, k, v, document_mask(segment_ids, positions, variant.window), variant, jnp.float32, sinks)
+  return dense(q, k, v, document_mask(segment_ids, positions, variant.window, variant.chunk), variant, jnp.float32,
+               sinks)
 
 
 # Blockwise (flash-style) attention in pure JAX ------------------------------------------------------------------
@@ -175,7 +196,7 @@ def _block_scores(qg, kb, qseg, qpos, kseg, kpos, variant):
   """Scaled (and soft-capped) scores of all queries against one key block, ``[batch, kv_heads, groups, length,
   block]`` float32, -inf where masked; the mask; and the raw scaled scores (the soft-cap's backward reads them)."""
   raw = jnp.einsum("bqkgh,bskh->bkgqs", qg, kb, preferred_element_type=jnp.float32)
-  mask = visible(qseg, qpos, kseg, kpos, variant.window)[:, None, None]
+  mask = visible(qseg, qpos, kseg, kpos, variant.window, variant.chunk)[:, None, None]
   scores = jnp.where(mask, _cap(raw, variant.softcap), -jnp.inf)
   return scores, mask, raw
 
@@ -292,11 +313,11 @@ def blockwise(q, k, v, segment_ids, positions, block_size=512, variant: Variant 
   """Memory-efficient attention in pure JAX: online softmax over blocks of ``block_size`` keys (FlashAttention's
   recurrence, all queries at once), and a backward that recomputes each block's probabilities from the saved
   log-sum-exp instead of storing them. Peak memory O(length x block_size) per layer; any length (the last block
-  is padded), any backend. With a sliding window shorter than the sequence: :func:`_windowed` (a window's work
-  per query, not the causal triangle's). ``sinks``: see the module docstring."""
+  is padded), any backend. With a sliding window or chunks shorter than the sequence: :func:`_windowed` (a window's
+  work per query, not the causal triangle's). ``sinks``: see the module docstring."""
   segment_ids, positions = segment_ids.astype(jnp.int32), positions.astype(jnp.int32)
   block = min(block_size, k.shape[1])
-  if variant.window and variant.window - 1 + block < k.shape[1] and q.shape[1] == k.shape[1] \
+  if variant.reach and variant.reach - 1 + block < k.shape[1] and q.shape[1] == k.shape[1] \
       and not _context_parallel():
     if sinks is None:
       return _windowed(q, k, v, segment_ids, positions, block, variant)
@@ -309,7 +330,8 @@ def blockwise(q, k, v, segment_ids, positions, block_size=512, variant: Variant 
 def _windowed(q, k, v, segment_ids, positions, block, variant, with_lse: bool = False):
   """Sliding-window attention that skips the keys a window excludes: the queries in blocks of ``block``, each
   block attending (:func:`_blockwise`) to the ``window - 1`` keys before it (rounded up to whole blocks) and its
-  own block. Per query ``window + block`` keys' work and memory instead of ``length``'s.
+  own block. Per query ``window + block`` keys' work and memory instead of ``length``'s. (A chunk: its keys are
+  within ``chunk`` positions back, the window taken here; the chunk itself is masked in the blocks.)
 
   Keys are picked by index, so this needs what the loader's rows are: a document's tokens contiguous in the row
   with positions counting up by one (then a key within the window by position is within it by index). Context
@@ -318,7 +340,7 @@ def _windowed(q, k, v, segment_ids, positions, block, variant, with_lse: bool = 
   block index, not the key windows (window / block copies of the keys). ``with_lse``: also the log-sum-exp
   ``[b, kv_heads, groups, t]``."""
   b, t, n, h = q.shape
-  back = -(-(variant.window - 1) // block) * block  # keys before a query block, whole blocks
+  back = -(-(variant.reach - 1) // block) * block  # keys before a query block, whole blocks
   blocks = -(-t // block)
   tail = blocks * block - t
 
@@ -531,7 +553,7 @@ def auto(q, k, v, segment_ids, positions, block_size=512, variant: Variant = PLA
   context = 1 if mesh.empty else dict(mesh.shape).get("context", 1)
   in_shard_map = not mesh.empty and any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
   name = choose(target_platform(), k.shape[1], context, in_shard_map, q.dtype, bool(variant.softcap),
-                sinks is not None)
+                sinks is not None or bool(variant.chunk))  # (no kernel masks chunks by position either)
   if sinks is not None:
     return BACKENDS.get(name)(q, k, v, segment_ids, positions, block_size=block_size, variant=variant, sinks=sinks)
   return BACKENDS.get(name)(q, k, v, segment_ids, positions, block_size=block_size, variant=variant)
@@ -545,6 +567,10 @@ def check_available(config) -> None:
   if used and not takes_variants(name):
     raise ConfigError("model.attention", f"the backend '{name}' takes no attention variants and {used[0]} is set",
                       "use xla, blockwise or splash, or give the backend a variant= parameter")
+  if config.model.get("attention_chunk_size") and name in ("splash", "cudnn"):
+    raise ConfigError("model.attention", f"the backend '{name}' masks by token index and has no chunked attention "
+                      "(model.attention_chunk_size)", "use xla or blockwise (or auto, which picks one of them for "
+                      "the chunked layers)")
   if config.model.get("attention_sinks") and not takes_sinks(name):
     raise ConfigError("model.attention", f"the backend '{name}' has no attention sinks and model.attention_sinks "
                       "is set", "use xla or blockwise (or auto, which picks one of them)")
@@ -926,10 +952,11 @@ class PagedSlots:
     return dataclasses.replace(self.cache, k=k, v=v, lengths=self.lengths)
 
 
-def cached_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions, window=0) -> jax.Array:
+def cached_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions, window=0, chunk=0) -> jax.Array:
   """``[batch, 1, q_len, kv_len]`` bool: key j is visible to query i iff both are of the same nonzero segment and
-  ``kv_positions[j] <= q_positions[i]`` (causal by position, not by slot), within ``window`` positions if set."""
-  seen = visible(q_segment_ids, q_positions, kv_segment_ids, kv_positions, window)
+  ``kv_positions[j] <= q_positions[i]`` (causal by position, not by slot), within ``window`` positions and the same
+  ``chunk`` if set."""
+  seen = visible(q_segment_ids, q_positions, kv_segment_ids, kv_positions, window, chunk)
   return (seen & (kv_segment_ids[:, None, :] != 0))[:, None]
 
 
@@ -943,7 +970,7 @@ def attend_cached(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positi
   if _float16_on_cpu(q):
     return attend_cached(*(x.astype(jnp.float32) for x in (q, k, v)), q_segment_ids, q_positions, kv_segment_ids,
                          kv_positions, variant, sinks).astype(jnp.float16)
-  mask = cached_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions, variant.window)
+  mask = cached_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions, variant.window, variant.chunk)
   if variant.softcap or sinks is not None:
     return dense(q, k, v, mask, variant, sinks=sinks)
   return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask, scale=variant.scale)

@@ -67,6 +67,12 @@ class Adapter(abc.ABC):
     del name, names
     return None
 
+  def fitted(self, model: Any, names: Any) -> Any:
+    """The ``model`` group of a source checkpoint whose tensor names are ``names``, where the weights tell what
+    config.json does not (DeepSeek-V3's multi-token-prediction layers: present or not); ``model`` by default."""
+    del names
+    return model
+
   def ignored(self, name: str, model: Any) -> bool:
     """Whether a tensor of a source checkpoint that :meth:`tensors` does not name is skipped (a buffer, a tied
     copy); else the import refuses the folder."""

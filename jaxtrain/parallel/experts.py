@@ -136,7 +136,7 @@ def _capacity(xs, e, weights, num_experts, expert_axes, ep, factor, einsum=jnp.e
 
 def moe_ffn(x, expert_ids, expert_weights, valid, gate, up, down, *, mode: str = "dropless",
             capacity_factor: float = 1.25, ragged_dot=jax.lax.ragged_dot, einsum=jnp.einsum,
-            mlp: ExpertMLP | None = None):
+            mlp: ExpertMLP | None = None, weigh_inputs: bool = False):
   """``sum_j expert_weights[..., j] * expert_{expert_ids[..., j]}(x)`` per token, and the number of valid
   assignments dropped (0 when dropless).
 
@@ -146,6 +146,8 @@ def moe_ffn(x, expert_ids, expert_weights, valid, gate, up, down, *, mode: str =
   on the one device it is given. ``ragged_dot`` / ``einsum``: the experts' matmuls (dropless / capacity), with
   jax.lax.ragged_dot's and jnp.einsum's signatures (jaxtrain.models.quantization gives quantized ones). ``mlp``:
   another expert feed-forward than SwiGLU (:class:`ExpertMLP`; then gate, up and down are None).
+  ``weigh_inputs``: ``sum_j expert_{expert_ids[..., j]}(expert_weights[..., j] * x)`` instead (Llama 4's: each
+  expert's input weighted, its output summed as it is).
   """
   dtype = x.dtype
   if mlp is None:
@@ -158,6 +160,8 @@ def moe_ffn(x, expert_ids, expert_weights, valid, gate, up, down, *, mode: str =
   def local(x, e, w, weights, expert_axes=(), ep=1, tensor_axes=(), batch_axes=()):
     b, t, dm = x.shape
     xs = jnp.repeat(x.reshape(b * t, dm), k, axis=0)  # one row per assignment: token a // k
+    if weigh_inputs:
+      xs = xs * w.reshape(b * t * k, 1).astype(xs.dtype)
     flat_e = e.reshape(b * t * k)
     if mode == "dropless":
       out = _dropless(xs, flat_e, weights, num_experts, expert_axes, ep, ragged_dot, mlp.apply)
@@ -165,7 +169,7 @@ def moe_ffn(x, expert_ids, expert_weights, valid, gate, up, down, *, mode: str =
     else:
       out, dropped = _capacity(xs, flat_e, weights, num_experts, expert_axes, ep, capacity_factor, einsum,
                                mlp.apply)
-    y = jnp.sum(out.reshape(b, t, k, dm) * w[..., None].astype(out.dtype), axis=2)
+    y = jnp.sum(out.reshape(b, t, k, dm) * (1 if weigh_inputs else w[..., None].astype(out.dtype)), axis=2)
     if tensor_axes:
       y = jax.lax.psum(y, tensor_axes)
     if batch_axes:

@@ -36,7 +36,6 @@ from jaxtrain import workdir as workdir_lib
 from jaxtrain.errors import UserError
 from jaxtrain.train import hooks as hooks_lib
 from jaxtrain.train import objectives
-from jaxtrain.train import state as state_lib
 from jaxtrain.train import step as step_lib
 from jaxtrain.train.preemption import PreemptionGuard
 from jaxtrain.train.run import Run
@@ -414,7 +413,7 @@ class Loop:
     # The live state leaves the devices while the checkpoint is restored onto them (Checkpointer.rollback: they hold
     # one state, not two); it comes back if no checkpoint restores.
     live, self.state = self.state, None
-    self.state, meta = self.checkpointer.rollback(state_lib.abstract(plan.model, plan.tx, plan.state_shardings),
+    self.state, meta = self.checkpointer.rollback(plan.abstract_state(),
                                                   self.data, live=live)
     del live
     if meta is None:

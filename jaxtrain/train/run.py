@@ -26,6 +26,7 @@ from jaxtrain.data import mixture
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import attention as attention_lib
 from jaxtrain.parallel import pipeline as pipeline_lib
+from jaxtrain.train import objectives
 from jaxtrain.train import state as state_lib
 from jaxtrain.train import step as step_lib
 from jaxtrain.train.state import TrainState
@@ -46,6 +47,13 @@ class Run:
   pipeline_schedule: pipeline_lib.Schedule | None  # None: no pipeline parallelism (mesh.pipeline = 1)
   aux_weights: dict[str, float]  # the model's auxiliary losses and their weights in the objective
   sources: tuple[str, ...] = ()  # a data mixture's components (batches carry their ids: per-component metrics)
+  # The objective's state besides the model (TrainState.extra: ShapeDtypeStructs with shardings), or None.
+  state_extra: Any = None
+
+  def abstract_state(self, sharded: bool = True) -> TrainState:
+    """The state's ShapeDtypeStructs, laid out on the run's shardings (``sharded``): every restore target, the
+    compile's and the fingerprints' shapes come from here, so that they agree on the objective's extra state."""
+    return state_lib.abstract(self.model, self.tx, self.state_shardings if sharded else None, self.state_extra)
 
 
 def build(config: ml_collections.ConfigDict, devices=None) -> Run:
@@ -106,12 +114,15 @@ see :func:`jaxtrain.config.resolve`). Raises ConfigError on user mistakes."""
     optim.check_muon(model.abstract_params, model.logical_specs, config.model.name)
   # LoRA: the adapters only; the logical axes tell Muon an expert kernel's experts from its matrix
   tx = optim.make(config.optim, config.train.steps, model.trainable_mask(), model.logical_specs, model.balance())
+  if config.optim.offload_state:
+    state_lib.check_offload(mesh, jax.eval_shape(tx.init, model.abstract_params), config.optim.name)
   aux_weights = model.aux_loss_weights(step_lib.aux_loss_names(model, config.data.seq_len))
+  extra = objectives.of(config).state_extra(config, mesh, rules)
   return Run(config=config, mesh=mesh, rules=rules, model=model, tx=tx,
              lr_schedule=optim.schedule(config.optim, config.train.steps),
-             state_shardings=state_lib.shardings(model, tx, mesh, rules),
+             state_shardings=state_lib.shardings(model, tx, mesh, rules, extra, offload=config.optim.offload_state),
              batch_sharding=sharding.batch_sharding(mesh, rules), microbatches=microbatches,
-             pipeline_schedule=pipeline, aux_weights=aux_weights, sources=mixture.names(config))
+             pipeline_schedule=pipeline, aux_weights=aux_weights, sources=mixture.names(config), state_extra=extra)
 
 
 def microbatches_for(train: ml_collections.ConfigDict, batch_shards: int) -> int:
@@ -140,14 +151,17 @@ def report(run: Run) -> dict[str, Any]:
       "param_bytes_per_device": sharding.shard_bytes(abstract.params, sh.params),
       "opt_bytes_total": sharding.total_bytes(abstract.opt_state),
       "opt_bytes_per_device": sharding.shard_bytes(abstract.opt_state, sh.opt_state),
+      "opt_bytes_on_host_per_device": state_lib.host_bytes(abstract.opt_state, sh.opt_state),
       "replicated": sharding.replicated_params(
           abstract.params, sh.params, run.config.sharding.report_replicated_mib * 2**20),
   }
   mib = 2**20
   logging.info("mesh %s | %s parameters | params %.1f MiB/device (%.1f MiB total) | optimizer state %.1f "
-               "MiB/device (%.1f MiB total)", dict(run.mesh.shape), f"{info['params']:,}",
+               "MiB/device (%.1f MiB total)%s", dict(run.mesh.shape), f"{info['params']:,}",
                info["param_bytes_per_device"] / mib, info["param_bytes_total"] / mib,
-               info["opt_bytes_per_device"] / mib, info["opt_bytes_total"] / mib)
+               info["opt_bytes_per_device"] / mib, info["opt_bytes_total"] / mib,
+               f", {info['opt_bytes_on_host_per_device'] / mib:.1f} MiB/device of it in host memory "
+               "(optim.offload_state)" if info["opt_bytes_on_host_per_device"] else "")
   if run.model.lora:
     lora_cfg = run.model.lora
     logging.info("LoRA rank %d, alpha %g on %s: %s trainable parameters (%.3f%%), the base is frozen",

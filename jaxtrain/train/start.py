@@ -17,7 +17,8 @@ from jaxtrain.train.state import TrainState
 def init_state(run) -> TrainState:
   """A fresh state from ``train.seed``, laid out on the run's shardings."""
   with jax.set_mesh(run.mesh):
-    return state_lib.make_init(run.model, run.tx, run.state_shardings)(jax.random.key(run.config.train.seed))
+    return state_lib.make_init(run.model, run.tx, run.state_shardings, run.state_extra)(
+        jax.random.key(run.config.train.seed))
 
 
 def starting_state(run, role: str = "started from") -> TrainState:
@@ -27,7 +28,7 @@ def starting_state(run, role: str = "started from") -> TrainState:
   state = init_state(run)
   c = run.config.checkpoint
   if c.restore_from:
-    abstract = state_lib.abstract(run.model, run.tx, run.state_shardings)
+    abstract = run.abstract_state()
     # LoRA from a base checkpoint (e.g. tools/convert_hf.py import): its params lack the adapters, which then
     # keep their fresh init (B = 0: the run starts from exactly the base model).
     optional = (lora.KEY,) if run.model.lora and c.restore_mode == "params" else ()

@@ -11,7 +11,13 @@ import optax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain import sharding
+from jaxtrain.errors import ConfigError
 from jaxtrain.models import Model
+
+
+# The memory kind of an offloaded optimizer state's arrays (optim.offload_state): the host's page-locked memory,
+# which the accelerator reads and writes by DMA.
+HOST = "pinned_host"
 
 
 @flax.struct.dataclass
@@ -19,18 +25,63 @@ class TrainState:
   step: jax.Array
   params: Any
   opt_state: Any
+  # What an objective carries from one step to the next besides the model, checkpointed with it (GRPO's rollouts
+  # produced ahead, rl.max_staleness): the pytree its ``state_extra`` lays out; None for most objectives.
+  extra: Any = None
 
 
-def shardings(model: Model, tx: optax.GradientTransformation, mesh: Mesh | AbstractMesh, rules) -> TrainState:
+def shardings(model: Model, tx: optax.GradientTransformation, mesh: Mesh | AbstractMesh, rules,
+              extra: Any = None, offload: bool = False) -> TrainState:
   """NamedShardings for every leaf of the state: params from the sharding rules, optimizer state by
-  :func:`opt_state_specs` (a plain ``jax.jit(tx.init)`` on an Auto mesh would leave it replicated). ``mesh`` may
-  be an AbstractMesh: the same layout by arithmetic, without devices (tools/estimate.py)."""
+  :func:`opt_state_specs` (a plain ``jax.jit(tx.init)`` on an Auto mesh would leave it replicated), ``extra`` (the
+  objective's, ShapeDtypeStructs with shardings) as it is laid out. ``mesh`` may be an AbstractMesh: the same layout
+  by arithmetic, without devices (tools/estimate.py). With ``offload`` (``optim.offload_state``) every
+  optimizer-state array of at least one dimension (the moments; not the scalar counters and loss scale, which stay
+  on the device) is laid out the same way in host memory (:data:`HOST`); the step brings them over for the update
+  and sends the new ones back (``step.apply_update``)."""
   replicated = NamedSharding(mesh, P())
   params = sharding.logical_to_sharding(model.logical_specs, mesh, rules)
-  specs = opt_state_specs(jax.eval_shape(tx.init, model.abstract_params), model.abstract_params,
-                          jax.tree.map(lambda s: s.spec, params))
+  opt_shapes = jax.eval_shape(tx.init, model.abstract_params)
+  specs = opt_state_specs(opt_shapes, model.abstract_params, jax.tree.map(lambda s: s.spec, params))
   opt = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=_is_spec)
-  return TrainState(step=replicated, params=params, opt_state=opt)
+  if offload:
+    opt = jax.tree.map(lambda s, a: s.with_memory_kind(HOST) if a.ndim else s, opt, opt_shapes)
+  return TrainState(step=replicated, params=params, opt_state=opt,
+                    extra=None if extra is None else jax.tree.map(lambda a: a.sharding, extra))
+
+
+def offloaded(opt_shardings: Any) -> bool:
+  """Whether any of these optimizer-state shardings is in host memory (``optim.offload_state``)."""
+  return any(s.memory_kind == HOST for s in jax.tree.leaves(opt_shardings))
+
+
+def on_device(opt_shardings: Any) -> Any:
+  """The same layouts in the device's memory: where the update computes on an offloaded state."""
+  return jax.tree.map(lambda s: s.with_memory_kind("device") if s.memory_kind == HOST else s, opt_shardings)
+
+
+def host_bytes(abstract_state: Any, state_shardings: Any) -> int:
+  """Bytes per device of the state's arrays laid out in host memory (0 without ``optim.offload_state``)."""
+  pairs = [(a, s) for a, s in zip(jax.tree.leaves(abstract_state), jax.tree.leaves(state_shardings), strict=True)
+           if s.memory_kind == HOST]
+  return sharding.shard_bytes([a for a, _ in pairs], [s for _, s in pairs])
+
+
+def check_offload(mesh: Mesh, opt_shapes: Any, optimizer: str) -> None:
+  """ConfigError (``optim.offload_state``) when the optimizer state cannot be offloaded: the devices have no host
+  memory (:data:`HOST`) to keep it in, or the optimizer keeps no per-parameter state to move."""
+  device = mesh.devices.flat[0]
+  try:
+    kinds = {m.kind for m in device.addressable_memories()}
+  except Exception:  # noqa: BLE001 - a TPU topology's devices (a dry run) may describe no memories; TPUs have it
+    kinds = {HOST} if device.platform == "tpu" else set()
+  if HOST not in kinds:
+    raise ConfigError("optim.offload_state", f"the {device.platform} backend has no '{HOST}' memory to keep the "
+                      f"optimizer state in (its memories: {', '.join(sorted(kinds)) or 'none'})",
+                      "set optim.offload_state=false")
+  if not any(a.ndim for a in jax.tree.leaves(opt_shapes)):
+    raise ConfigError("optim.offload_state", f"optimizer '{optimizer}' keeps no per-parameter state to offload",
+                      "set optim.offload_state=false")
 
 
 def opt_state_specs(opt_state: Any, params: Any, param_specs: Any) -> Any:
@@ -77,23 +128,29 @@ def _is_spec(x) -> bool:
   return isinstance(x, P)
 
 
-def abstract(model: Model, tx: optax.GradientTransformation, shardings: TrainState | None = None) -> TrainState:
+def abstract(model: Model, tx: optax.GradientTransformation, shardings: TrainState | None = None,
+             extra: Any = None) -> TrainState:
   """ShapeDtypeStructs of the state; with ``shardings``, they carry them (a restore target for that mesh). From
   the model's abstract params and the optimizer's init alone: the model's init is not traced (a run asks for this
-  several times; tests/test_train.py checks it equals the shapes of the real init)."""
+  several times; tests/test_train.py checks it equals the shapes of the real init). ``extra``: the objective's
+  (:attr:`TrainState.extra`; a run's is ``Run.state_extra``, and ``Run.abstract_state`` calls this)."""
   shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=model.abstract_params,
-                      opt_state=jax.eval_shape(tx.init, model.abstract_params))
+                      opt_state=jax.eval_shape(tx.init, model.abstract_params),
+                      extra=None if extra is None else jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                                                    extra))
   if shardings is None:
     return shapes
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
 
 
-def _init(model: Model, tx, rng) -> TrainState:
+def _init(model: Model, tx, rng, extra=None) -> TrainState:
   params = model.init(rng)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                    extra=None if extra is None else jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), extra))
 
 
-def make_init(model: Model, tx, state_shardings: TrainState):
-  """A jitted ``rng -> TrainState`` that creates every array directly in its sharded layout."""
-  return jax.jit(lambda rng: _init(model, tx, rng), out_shardings=state_shardings)
+def make_init(model: Model, tx, state_shardings: TrainState, extra: Any = None):
+  """A jitted ``rng -> TrainState`` that creates every array directly in its sharded layout (``extra``: the
+  objective's shapes, :attr:`TrainState.extra`, zeros at the start)."""
+  return jax.jit(lambda rng: _init(model, tx, rng, extra), out_shardings=state_shardings)
 

@@ -12,11 +12,14 @@ import optax
 
 from jaxtrain import integrity
 from jaxtrain import loss_scale as loss_scale_lib
+from jaxtrain import optim
 from jaxtrain.models import Model, Output, scans
 from jaxtrain.parallel import context as context_lib
 from jaxtrain.parallel import pipeline as pipeline_lib
 from jaxtrain.parallel.pipeline import split_microbatches
 from jaxtrain.train import losses as losses_lib
+from jaxtrain.train import offload
+from jaxtrain.train import state as state_lib
 from jaxtrain.train.state import TrainState
 
 
@@ -235,37 +238,71 @@ def apply_update(model: Model, tx: optax.GradientTransformation, lr_schedule: op
   there every overflow is ``nonfinite``. Metrics ``loss_scale`` (the scale this step used) and ``overflow`` are
   added."""
   trained, frozen = model.split_trainable(state.params)
+  old_opt_state, host_shardings, streamed = state.opt_state, None, None
+  if update_shardings is not None and state_lib.offloaded(update_shardings[1]):
+    # optim.offload_state: the moments live in host memory between steps. They come over for the update once the
+    # gradients are there (the barrier: no copy starts before the backward is done, so they never share the device
+    # with its activations), the new ones go back, and the arithmetic is the very same as without offload. An
+    # elementwise optimizer's update streams over the stacked layers, one layer's state on the device at a time
+    # (jaxtrain/train/offload.py); any other brings the whole state over, and its peak does not drop
+    # (docs/parallelism.md).
+    host_shardings = update_shardings[1]
+    streamed = offload.plan(tx, model, state.params, state.opt_state, host_shardings)
+    grads, old_opt_state = jax.lax.optimization_barrier((grads, old_opt_state))
+    if streamed is None:
+      device_shardings = state_lib.on_device(host_shardings)
+      old_opt_state = jax.device_put(old_opt_state, device_shardings)
+      update_shardings = (update_shardings[0], device_shardings)
   # The optimizer sees the whole params tree (frozen params: zero gradients it ignores, no state).
   full_grads = model.join_trainable(grads, jax.tree.map(jnp.zeros_like, frozen))
-  updates, opt_state = tx.update(full_grads, state.opt_state, state.params)
-  new_trained = optax.apply_updates(trained, model.split_trainable(updates)[0])
   loss, grad_norm = loss_sum / jnp.maximum(count, 1.0), optax.tree.norm(grads)
-  if scaler is None:
-    finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-              & integrity.all_finite((new_trained, opt_state), update_shardings))
-    nonfinite = ~finite
-  else:
-    grads_finite = jnp.isfinite(grad_norm) & integrity.all_finite((new_trained, opt_state), update_shardings)
-    finite = jnp.isfinite(loss) & grads_finite
+
+  def verdict(states_finite):
+    """(finite, nonfinite, grads finite) given whether every element of the new trained params and state is."""
+    if scaler is None:
+      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & states_finite
+      return finite, ~finite, None
+    grads_ok = jnp.isfinite(grad_norm) & states_finite
+    finite = jnp.isfinite(loss) & grads_ok
     if scaler.dynamic:  # an overflow halves the scale and the next step tries again, unless it is 1 already
-      nonfinite = ~jnp.isfinite(loss) | (~grads_finite & (state.opt_state.scale <= 1.0))
-    else:  # a static scale never moves: the next batch overflows like this one, and only the NaN policy can act
-      nonfinite = ~finite
+      return finite, ~jnp.isfinite(loss) | (~grads_ok & (state.opt_state.scale <= 1.0)), grads_ok
+    # a static scale never moves: the next batch overflows like this one, and only the NaN policy can act
+    return finite, ~finite, grads_ok
+
+  if streamed is not None:
+    norm = optim.clip_norm_of(tx, full_grads, old_opt_state, state.params)
+    decided = {}
+
+    def decide(states_finite):
+      decided["finite"], decided["nonfinite"], decided["grads_finite"] = verdict(states_finite)
+      return decided["finite"] & ~skip
+
+    params, opt_state, apply = offload.update(model, tx, streamed, state.params, full_grads, old_opt_state,
+                                              host_shardings, norm, decide)
+    finite, nonfinite, grads_finite = decided["finite"], decided["nonfinite"], decided["grads_finite"]
+    host_shardings = None  # (already there)
+  else:
+    updates, opt_state = tx.update(full_grads, old_opt_state, state.params)
+    new_trained = optax.apply_updates(trained, model.split_trainable(updates)[0])
+    finite, nonfinite, grads_finite = verdict(integrity.all_finite((new_trained, opt_state), update_shardings))
   apply = finite & ~skip
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)  # noqa: E731
   # The lr this update was computed with: the schedule at the optimizer's own count, not at the loop's step (a step
   # that is not applied leaves the count where it was, so after one the two differ for good). A step not applied
   # logs that same rate, the one its batch would have had and the next applied update uses: 0 would say the
   # schedule dropped, which it did not (``skipped`` says the update was dropped), and would bend every plot of it.
-  counted = schedule_count(state.opt_state)
+  counted = schedule_count(old_opt_state)
   metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step if counted is None else counted),
              "nonfinite": nonfinite.astype(jnp.float32), "skipped": (~apply).astype(jnp.float32)}
-  params = model.join_trainable(keep(new_trained, trained), frozen)
-  opt_state = keep(opt_state, state.opt_state)
+  if streamed is None:
+    params = model.join_trainable(keep(new_trained, trained), frozen)
+    opt_state = keep(opt_state, old_opt_state)
   if scaler is not None:
     metrics.update(loss_scale=state.opt_state.scale, overflow=(jnp.isfinite(loss) & ~grads_finite).astype(jnp.float32))
     opt_state = scaler.adjust(opt_state, finite)
-  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+  if host_shardings is not None:
+    opt_state = jax.device_put(opt_state, host_shardings)
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics  # extra: as it was
 
 
 def host_metrics(values: dict[str, float]) -> dict[str, float]:

@@ -55,7 +55,7 @@ def compile_step(run: Run, train_step=None, extra: tuple = ()):
                                              *map(shardings_of, extra)),
                    out_shardings=(run.state_shardings, replicated), donate_argnums=0)
   with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
-    return jitted.lower(state_lib.abstract(run.model, run.tx), batch, jax.ShapeDtypeStruct((), np.bool_),
+    return jitted.lower(run.abstract_state(sharded=False), batch, jax.ShapeDtypeStruct((), np.bool_),
                         *extra).compile()
 
 
@@ -78,7 +78,7 @@ def restore_or_init(run: Run, checkpointer: checkpoint_lib.Checkpointer, data) -
   """This run's newest good checkpoint in any tier (:meth:`jaxtrain.checkpoint.Checkpointer.restore`: onto the
   current mesh, with the data position), else the run's starting state (:func:`jaxtrain.train.start.starting_state`:
   a fresh init, optionally another run's checkpoint, ``checkpoint.restore_from``)."""
-  abstract = state_lib.abstract(run.model, run.tx, run.state_shardings)
+  abstract = run.abstract_state()
   restored = checkpointer.restore(abstract, data)
   if restored is not None:
     state, meta, where = restored
@@ -124,9 +124,18 @@ def dry_run(config: ml_collections.ConfigDict, devices=None) -> dict[str, Any]:
   info["compile_s"] = time.perf_counter() - t
   mem = step_fn.memory_analysis()
   per_device = {k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "temp", "alias")}
+  # The state's arrays in host memory (optim.offload_state): the TPU compiler counts them apart (host_argument_size);
+  # the CPU backend counts them among the device's arguments, outputs and donated buffers: taken out here.
+  host = {k: int(getattr(mem, f"host_{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "temp", "alias")}
+  offloaded = state_lib.host_bytes(run.abstract_state(), run.state_shardings)
+  if offloaded and not host["argument"]:
+    for k in ("argument", "output", "alias"):
+      per_device[k] -= offloaded
+      host[k] += offloaded
   info["memory_per_device"] = per_device
+  info["host_memory_per_device"] = host
   # Host memory the program uses besides (activations an offloading remat policy keeps there).
-  info["host_bytes_per_device"] = int(getattr(mem, "host_temp_size_in_bytes", 0) or 0)
+  info["host_bytes_per_device"] = host["temp"]
   if attention_lib.target_platform() == "tpu" or target:
     # The TPU compiler reports its heap's peak (temporaries reuse memory over the program; arguments included):
     # its own verdict. Its temp_size counts the temporaries without that reuse (llama3_8b at 8k: 1.4 x the peak).
@@ -148,10 +157,11 @@ def dry_run(config: ml_collections.ConfigDict, devices=None) -> dict[str, Any]:
              f"{'fits' if info['peak_bytes_per_device'] <= capacity else 'DOES NOT FIT'} in "
              f"{capacity / mib:,.0f} MiB per device")
   logging.info("dry run: compiled in %.1fs | per device: arguments %.1f MiB, outputs %.1f MiB, temporaries %.1f MiB, "
-               "donated %.1f MiB -> peak %.1f MiB; %s | %.3g FLOPs/token, %.3g FLOPs/step/device",
+               "donated %.1f MiB -> peak %.1f MiB; %s | host: arguments %.1f MiB, temporaries %.1f MiB | %.3g FLOPs/token, "
+               "%.3g FLOPs/step/device",
                info["compile_s"], per_device["argument"] / mib, per_device["output"] / mib, per_device["temp"] / mib,
-               per_device["alias"] / mib, info["peak_bytes_per_device"] / mib, verdict, info["flops_per_token"],
-               info["flops_per_step_per_device"])
+               per_device["alias"] / mib, info["peak_bytes_per_device"] / mib, verdict, host["argument"] / mib,
+               host["temp"] / mib, info["flops_per_token"], info["flops_per_step_per_device"])
   print(json.dumps({k: v for k, v in info.items() if k != "replicated"}))
   return info
 
@@ -183,7 +193,7 @@ def _already_done(run: Run, checkpointer: checkpoint_lib.Checkpointer) -> bool:
   target = run.config.train.steps
   if not steps or steps[-1] < target:
     return False
-  checkpointer.persistent.check_compatible(steps[-1], state_lib.abstract(run.model, run.tx))
+  checkpointer.persistent.check_compatible(steps[-1], run.abstract_state(sharded=False))
   logging.info("%s is already at step %d (train.steps=%d): nothing to train. To train longer, run the same "
                "command with --config.train.steps=N for some N > %d (the run resumes from step %d)",
                run.config.workdir, steps[-1], target, steps[-1], steps[-1])
@@ -216,7 +226,7 @@ def _compile_restore_and_loop(run: Run, data: Iterator[dict], checkpointer: chec
     # first save does not wait for a compile.
     summarize = None
     if checkpointer.verify:
-      summarize = jax.jit(integrity.summary).lower(state_lib.abstract(run.model, run.tx, run.state_shardings))
+      summarize = jax.jit(integrity.summary).lower(run.abstract_state())
       summarize = summarize.compile()
     t = time.perf_counter()
     state, meta = restore_or_init(run, checkpointer, data)

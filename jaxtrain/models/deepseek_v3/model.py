@@ -25,7 +25,8 @@ Per layer (as transformers' ``modeling_deepseek_v3.py``):
 
 The experts run in jaxtrain/parallel/experts.py (dropless or with a capacity; sharded over ``expert``); the auxiliary
 losses and load metrics are the ``moe`` family's (jaxtrain/models/moe/model.py; DeepSeek-V3 trains with
-``load_balance_weight`` 0 and the bias instead).
+``load_balance_weight`` 0 and the bias instead, and the sequence-wise balance loss ``seq_aux`` at a tiny weight:
+``seq_aux_weight``).
 
 Decoding (``mla_cache``) keeps, per token and layer, either the normalized latent and the turned rope key
 (``latent``: ``kv_lora_rank + qk_rope_head_dim`` values, DeepSeek-V3's 576 against full keys and values' 128 heads x
@@ -101,8 +102,12 @@ def defaults() -> dict:
       # (jaxtrain.optim.balance_update; DeepSeek-V3: 0.001, then 0 for the last 500B tokens); 0: the bias stays
       bias_update_speed=0.001,
       bias_feedback_weight=1.0,  # the weight of the zero-valued aux loss that carries the load to the bias: keep 1
+      # DeepSeek-V3's complementary sequence-wise balance loss (aux loss ``seq_aux``, jaxtrain/models/moe's
+      # sequence_balance_loss; the report's alpha: 0.0001). 0: not computed at all (existing runs unchanged)
+      seq_aux_weight=0.0,
       # Multi-token prediction: D modules after the stack, module k predicting token t + 1 + k (aux loss ``mtp``,
-      # the mean over the modules; DeepSeek-V3: D = 1, weight 0.3 then 0.1); not run when decoding, not exported
+      # the mean over the modules; DeepSeek-V3: D = 1, weight 0.3 then 0.1); not run when decoding. Imported from
+      # and exported as a checkpoint's layers num_hidden_layers.. (jaxtrain/models/deepseek_v3/hf.py)
       mtp_depth=0,
       mtp_weight=0.3,
   )
@@ -115,16 +120,12 @@ def qk_head_dim(cfg) -> int:
 def validate(cfg) -> None:
   check_positive({"model": cfg}, [f"model.{k}" for k in (
       "num_layers", "d_model", "num_heads", "mlp_dim", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-      "v_head_dim", "num_experts", "experts_per_token", "expert_mlp_dim", "capacity_factor", "num_groups",
-      "topk_groups", "routed_scaling_factor")])
+      "v_head_dim", "num_experts", "experts_per_token", "expert_mlp_dim", "capacity_factor")])
   check_positive({"model": cfg}, [f"model.{k}" for k in ("q_lora_rank", "num_shared_experts", "first_dense_layers",
-                                                          "load_balance_weight", "router_z_weight",
-                                                          "bias_update_speed", "mtp_depth", "mtp_weight")],
+                                                          "load_balance_weight", "router_z_weight", "mtp_depth",
+                                                          "mtp_weight", "seq_aux_weight")],
                  allow_zero=True)
-  if cfg.bias_update_speed and cfg.bias_feedback_weight <= 0:
-    raise ConfigError("model.bias_feedback_weight", f"is {cfg.bias_feedback_weight}: the load no longer reaches the "
-                      "choice biases, which model.bias_update_speed moves", "leave it at 1 (or set "
-                      "bias_update_speed=0 to keep the biases fixed)")
+  validate_routing(cfg)
   if cfg.qk_rope_head_dim % 2:
     raise ConfigError("model.qk_rope_head_dim", f"{cfg.qk_rope_head_dim} is odd", "RoPE turns pairs of dims: make it "
                       "even")
@@ -133,19 +134,6 @@ def validate(cfg) -> None:
                       "set model.rope_scaling to '' or yarn")
   if cfg.rope_scaling == "yarn":
     check_positive({"model": cfg}, ["model.rope_scaling_factor", "model.rope_original_max_positions"])
-  if cfg.num_experts % cfg.num_groups:
-    raise ConfigError("model.num_groups", f"{cfg.num_groups} does not divide model.num_experts={cfg.num_experts}",
-                      "make the expert groups equal")
-  if cfg.num_groups > 1 and cfg.num_experts // cfg.num_groups < 2:
-    raise ConfigError("model.num_groups", f"{cfg.num_groups} groups of {cfg.num_experts} experts leave fewer than "
-                      "2 a group (a group is scored by its two best experts)", "use fewer groups")
-  if cfg.topk_groups > cfg.num_groups:
-    raise ConfigError("model.topk_groups", f"{cfg.topk_groups} is more than model.num_groups={cfg.num_groups}",
-                      "choose at most num_groups groups")
-  if cfg.experts_per_token > cfg.topk_groups * (cfg.num_experts // cfg.num_groups):
-    raise ConfigError("model.experts_per_token", f"{cfg.experts_per_token} is more than the "
-                      f"{cfg.topk_groups * (cfg.num_experts // cfg.num_groups)} experts of model.topk_groups="
-                      f"{cfg.topk_groups} groups", "route each token to at most the chosen groups' experts")
   if cfg.first_dense_layers >= cfg.num_layers:
     raise ConfigError("model.first_dense_layers", f"{cfg.first_dense_layers} leaves no MoE layer of "
                       f"model.num_layers={cfg.num_layers}", "make it smaller than num_layers")
@@ -164,6 +152,29 @@ def validate(cfg) -> None:
     raise ConfigError("model.attention", f"'cudnn' needs a head dim that is a multiple of 8 up to "
                       f"{attention.CUDNN_MAX_HEAD_DIM} and MLA's is {width} (max of qk_nope_head_dim + "
                       "qk_rope_head_dim and v_head_dim)", "use blockwise or xla")
+
+
+def validate_routing(cfg) -> None:
+  """The checks of DeepSeek-V3's routing keys (group-limited sigmoid scores with the choice bias; GLM-4.5's too)."""
+  check_positive({"model": cfg}, [f"model.{k}" for k in ("num_groups", "topk_groups", "routed_scaling_factor")])
+  check_positive({"model": cfg}, ["model.bias_update_speed"], allow_zero=True)
+  if cfg.bias_update_speed and cfg.bias_feedback_weight <= 0:
+    raise ConfigError("model.bias_feedback_weight", f"is {cfg.bias_feedback_weight}: the load no longer reaches the "
+                      "choice biases, which model.bias_update_speed moves", "leave it at 1 (or set "
+                      "bias_update_speed=0 to keep the biases fixed)")
+  if cfg.num_experts % cfg.num_groups:
+    raise ConfigError("model.num_groups", f"{cfg.num_groups} does not divide model.num_experts={cfg.num_experts}",
+                      "make the expert groups equal")
+  if cfg.num_groups > 1 and cfg.num_experts // cfg.num_groups < 2:
+    raise ConfigError("model.num_groups", f"{cfg.num_groups} groups of {cfg.num_experts} experts leave fewer than "
+                      "2 a group (a group is scored by its two best experts)", "use fewer groups")
+  if cfg.topk_groups > cfg.num_groups:
+    raise ConfigError("model.topk_groups", f"{cfg.topk_groups} is more than model.num_groups={cfg.num_groups}",
+                      "choose at most num_groups groups")
+  if cfg.experts_per_token > cfg.topk_groups * (cfg.num_experts // cfg.num_groups):
+    raise ConfigError("model.experts_per_token", f"{cfg.experts_per_token} is more than the "
+                      f"{cfg.topk_groups * (cfg.num_experts // cfg.num_groups)} experts of model.topk_groups="
+                      f"{cfg.topk_groups} groups", "route each token to at most the chosen groups' experts")
 
 
 # A latent cache's layer ``[batch, max_len, 1, width]`` (or a paged pool's ``[pages, page_size, 1, width]``) is split
@@ -354,9 +365,11 @@ def _dense_block(cfg, dtype, rngs):
 
 
 class MTPModule(nnx.Module):
-  """One multi-token-prediction module (DeepSeek-V3 technical report, section 2.2; transformers' ``MtpLayer``):
-  ``h_k = post_norm(Block(W_eh [enorm(Emb(t_{i+k})) | hnorm(h_{k-1})]))``, its logits the shared head's of
-  ``h_k``."""
+  """One multi-token-prediction module (DeepSeek-V3 technical report, section 2.2), as the released checkpoints'
+  layer ``num_hidden_layers + k - 1`` holds it (``enorm``, ``hnorm``, ``eh_proj``, a MoE decoder layer,
+  ``shared_head.norm``: here ``post_norm``; its ``embed_tokens`` and ``shared_head.head`` are the model's own):
+  ``h_k = Block(eh_proj([enorm(Emb(t_{i+k})) | hnorm(h_{k-1})]))``, its logits the shared head's of
+  ``post_norm(h_k)``; ``h_k`` (before ``post_norm``) is the next module's input."""
 
   def __init__(self, cfg, dtype, rngs: nnx.Rngs):
     self.enorm, self.hnorm, self.post_norm = llama.norm(cfg, dtype), llama.norm(cfg, dtype), llama.norm(cfg, dtype)
@@ -365,9 +378,10 @@ class MTPModule(nnx.Module):
     self.block = Block(cfg, dtype, rngs)
 
   def __call__(self, h, embedded, positions, segment_ids):
+    """``(h_k, the block's aux losses, its metrics)``: its router's losses and load count among the model's MoE
+    layers' (the choice bias of its router moves by its load like the stack's)."""
     x = self.eh_proj(jnp.concatenate([self.enorm(embedded), self.hnorm(h)], axis=-1))
-    x, _, _ = self.block(x, positions, segment_ids)  # (its router's losses and load are not the stack's)
-    return self.post_norm(x)
+    return self.block(x, positions, segment_ids)
 
 
 def mtp_targets(tokens, positions, segment_ids, k: int):
@@ -405,28 +419,47 @@ class DeepseekV3(moe.MoeLM):
 
   def __call__(self, tokens, positions, segment_ids, cache: KVCache | None = None):
     """The ``moe`` family's forward; with ``mtp_depth`` also the aux loss ``mtp``: the mean over the modules of
-    their mean token cross-entropy (:func:`mtp_targets`). Decoding never runs the modules."""
+    their mean token cross-entropy (:func:`mtp_targets`), and the modules' MoE blocks among the MoE layers whose
+    mean the router losses and load metrics are (their choice biases balanced like the stack's). Decoding never
+    runs the modules."""
     if cache is not None or self.mtp is None:
       return super().__call__(tokens, positions, segment_ids, cache)
     x, extras = self.stack(tokens, positions, segment_ids)
-    return core.Output(self.head(x), {**extras["aux_losses"], "mtp": self.mtp_loss(x, tokens, positions,
-                                                                                     segment_ids)},
-                       extras["metrics"])
+    loss, aux, metrics = self.mtp_loss(x, tokens, positions, segment_ids)
+    n, depth = self.moe_layers, len(aux)
 
-  def mtp_loss(self, x, tokens, positions, segment_ids):
-    """The multi-token-prediction loss from the stack's output ``x`` (before the final norm)."""
-    h, losses = self.final_norm(x), []
+    def mean(main, mine):  # (the stack's are its layers' mean already): the mean over its n and the depth blocks
+      return {k: (v * n + sum(m[k] for m in mine)) / (n + depth) for k, v in main.items()}
+    return core.Output(self.head(x), {**mean(extras["aux_losses"], aux), "mtp": loss},
+                       mean(extras["metrics"], metrics))
+
+  def mtp_logits(self, x, tokens, positions, segment_ids):
+    """Each module k's ``(logits of t_{i+k+1} at each position i, its block's aux losses, its metrics)`` from the
+    stack's output ``x`` (before the final norm; the first module takes it normalized by ``final_norm``), the
+    embedding and head the model's."""
+    h, out = self.final_norm(x), []
     graphdef, stacked = nnx.graphdef(self.mtp), nnx.state(self.mtp)
     for k in range(1, jax.tree.leaves(stacked)[0].shape[0] + 1):
-      inputs, targets, valid = mtp_targets(tokens, positions, segment_ids, k)
+      inputs, _, _ = mtp_targets(tokens, positions, segment_ids, k)
       module = nnx.merge(graphdef, jax.tree.map(lambda a, k=k: a[k - 1], stacked))
-      h = module(h, llama.lookup(self.embed, inputs), positions, segment_ids)
-      logits = self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
+      h, aux, metrics = module(h, llama.lookup(self.embed, inputs), positions, segment_ids)
+      normed = module.post_norm(h)
+      out.append((self.embed.attend(normed) if self.lm_head is None else self.lm_head(normed), aux, metrics))
+    return out
+
+  def mtp_loss(self, x, tokens, positions, segment_ids):
+    """``(the multi-token-prediction loss, [each module's block's aux losses], [its metrics])`` (:meth:`mtp_logits`;
+    each module's mean token cross-entropy over its valid targets, :func:`mtp_targets`, then the mean)."""
+    losses, aux, metrics = [], [], []
+    for k, (logits, block_aux, block_metrics) in enumerate(self.mtp_logits(x, tokens, positions, segment_ids), 1):
+      _, targets, valid = mtp_targets(tokens, positions, segment_ids, k)
       logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
       nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
       mask = valid.astype(jnp.float32)
       losses.append(jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0))
-    return sum(losses) / len(losses)
+      aux.append(block_aux)
+      metrics.append(block_metrics)
+    return sum(losses) / len(losses), aux, metrics
 
   @classmethod
   def init_cache(cls, cfg, batch: int, max_len: int) -> KVCache:

@@ -61,6 +61,8 @@ class LlamaShaped(hf_adapter.Adapter):
   qwen_window: Qwen's ``use_sliding_window`` and ``max_window_layers`` keys.
   layer_types: writes ``layer_types`` (one attention kind per layer).
   rope_per_layer_type: RoPE written as ``rope_parameters`` per layer type (Gemma 3, as transformers 5 writes it).
+  partial_rotary: config.json's ``partial_rotary_factor`` read and written (``model.partial_rotary_factor``, GLM-4.5's);
+    otherwise one other than 1 is refused.
   """
   model_type: str
   family: str
@@ -72,6 +74,7 @@ class LlamaShaped(hf_adapter.Adapter):
   qwen_window: bool = False
   layer_types: bool = False
   rope_per_layer_type: bool = False
+  partial_rotary: bool = False
 
   @property
   def activation(self) -> tuple[str, str]:
@@ -85,8 +88,8 @@ class LlamaShaped(hf_adapter.Adapter):
     if self.qkv_bias and hf.get("attention_bias") is False:
       raise HFError(where, f"sets attention_bias=false for a {self.model_type} model", "pass the model's own "
                     "config.json")
-    for key in ("attention_bias", "mlp_bias"):
-      if hf.get(key) and not self.qkv_bias:
+    for key in ("attention_bias", "mlp_bias"):  # (q, k, v biases where a variant may have them: qkv_bias)
+      if hf.get(key) and not self.qkv_bias and not (key == "attention_bias" and "qkv_bias" in self.variants):
         raise HFError(where, f"sets {key}=true", f"jaxtrain's {self.family} has no biases there; not supported")
     activation = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     if activation != self.activation[0]:
@@ -116,9 +119,9 @@ class LlamaShaped(hf_adapter.Adapter):
                       "RoPE is supported")
     theta = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-      raise HFError(where, f"sets partial_rotary_factor={rope['partial_rotary_factor']}",
-                    "only full-head RoPE is supported")
+    partial = float(rope.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0)
+    if partial != 1.0 and not self.partial_rotary:
+      raise HFError(where, f"sets partial_rotary_factor={partial}", "only full-head RoPE is supported")
     heads = hf["num_attention_heads"]
     window, every = windows(hf, where)
     m = core.defaults(self.family)
@@ -127,7 +130,7 @@ class LlamaShaped(hf_adapter.Adapter):
              head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
              rope_theta=float(theta), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
              tie_embeddings=bool(hf.get("tie_word_embeddings", self.gemma)), sliding_window=window,
-             global_every=every)
+             global_every=every, **({"partial_rotary_factor": partial} if self.partial_rotary else {}))
     if self.gemma:
       m.update(attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
                final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
@@ -180,6 +183,8 @@ class LlamaShaped(hf_adapter.Adapter):
                  final_logit_softcapping=model.final_softcap or None)
     if self.layer_types:
       out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows_]
+    if self.partial_rotary:
+      out["partial_rotary_factor"] = model.partial_rotary_factor
     out.update(self._family_fields(model))
     out.setdefault("max_position_embeddings", model.rope_original_max_positions * (
         int(model.rope_scaling_factor) if model.get("rope_scaling") else 1))
@@ -219,12 +224,9 @@ class LlamaShaped(hf_adapter.Adapter):
             ("mlp.up_proj.weight", ("mlp", "up", "kernel"), (f, d), True),
             ("mlp.down_proj.weight", ("mlp", "down", "kernel"), (d, f), True)], []
 
-  def tensors(self, model: Any) -> list[Tensor]:
-    d, n, k, h, v = model.d_model, model.num_heads, model.num_kv_heads, model.head_dim, model.vocab_size
-    out = [Tensor("model.embed_tokens.weight", ("embed", "embedding"), None, (v, d), False),
-           Tensor("model.norm.weight", ("final_norm", "scale"), None, (d,), False)]
-    if not model.tie_embeddings:
-      out.append(Tensor("lm_head.weight", ("lm_head", "kernel"), None, (v, d), True))
+  def _attention(self, model: Any) -> list[tuple]:
+    """A layer's attention tensors as ``(name, path, shape, linear)``: q, k, v, o, their biases, the QK-norms."""
+    d, n, k, h = model.d_model, model.num_heads, model.num_kv_heads, model.head_dim
     per_layer = [("self_attn.q_proj.weight", ("attn", "q", "kernel"), (n * h, d), True),
                  ("self_attn.k_proj.weight", ("attn", "k", "kernel"), (k * h, d), True),
                  ("self_attn.v_proj.weight", ("attn", "v", "kernel"), (k * h, d), True),
@@ -236,6 +238,15 @@ class LlamaShaped(hf_adapter.Adapter):
       width = {"head": (h, h), "full": (n * h, k * h)}[model.qk_norm]
       per_layer += [(f"self_attn.{x}_norm.weight", ("attn", f"{x}_norm", "scale"), (w,), False)
                     for x, w in zip("qk", width)]
+    return per_layer
+
+  def tensors(self, model: Any) -> list[Tensor]:
+    d, v = model.d_model, model.vocab_size
+    out = [Tensor("model.embed_tokens.weight", ("embed", "embedding"), None, (v, d), False),
+           Tensor("model.norm.weight", ("final_norm", "scale"), None, (d,), False)]
+    if not model.tie_embeddings:
+      out.append(Tensor("lm_head.weight", ("lm_head", "kernel"), None, (v, d), True))
+    per_layer = self._attention(model)
     mlp, experts = self._mlp(model)
     per_layer += mlp
     # Gemma's post_attention_layernorm is on the attention's output; Llama's is the MLP's input norm.

@@ -255,8 +255,14 @@ def rope(x: jax.Array, positions: jax.Array, theta: float | None = None,
   themselves, instead of ``theta`` and ``scaling``; ``scale``: multiplies the result, folded into the rotation's
   cos and sin (the queries' attention scale, at no cost of its own; every platform alike). ``cos x scale`` is
   rounded to x's dtype once, as ``cos`` is: within the rounding of rotating and then scaling, and bitwise that for
-  a power-of-two scale (head_dim 64 or 256: ``tests/test_models.py``)."""
+  a power-of-two scale (head_dim 64 or 256: ``tests/test_models.py``). Fewer ``freq`` than half the head_dim:
+  partial rotary (GLM-4.5's ``partial_rotary_factor``, as transformers' ``apply_rotary_pos_emb``): the first
+  ``2 len(freq)`` dims are rotated (their halves paired), the rest pass times ``scale``."""
   freq = rope_frequencies(x.shape[-1], theta, scaling) if freq is None else freq
+  if 2 * freq.shape[-1] < x.shape[-1]:
+    turned, rest = x[..., :2 * freq.shape[-1]], x[..., 2 * freq.shape[-1]:]
+    return jnp.concatenate([rope(turned, positions, freq=freq, scale=scale),
+                            rest if scale == 1.0 else rest * jnp.asarray(scale, x.dtype)], axis=-1)
   angle = positions[..., None].astype(jnp.float32) * freq  # [b, t, half], float32: exact up to 2^24 positions
   # The rotation itself in x's dtype, as transformers (and MaxText) compute it: for bfloat16 no float32 copies of
   # q and k (forward, and their gradients backward) for XLA to write.
@@ -392,7 +398,8 @@ def norm(cfg, dtype, dim: int | tuple[int, ...] | None = None, axis: str | tuple
 class Attention(nnx.Module):
   """Grouped-query attention with RoPE. GPT-OSS's keys (jaxtrain/models/gpt_oss): ``out_bias`` (a bias on the output
   projection), ``attention_sinks`` (a learned logit per head in the softmax: jaxtrain/models/attention.py), YaRN
-  RoPE (:class:`Yarn`)."""
+  RoPE (:class:`Yarn`). GLM-4.5's (jaxtrain/models/glm4_moe): ``partial_rotary_factor`` (RoPE on the first part of
+  each head only: :func:`rope`)."""
 
   def __init__(self, cfg, dtype, rngs: nnx.Rngs):
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -418,10 +425,13 @@ class Attention(nnx.Module):
     # YaRN scales cos and sin (both q and k) by its attention factor; folded into their rotations.
     self.rope_scale = self.scaling.attention_factor if isinstance(self.scaling, Yarn) else 1.0
     self.local_theta = cfg.get("rope_local_theta", 0.0)  # local layers: this theta, unscaled (0: as global ones)
+    # The dims RoPE turns, the first of each head (GLM-4.5's partial_rotary_factor; the rest pass: see rope).
+    self.rotary_dim = int(h * cfg.get("partial_rotary_factor", 1.0))
     self.block_size = cfg.attention_block_size
     windows = sorted(set(attention.layer_windows(cfg)))
     self.window = windows[-1]  # the local layers' window (0: none)
-    self.mixed = len(windows) > 1
+    self.chunk = max(attention.layer_chunks(cfg))  # the local layers' attention chunk (0: none; Llama 4)
+    self.mixed = attention.mixed_layers(cfg)
     variant = attention.variant(cfg)
     self.softcap, self.scale = variant.softcap, variant.scale
 
@@ -438,9 +448,9 @@ class Attention(nnx.Module):
     q, k = checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj")
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
-    freq = rope_frequencies(q.shape[-1], self.theta, self.scaling)
+    freq = rope_frequencies(self.rotary_dim, self.theta, self.scaling)
     if self.local_theta and self.window:  # local layers rotate at their own theta
-      local_freq = rope_frequencies(q.shape[-1], self.local_theta)
+      local_freq = rope_frequencies(self.rotary_dim, self.local_theta)
       freq = local_freq if not self.mixed else jnp.where(local, local_freq, freq)
     # The scores' scale is applied to the queries in their rotation, where it costs nothing, and the backends then
     # scale by 1 (the TPU cost model prices a separate q x scale at 0.08 ms a layer of Llama 3 8B on v6e); a
@@ -450,11 +460,7 @@ class Attention(nnx.Module):
       q_scale, scale = attention.Variant(scale=self.scale).scale_for(q.shape[-1]), 1.0
     else:
       q_scale = 1.0
-    if self.rope_scale != 1.0:
-      q, k = rope(q, positions, freq=freq, scale=q_scale * self.rope_scale), rope(k, positions, freq=freq,
-                                                                                  scale=self.rope_scale)
-    else:
-      q, k = rope(q, positions, freq=freq, scale=q_scale), rope(k, positions, freq=freq)
+    q, k = self.rotate(q, k, positions, freq, q_scale, local)
     sinks = None if self.sinks is None else self.sinks[...]
     q = constrain(q, ("batch", "length", "heads", "head_dim"))
     k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
@@ -462,20 +468,31 @@ class Attention(nnx.Module):
     if cache is not None:
       k_cache, v_cache, slots = cache
       k, v = slots.write(k_cache, k), slots.write(v_cache, v)
-      window = self.window if local is None else jnp.where(local, self.window, 0)
+      window, chunk = ((self.window, self.chunk) if local is None else
+                       (jnp.where(local, self.window, 0), jnp.where(local, self.chunk, 0)))
       out = attend_cached(q, slots.view(k), slots.view(v), segment_ids, positions, slots.kv_segment_ids,
-                          slots.kv_positions, attention.Variant(window, self.softcap, scale), sinks)
+                          slots.kv_positions, attention.Variant(window, self.softcap, scale, chunk), sinks)
       return self.o(constrain(out, ("batch", "length", "heads", "head_dim"))), (k, v)
 
-    def run(window):  # causal, never across documents
+    def run(window, chunk):  # causal, never across documents
       return attend(self.backend, q, k, v, segment_ids, positions, self.block_size,
-                    attention.Variant(window, self.softcap, scale), sinks)
+                    attention.Variant(window, self.softcap, scale, chunk), sinks)
     if self.mixed and local is None:
       raise ValueError("a stack of local and global layers passes each layer's kind (local=) to its attention")
     # Interleaved local and global layers: both kinds compiled, one run per layer (each keeps its own shape of
     # work: a local layer's blockwise or splash attention skips the keys outside its window).
-    out = jax.lax.cond(local, lambda: run(self.window), lambda: run(0)) if self.mixed else run(self.window)
+    out = (jax.lax.cond(local, lambda: run(self.window, self.chunk), lambda: run(0, 0)) if self.mixed
+           else run(self.window, self.chunk))
     return checkpoint_name(self.o(constrain(out, ("batch", "length", "heads", "head_dim"))), "out_proj")
+
+  def rotate(self, q, k, positions, freq, q_scale, local):
+    """q and k turned by RoPE at ``freq``, the queries times ``q_scale`` (the scores' scale, folded into their
+    rotation). ``local``: see :meth:`__call__` (a family's own rotation reads it: jaxtrain/models/llama4)."""
+    del local
+    if self.rope_scale != 1.0:
+      return rope(q, positions, freq=freq, scale=q_scale * self.rope_scale), rope(k, positions, freq=freq,
+                                                                                  scale=self.rope_scale)
+    return rope(q, positions, freq=freq, scale=q_scale), rope(k, positions, freq=freq)
 
 
 class MLP(nnx.Module):
@@ -496,9 +513,11 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
+  attention_class = Attention  # the attention (a family's own: jaxtrain/models/llama4)
+
   def __init__(self, cfg, dtype, rngs: nnx.Rngs):
     self.attn_norm = norm(cfg, dtype)
-    self.attn = Attention(cfg, dtype, rngs)
+    self.attn = self.attention_class(cfg, dtype, rngs)
     self.mlp_norm = norm(cfg, dtype)
     self.mlp = MLP(cfg, dtype, rngs)
     # Gemma's sandwich: the attention's and the MLP's outputs normalized too, before the residual add.

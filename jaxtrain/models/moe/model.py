@@ -13,6 +13,8 @@ Auxiliary losses (mean over the MoE layers and the real tokens of a forward), in
   expert e and P_e the mean router probability of e (scores normalized to sum 1). 1.0 when perfectly even
   (transformers' Mixtral ``load_balancing_loss_func`` is k times this).
 * ``router_z``: ST-MoE's router z-loss, the mean of ``logsumexp(router logits)^2``.
+* ``seq_aux`` (only where the model group has a ``seq_aux_weight`` above 0: DeepSeek-V3's): DeepSeek-V3's
+  sequence-wise balance loss (:func:`sequence_balance_loss`).
 
 Metrics: ``moe/load/eNN`` the fraction of choices that went to expert NN (mean over MoE layers; sums to 1),
 ``moe/load_max`` the largest expert's load times E (1.0 = even), ``moe/dropped`` the fraction of choices dropped
@@ -137,6 +139,21 @@ def router_losses(logits, probs, ids, valid) -> tuple[dict, jax.Array]:
   return {"load_balance": num_experts * jnp.sum(load * importance), "router_z": z}, load
 
 
+def sequence_balance_loss(probs, ids, valid) -> jax.Array:
+  """DeepSeek-V3's complementary sequence-wise balance loss (technical report, eq. 17-20) without its weight alpha:
+  per sequence (a row of the batch; its T real tokens, ``valid``) ``sum_e f_e P_e``, f_e = E / (k T) times the
+  number of the row's tokens that chose expert e, P_e the mean over them of e's score normalized over the experts
+  (``probs``); the mean over the rows that hold a real token. 1.0 when every row's load and scores are even."""
+  num_experts, k = probs.shape[-1], ids.shape[-1]
+  mask = valid.astype(jnp.float32)
+  tokens = jnp.sum(mask, axis=-1)  # [b]
+  counts = jnp.einsum("btke,bt->be", jax.nn.one_hot(ids, num_experts), mask)
+  f = counts * num_experts / (k * jnp.maximum(tokens, 1.0))[:, None]
+  p = jnp.einsum("bte,bt->be", probs, mask) / jnp.maximum(tokens, 1.0)[:, None]
+  rows = (tokens > 0).astype(jnp.float32)
+  return jnp.sum(jnp.sum(f * p, axis=-1) * rows) / jnp.maximum(jnp.sum(rows), 1.0)
+
+
 def load_metrics(load, dropped, ids, valid) -> dict:
   """A MoE layer's metrics: each expert's share of the routed tokens (``moe/load/eNN``), the largest share times the
   expert count (``moe/load_max``, 1 when balanced) and the share of assignments dropped over capacity."""
@@ -151,16 +168,29 @@ class MoE(nnx.Module):
   def __init__(self, cfg, dtype, rngs: nnx.Rngs):
     d, e, f = cfg.d_model, cfg.num_experts, cfg.expert_mlp_dim
     self.router = nnx.Param(_param(("embed", None))(rngs.params(), (d, e)))
-    self.gate = nnx.Param(_param(("experts", "embed", "expert_mlp"))(rngs.params(), (e, d, f)))
-    self.up = nnx.Param(_param(("experts", "embed", "expert_mlp"))(rngs.params(), (e, d, f)))
-    self.down = nnx.Param(_param(("experts", "expert_mlp", "embed"))(rngs.params(), (e, f, d)))
+    self.init_experts(d, e, f, rngs)
     self.shared = llama.MLP(types.SimpleNamespace(d_model=d, mlp_dim=cfg.num_shared_experts * f,
                                                   quantization=cfg.quantization), dtype,
                             rngs) if cfg.num_shared_experts else None
     self.k, self.scores, self.normalize = cfg.experts_per_token, cfg.router_scores, cfg.normalize_topk
     self.impl, self.capacity_factor = cfg.moe_impl, cfg.capacity_factor
+    # DeepSeek-V3's sequence-wise balance loss (its own aux loss ``seq_aux``) only with a weight: none at all without.
+    self.seq_aux = bool(getattr(cfg, "seq_aux_weight", 0.0))
     # The experts' matmuls (quantized with model.quantization; the router's stays float32).
     self.ragged_dot, self.einsum = quantization.ragged_dot(cfg.quantization), quantization.einsum(cfg.quantization)
+
+  # Whether each chosen expert's input is weighted by its routing weight (Llama 4), instead of its output.
+  weigh_inputs = False
+
+  def init_experts(self, d: int, e: int, f: int, rngs: nnx.Rngs) -> None:
+    """The E routed experts' stacked weights: SwiGLU's gate and up ``[E, d, f]``, down ``[E, f, d]``."""
+    self.gate = nnx.Param(_param(("experts", "embed", "expert_mlp"))(rngs.params(), (e, d, f)))
+    self.up = nnx.Param(_param(("experts", "embed", "expert_mlp"))(rngs.params(), (e, d, f)))
+    self.down = nnx.Param(_param(("experts", "expert_mlp", "embed"))(rngs.params(), (e, f, d)))
+
+  def expert_weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The experts' (gate, up, down), as jaxtrain/parallel/experts.py's ``moe_ffn`` takes them."""
+    return self.gate[...], self.up[...], self.down[...]
 
   def route(self, x):
     """(router logits ``[b, t, E]`` float32, probabilities ``[b, t, E]`` (sum 1), top-k ids, top-k weights)."""
@@ -177,31 +207,37 @@ class MoE(nnx.Module):
     few new tokens would drop some of them)."""
     logits, probs, ids, weights = self.route(x)
     valid = segment_ids != 0
-    y, dropped = experts.moe_ffn(x, ids, weights, valid, self.gate[...], self.up[...], self.down[...],
+    y, dropped = experts.moe_ffn(x, ids, weights, valid, *self.expert_weights(),
                                  mode="dropless" if decoding else self.impl, capacity_factor=self.capacity_factor,
-                                 ragged_dot=self.ragged_dot, einsum=self.einsum)
+                                 ragged_dot=self.ragged_dot, einsum=self.einsum, weigh_inputs=self.weigh_inputs)
     y = constrain(y, ("batch", "length", "embed"))
     if self.shared is not None:
       y = y + self.shared(x)
     aux, load = router_losses(logits, probs, ids, valid)
+    if self.seq_aux and not decoding:
+      aux["seq_aux"] = sequence_balance_loss(probs, ids, valid)
     return y, aux, load_metrics(load, dropped, ids, valid)
 
 
 class Block(nnx.Module):
+  moe_class = MoE  # the routed experts (a family's own router: jaxtrain/models/glm4_moe)
+  attention_class = llama.Attention  # the attention (a family's own: jaxtrain/models/llama4)
+
   def __init__(self, cfg, dtype, rngs: nnx.Rngs):
     self.attn_norm = llama.norm(cfg, dtype)
-    self.attn = llama.Attention(cfg, dtype, rngs)
+    self.attn = self.attention_class(cfg, dtype, rngs)
     self.mlp_norm = llama.norm(cfg, dtype)
-    self.moe = MoE(cfg, dtype, rngs)
+    self.moe = self.moe_class(cfg, dtype, rngs)
 
-  def __call__(self, x, positions, segment_ids, cache=None):
-    """``(x, aux losses, metrics)``; with a ``cache`` (decoding, see llama.Attention) ``(x, (k, v))``."""
+  def __call__(self, x, positions, segment_ids, cache=None, local=None):
+    """``(x, aux losses, metrics)``; with a ``cache`` (decoding, see llama.Attention) ``(x, (k, v))``. ``local``:
+    the layer's kind where the stack mixes them (llama.Attention)."""
     if cache is not None:
-      attn, kv = self.attn(self.attn_norm(x), positions, segment_ids, cache)
+      attn, kv = self.attn(self.attn_norm(x), positions, segment_ids, cache, local)
       x = x + attn
       y, _, _ = self.moe(self.mlp_norm(x), segment_ids, decoding=True)
       return constrain(x + y, ("batch", "length", "embed")), kv
-    x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+    x = x + self.attn(self.attn_norm(x), positions, segment_ids, local=local)
     y, aux, metrics = self.moe(self.mlp_norm(x), segment_ids)
     return constrain(x + y, ("batch", "length", "embed")), aux, metrics
 
@@ -210,6 +246,7 @@ class MoeLM(nnx.Module):
   """Embedding, ``first_dense_layers`` Llama blocks (run by :meth:`embed_tokens`, before any pipeline stage), the
   stacked MoE blocks ``layers`` (the pipeline splits these), final norm and head."""
   paged_cache = True  # decodes with a paged cache too (llama.Llama's note)
+  block = Block  # the MoE layers' block (another family's: jaxtrain/models/glm4_moe)
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     dtype = jnp.dtype(cfg.dtype)
@@ -217,14 +254,19 @@ class MoeLM(nnx.Module):
                            embedding_init=_param(("vocab", "embed")), rngs=rngs)
     # The dense stack's leading axis is named ``dense_layers``: no rule shards it (not over pipeline stages).
     self.dense_layers = (core.stacked(cfg, dtype, rngs, llama.Block, cfg.first_dense_layers, "dense_layers")
-                         if cfg.first_dense_layers else None)
-    self.layers = core.stacked(cfg, dtype, rngs, Block, cfg.num_layers - cfg.first_dense_layers, "layers")
+                         if cfg.get("first_dense_layers") else None)
+    self.layers = core.stacked(cfg, dtype, rngs, self.block, self.moe_layer_count(cfg), "layers")
     self.final_norm = llama.norm(cfg, dtype)
     self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
         cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
         kernel_init=_param(("embed", "vocab")), rngs=rngs)
     self.remat = cfg.remat
-    self.moe_layers = cfg.num_layers - cfg.first_dense_layers
+    self.moe_layers = self.moe_layer_count(cfg)
+
+  @staticmethod
+  def moe_layer_count(cfg) -> int:
+    """How many MoE blocks ``layers`` stacks (the steps of the layer scan; a family's own: jaxtrain/models/llama4)."""
+    return cfg.num_layers - cfg.first_dense_layers
 
   def _remat(self, fn):
     return core.remat_layer(fn, self.remat)
@@ -240,16 +282,22 @@ class MoeLM(nnx.Module):
                         unroll=scans.unroll())
     return x
 
-  def apply_layer(self, weights, x, side):
+  def apply_layer(self, weights, x, side, kind=None):
     """One MoE layer: ``(x, {"aux_losses": ..., "metrics": ...})``, each already divided by the number of MoE
-    layers, so that their sum over the stack is the mean."""
+    layers, so that their sum over the stack is the mean. ``kind``: its entry of :meth:`layer_kinds`."""
     graphdef = nnx.graphdef(self.layers)
     n = self.moe_layers
 
-    def layer(w, h, side):
-      h, aux, metrics = nnx.merge(graphdef, w)(h, *side)
+    def layer(w, h, side, kind):
+      block = nnx.merge(graphdef, w)
+      h, aux, metrics = block(h, *side) if kind is None else block(h, *side, local=kind)
       return h, {"aux_losses": {k: v / n for k, v in aux.items()}, "metrics": {k: v / n for k, v in metrics.items()}}
-    return self._remat(layer)(weights, x, side)
+    return self._remat(layer)(weights, x, side, kind)
+
+  def layer_kinds(self):
+    """The layer scan's per-layer input besides the weights (a family whose layers differ: jaxtrain/models/llama4);
+    None: every layer alike."""
+    return None
 
   def head(self, x):
     x = self.final_norm(x)
@@ -268,17 +316,18 @@ class MoeLM(nnx.Module):
     """The embedded tokens through every layer: ``(x before the final norm, {aux_losses, metrics} summed over the
     layers)``."""
     x = self.embed_tokens(tokens, positions, segment_ids)
-    side = (positions, segment_ids)
+    side, kinds = (positions, segment_ids), self.layer_kinds()
+    first = None if kinds is None else kinds[0]
     zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                        jax.eval_shape(lambda w, h: self.apply_layer(w, h, side)[1],
+                        jax.eval_shape(lambda w, h: self.apply_layer(w, h, side, first)[1],
                                        jax.tree.map(lambda a: a[0], nnx.state(self.layers)), x))
 
-    def body(carry, w):
+    def body(carry, xs):
       h, extras = carry
-      h, new = self.apply_layer(w, h, side)
+      h, new = self.apply_layer(xs[0], h, side, xs[1])
       return (h, jax.tree.map(jnp.add, extras, new)), None
 
-    (x, extras), _ = jax.lax.scan(body, (x, zero), nnx.state(self.layers), unroll=scans.unroll())
+    (x, extras), _ = jax.lax.scan(body, (x, zero), (nnx.state(self.layers), kinds), unroll=scans.unroll())
     return x, extras
 
 

@@ -64,6 +64,12 @@ class Objective:
     """``(state, batch, skip) -> (state, metrics)``, traced and compiled by the trainer (one program)."""
     raise NotImplementedError
 
+  def state_extra(self, config: ml_collections.ConfigDict, mesh, rules):
+    """What its steps carry from one to the next besides the model (GRPO's rollouts produced ahead), as
+    ShapeDtypeStructs with shardings on ``mesh``: the train state's ``extra`` (zeros at the start, checkpointed
+    with the state, restored with it), or None for nothing."""
+    return None
+
   def abstract_extra(self, run) -> tuple:
     """The shapes (with shardings) of what its step takes besides ``(state, batch, skip)`` (a frozen reference's
     params), for compiling without them (the dry run)."""

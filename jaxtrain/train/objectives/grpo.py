@@ -48,7 +48,8 @@ term was taken), ``rl/degenerate_groups``, ``rl/degenerate_groups_rollout``, ``r
 ``rl/dynamic_sampling_s`` (dynamic sampling), ``rl/completion_length`` (mean tokens per completion, its stop token
 included),
 ``rl/logp_mismatch``, ``rl/rollout_s`` and ``rl/rollout_tokens_per_s`` (new tokens per second of sampling),
-``rl/update_s`` and ``rl/update_tokens_per_s`` (row tokens per second of scoring and updating). Evaluation
+``rl/update_s`` and ``rl/update_tokens_per_s`` (row tokens per second of scoring and updating), ``rl/step_s`` (the
+whole step, as the trainer saw it). Evaluation
 (``eval.every_steps``): the held-out prompts of ``data.eval_path``, one completion each with the rollout's sampling
 and a fixed key, scored: ``eval_reward_mean`` and ``eval_reward/<name>``.
 """
@@ -66,6 +67,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import optim
 from jaxtrain import sampling
@@ -78,7 +80,8 @@ from jaxtrain.train.objectives import policy_losses
 from jaxtrain.train.objectives import rewards as rewards_lib
 from jaxtrain.train.objectives import rollout as rollout_lib
 from jaxtrain.train.objectives.base import OBJECTIVES, Objective
-from jaxtrain.train.objectives.logprobs import REFERENCES, Reference, tempered_logps, token_logps
+from jaxtrain.train.objectives.logprobs import (REFERENCES, Reference, tempered_logps, token_logps,
+                                               token_logps_and_aux, weighted_aux)
 
 # The losses live in policy_losses (rl.loss); GRPO's own names stay importable from here.
 ADVANTAGE_EPS = policy_losses.ADVANTAGE_EPS
@@ -123,6 +126,10 @@ def defaults() -> ml_collections.ConfigDict:
       # Continuous batching (jaxtrain.sampling.ContinuousGenerator): this many slots decode the rollout's rows as a
       # queue, a finished slot taking the next row at once, over a paged KV cache; 0: the static batch.
       rollout_slots=0,
+      # Asynchronous rollouts: step s trains the rollout of its prompts that the policy of step s - 1 - K produced, K
+      # steps ahead, the ratio taken against that policy's log-probabilities; the K rollouts ahead are in the train
+      # state (checkpointed). 0: on-policy, each step's rollout by its own policy.
+      max_staleness=0,
       reference="",  # frozen | adapters_off (LoRA only); empty: adapters_off with LoRA, else frozen
   ))
 
@@ -134,7 +141,7 @@ def validate(config) -> None:
   check_positive(config, ["rl.kl_weight"], allow_zero=True)
   policy_losses.LOSSES.check(config)
   check_positive(config, ["rl.clip_epsilon_high", "rl.gspo_clip_epsilon", "rl.gspo_clip_epsilon_high"])
-  check_positive(config, ["rl.overlong_buffer", "rl.dynamic_sampling_rounds"], allow_zero=True)
+  check_positive(config, ["rl.overlong_buffer", "rl.dynamic_sampling_rounds", "rl.max_staleness"], allow_zero=True)
   if not rl.gspo_clip_epsilon < 1:
     raise ConfigError("rl.gspo_clip_epsilon", f"must be < 1, got {rl.gspo_clip_epsilon}",
                       "the sequence ratio's lower bound is 1 - this (the paper: 3e-4)")
@@ -321,12 +328,36 @@ class GRPO(Objective):
     rewards_lib.score(rewards, ["", table.texts[0]], [record, record])
 
   def abstract_batch(self, run) -> dict[str, jax.ShapeDtypeStruct]:
+    """The scored rollout an update trains on; none with ``rl.max_staleness`` (the step trains the oldest rollout of
+    the state's queue, :meth:`state_extra`)."""
+    return {} if run.config.rl.max_staleness else self.update_batch_shapes(run)
+
+  @classmethod
+  def update_batch_shapes(cls, run) -> dict[str, jax.ShapeDtypeStruct]:
+    """A scored rollout's arrays (:data:`UPDATE_KEYS`), laid out as the step's batch."""
     b, t = run.config.train.global_batch_size, run.config.data.seq_len
     rows = sharding.batch_sharding(run.mesh, run.rules, ndim=1)
     out = {k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k in ("loss_mask", "old_logps", "ref_logps") else jnp.int32,
-                                   sharding=run.batch_sharding) for k in self.UPDATE_KEYS if k != "advantages"}
+                                   sharding=run.batch_sharding) for k in cls.UPDATE_KEYS if k != "advantages"}
     out["advantages"] = jax.ShapeDtypeStruct((b,), jnp.float32, sharding=rows)
     return out
+
+  def state_extra(self, config, mesh, rules):
+    """With ``rl.max_staleness`` K: the scored rollouts of the K steps to come (``rollouts``: each array of
+    :data:`UPDATE_KEYS` with a leading dim K, oldest first, rows over the batch axes), and ``filled`` (0 until the
+    first step has produced them)."""
+    k = config.rl.max_staleness
+    if not k:
+      return None
+    b, t = config.train.global_batch_size, config.data.seq_len
+
+    def queued(shape, dtype):
+      spec = sharding.batch_sharding(mesh, rules, ndim=len(shape)).spec
+      return jax.ShapeDtypeStruct((k, *shape), dtype, sharding=NamedSharding(mesh, P(None, *spec)))
+    rollouts = {key: queued((b,) if key == "advantages" else (b, t),
+                            jnp.float32 if key in ("loss_mask", "old_logps", "ref_logps", "advantages") else jnp.int32)
+                for key in self.UPDATE_KEYS}
+    return {"filled": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())), "rollouts": rollouts}
 
   def open_train(self, config):
     return prompts_lib.open_train(config)
@@ -343,11 +374,15 @@ class GRPO(Objective):
     _, update_shardings = step_lib.trained_shardings_of(model, run.state_shardings)
     policy_loss = policy_losses.LOSSES.get(c.rl.loss).loss
 
-    def objective(params, batch):
-      loss, aux = policy_loss(token_logps(model, params, batch, temperature=c.rl.temperature), batch, c.rl)
-      return loss, aux
+    def objective(params, batch):  # the policy loss, plus the model's auxiliary losses (a MoE router's) weighted
+      logps, aux_losses = token_logps_and_aux(model, params, batch, temperature=c.rl.temperature)
+      loss, aux = policy_loss(logps, batch, c.rl)
+      return loss + weighted_aux(aux_losses, run.aux_weights), {
+          **aux, **{f"aux_loss/{k}": v for k, v in aux_losses.items()}}
 
     def train_step(state, batch, skip):
+      if c.rl.max_staleness:  # the oldest rollout of the queue (the trainer then pushes the step's own)
+        batch = jax.tree.map(lambda q: q[0], state.extra["rollouts"])
       step = state.step
       tokens = jnp.sum(batch["loss_mask"])
       history = []
@@ -378,22 +413,22 @@ class GRPO(Objective):
     generator = rollout_generator(run, -(-len(table.ids) // run.mesh.size) * run.mesh.size, stops)
     batch = generator.batch(table.ids)
     rewards = rewards_lib.load(c.rl)
-    pool = rewards_lib.open_pool(rewards, c.rl)  # (the Trainer's, with rl.reward_workers > 0)
+    # (The Trainer's, with rl.reward_workers > 0: its process on process 0 alone, which scores for every process.)
+    pool = rewards_lib.open_pool(rewards, c.rl, start=jax.process_index() == 0)
 
     def evaluate(params):
       with jax.set_mesh(run.mesh):
         result = generator(params, batch, seed=EVAL_SEED + c.train.seed)
 
-      def fetch() -> dict[str, float]:
+      def fetch() -> dict[str, float]:  # on every process: scored on process 0 and broadcast, as a step's rewards
         done = Completions(result, stops, tok)
-        if pool is None:
-          total, parts = rewards_lib.score(rewards, done.texts[:batch.count], table.records)
-          failures = {}
-        else:
-          total, parts, failures = pool.score(done.texts[:batch.count], table.records)
-          failures = {"eval_reward_failures": float(sum(failures.values()))}
-        return {"eval_reward_mean": float(total.mean()),
-                **{f"eval_reward/{name}": float(v.mean()) for name, v in parts.items()}, **failures}
+        _, said = score_once(rewards, done.texts[:batch.count], table.records, 1, lambda r, g: np.zeros_like(r),
+                             pool=pool)
+        out = {"eval_reward_mean": said["rl/reward_mean"],
+               **{f"eval_reward/{r.name}": said[f"rl/reward/{r.name}"] for r in rewards}}
+        if pool is not None:
+          out["eval_reward_failures"] = said["rl/reward_failures"]
+        return out
 
       return fetch
 
@@ -496,13 +531,19 @@ class Trainer:
     layout = self.generator.layout
     logging.info("rl: rollouts on %s, %.1f MiB of weights a device", layout.describe(), layout.weight_bytes() / 2**20)
     self.reference = Reference(run, reference_mode(c)) if c.rl.kl_weight else None
-    batch = GRPO().abstract_batch(run)
+    batch = GRPO.update_batch_shapes(run)
     scored = {k: v for k, v in batch.items() if k not in ("old_logps", "ref_logps")}
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           run.model.abstract_params, run.state_shardings.params)
     extra = self.reference.abstract_extra(run) if self.reference else ()
     with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
       self.score = jax.jit(self._score).lower(params, scored, *extra).compile()
+    self.ahead = c.rl.max_staleness
+    if self.ahead:  # the prompt stream's steps to come (global rows), and the queue's push
+      self.lookahead = prompts_lib.PromptStream(self.table, prompts_lib.prompt_width(c), c.train.global_batch_size,
+                                                c.rl.group_size, c.train.seed)
+      queue = jax.tree.map(lambda a: a.sharding, run.state_extra)
+      self.push = jax.jit(_push, donate_argnums=0, out_shardings=queue).lower(run.state_extra, batch).compile()
 
   def close(self) -> None:
     """The run is over, whatever ended it: the reward pools' processes stop (jaxtrain.train.trainer calls it)."""
@@ -560,34 +601,97 @@ class Trainer:
                                     "rl/degenerate_groups_rollout": float(first), "rl/sampling_rounds": float(rounds),
                                     "rl/dynamic_sampling_s": time.perf_counter() - t0}
 
-  def __call__(self, state, prompt: dict, skip):
-    c, run = self.config, self.run
-    t0 = time.perf_counter()
-    step = int(jax.device_get(state.step)) + 1
-    host = {k: _host(prompt[k]) for k in ("inputs", "positions", "segment_ids", "targets")}
-    rows = host["inputs"].shape[0]
-    done = self._rollout(state.params, host, sampling_seed(c.train.seed, step))
-    rollout_s = time.perf_counter() - t0
-    advantages, reward_metrics = self._rewarded(host, done)
-    host, done, advantages, reward_metrics = self._dynamic_sampling(state.params, step, host, done, advantages,
-                                                                    reward_metrics)
-    t1 = time.perf_counter()
+  def _scored(self, params, host: dict, done: Completions, advantages: np.ndarray) -> dict:
+    """The update batch of these rows on the devices, with the policy's (``params``) and the reference's
+    log-probabilities of it (dispatched, not waited for)."""
+    run = self.run
     local = update_batch(host, done, advantages)
     rows_sharding = sharding.batch_sharding(run.mesh, run.rules, ndim=1)
     on_device = {k: jax.device_put(v, rows_sharding if k == "advantages" else run.batch_sharding)
                  for k, v in local.items()}
     with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
-      old, ref = self.score(state.params, on_device, *(self.reference.extra if self.reference else ()))
-      mismatch = self._mismatch(_host(old), done, host["inputs"].shape[1])
-      state, metrics = self.update(state, {**on_device, "old_logps": old, "ref_logps": ref}, skip)
-      jax.block_until_ready(metrics)
-    update_s = time.perf_counter() - t1
-    metrics = {**metrics, **reward_metrics, "rl/completion_length": float(done.produced.mean()),
-               "rl/logp_mismatch": mismatch,
-               "rl/rollout_s": rollout_s, "rl/rollout_tokens_per_s": float(done.produced.sum()) / rollout_s,
-               "rl/update_s": update_s,
-               "rl/update_tokens_per_s": rows * c.data.seq_len * c.rl.updates_per_batch / update_s}
-    return state, metrics
+      old, ref = self.score(params, on_device, *(self.reference.extra if self.reference else ()))
+    return {**on_device, "old_logps": old, "ref_logps": ref}
+
+  def _produce(self, params, step: int, host: dict) -> tuple[dict, Completions, dict]:
+    """The rollout of prompt rows ``host`` (those of loop step ``step``) by ``params``, its rewards (with dynamic
+    sampling) and its scoring: (the update batch on the devices, the completions, the reward metrics)."""
+    t0 = time.perf_counter()
+    done = self._rollout(params, host, sampling_seed(self.config.train.seed, step))
+    own = _rollout_metrics(done, time.perf_counter() - t0)
+    batch, done, metrics = self._produce_rewarded(params, step, host, done)
+    return batch, done, {**metrics, **own}
+
+  def __call__(self, state, prompt: dict, skip):
+    run = self.run
+    t0 = time.perf_counter()
+    step = int(jax.device_get(state.step)) + 1
+    host = {k: _host(prompt[k]) for k in ("inputs", "positions", "segment_ids", "targets")}
+    if self.ahead:
+      return self._ahead(state, host, step, skip)
+    rows = host["inputs"].shape[0]
+    batch, done, metrics = self._produce(state.params, step, host)
+    t1 = time.perf_counter()
+    with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
+      mismatch = self._mismatch(_host(batch["old_logps"]), done, host["inputs"].shape[1])
+      state, step_metrics = self.update(state, batch, skip)
+      jax.block_until_ready(step_metrics)
+    return state, self._metrics(step_metrics, metrics, done, mismatch, rows, t0, t1)
+
+  def _metrics(self, step_metrics: dict, metrics: dict, done: Completions, mismatch: float, rows: int, t0: float,
+               t1: float) -> dict:
+    """A step's metrics: its update's, its rollout's (``metrics``: rewards, :func:`_rollout_metrics`), the
+    timings."""
+    c, update_s = self.config, time.perf_counter() - t1
+    return {**step_metrics, **metrics, "rl/step_s": time.perf_counter() - t0,
+            "rl/completion_length": float(done.produced.mean()), "rl/logp_mismatch": mismatch,
+            "rl/update_s": update_s, "rl/update_tokens_per_s": rows * c.data.seq_len * c.rl.updates_per_batch / update_s}
+
+  # Asynchronous rollouts (rl.max_staleness = K) ------------------------------------------------------------------
+  # The state's queue holds the scored rollouts of the prompts of steps s .. s + K - 1 when step s starts (empty at a
+  # fresh start: the first step fills it with the starting policy's). Step s rolls out the prompts of step s + K by
+  # the policy it starts with (θ_{s-1}), scores them under it (the behaviour log-probabilities the ratio divides by,
+  # by the training forward, before the update donates θ_{s-1}), updates on the queue's oldest (the prompts of step
+  # s, produced by θ_{s-1-K}), computes the new rollout's rewards on the host while the devices score and update,
+  # and pushes it. The queue is in the checkpoint, and each rollout's sampling key is its prompts' step's: a resumed
+  # run trains what the uninterrupted one does. The step's reward, length and mismatch metrics are its new rollout's.
+
+  def _ahead(self, state, host: dict, step: int, skip):
+    c, run, t0 = self.config, self.run, time.perf_counter()
+    rows = host["inputs"].shape[0]
+    expected = np.repeat(self.lookahead.indices(step - 1), c.rl.group_size)
+    if not np.array_equal(prompts_lib.record_indices(host), expected):  # the loop's stream and the lookahead's
+      raise RuntimeError(f"step {step}: the prompt stream is not where the rollouts ahead were produced from")
+    if not int(jax.device_get(state.extra["filled"])):  # a fresh start: the starting policy's rollouts first
+      for ahead in range(step, step + self.ahead):
+        batch, _, _ = self._produce(state.params, ahead, self.lookahead.batch(ahead - 1))
+        state = state.replace(extra=self.push(state.extra, batch))
+      logging.info("rl: %d rollout(s) ahead produced by the starting policy (rl.max_staleness)", self.ahead)
+    produced = step + self.ahead
+    host = self.lookahead.batch(produced - 1)
+    done = self._rollout(state.params, host, sampling_seed(c.train.seed, produced))
+    own, t1 = _rollout_metrics(done, time.perf_counter() - t0), time.perf_counter()
+    if c.rl.dynamic_sampling:  # its refills roll out by θ_{s-1}: the rewards before the update
+      batch, done, metrics = self._produce_rewarded(state.params, produced, host, done)
+    else:
+      batch = self._scored(state.params, host, done, np.zeros(rows, np.float32))
+    with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
+      state, step_metrics = self.update(state, {}, skip)
+    if not c.rl.dynamic_sampling:
+      advantages, metrics = self._rewarded(host, done)  # on the host, while the devices score and update
+      _, _, _, metrics = self._dynamic_sampling(None, produced, host, done, advantages, metrics)
+      batch["advantages"] = jax.device_put(advantages, batch["advantages"].sharding)
+    with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
+      mismatch = self._mismatch(_host(batch["old_logps"]), done, host["inputs"].shape[1])
+      state = state.replace(extra=self.push(state.extra, batch))
+      jax.block_until_ready((step_metrics, state.extra))
+    return state, self._metrics(step_metrics, {**metrics, **own}, done, mismatch, rows, t0, t1)
+
+  def _produce_rewarded(self, params, step: int, host: dict, done: Completions) -> tuple[dict, Completions, dict]:
+    """:meth:`_produce` from its rollout ``done`` on: rewards, dynamic sampling, scoring."""
+    advantages, metrics = self._rewarded(host, done)
+    host, done, advantages, metrics = self._dynamic_sampling(params, step, host, done, advantages, metrics)
+    return self._scored(params, host, done, advantages), done, metrics
 
   @staticmethod
   def _mismatch(old: np.ndarray, done: Completions, width: int) -> float:
@@ -597,3 +701,15 @@ class Trainer:
     trained = old[:, width - 1:width - 1 + n]  # target t = token t + 1: completion token i is target width - 1 + i
     return float(np.max(np.abs(np.where(new, trained - done.logps, 0.0)), initial=0.0))
 
+
+
+def _rollout_metrics(done: Completions, seconds: float) -> dict[str, float]:
+  """``rl/rollout_s`` and ``rl/rollout_tokens_per_s`` of one rollout (the step's own: dynamic sampling's refills
+  are timed in ``rl/dynamic_sampling_s``)."""
+  return {"rl/rollout_s": seconds, "rl/rollout_tokens_per_s": float(done.produced.sum()) / seconds}
+
+
+def _push(extra: dict, batch: dict) -> dict:
+  """The queue of rollouts ahead with its oldest dropped (the step trained it) and ``batch`` appended."""
+  return {"filled": jnp.ones((), jnp.int32),
+          "rollouts": {k: jnp.concatenate([q[1:], batch[k][None]]) for k, q in extra["rollouts"].items()}}

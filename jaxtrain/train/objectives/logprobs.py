@@ -29,10 +29,23 @@ def token_logps(model: Model, params, batch: dict, prefix: str = "", temperature
   multiplied: a masked token's logits never reach the value or the gradient). ``prefix``: the batch's keys are
   ``prefix + "inputs"`` etc. (``"chosen_"`` for one side of a preference pair). ``temperature``: the
   log-probabilities of the distribution a sampler at that temperature draws from (:func:`tempered_logps`)."""
+  return token_logps_and_aux(model, params, batch, prefix, temperature)[0]
+
+
+def token_logps_and_aux(model: Model, params, batch: dict, prefix: str = "",
+                        temperature: float = 1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """:func:`token_logps` and the forward's auxiliary losses (a MoE router's), which an objective that trains the
+  model adds to its loss as the language model's step does (:func:`weighted_aux`)."""
   out = Output.of(model.forward(params, batch[prefix + "inputs"], batch[prefix + "positions"],
                                 batch[prefix + "segment_ids"]))
   logps = tempered_logps(out.logits, batch[prefix + "targets"], temperature)
-  return jnp.where(batch[prefix + "loss_mask"] > 0, logps, 0.0)
+  return jnp.where(batch[prefix + "loss_mask"] > 0, logps, 0.0), out.aux_losses
+
+
+def weighted_aux(aux: dict[str, jax.Array], weights: dict[str, float]) -> jax.Array:
+  """``sum(weights[n] * aux[n])``: the auxiliary losses' term of an objective (``Run.aux_weights``: the model's
+  ``model.<name>_weight`` keys); 0 for a model without them."""
+  return sum((w * aux[n] for n, w in weights.items()), jnp.zeros((), jnp.float32))
 
 
 def tempered_logps(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0) -> jax.Array:

@@ -152,13 +152,14 @@ def pair_losses(kind: str, p, logp_c, logp_r, n_c, n_r, ref_c=None, ref_r=None):
 
 def pair_sums(model, params, batch, context: int = 1):
   """(summed response log-probs, response token counts), each float32 [B, 2] (chosen, rejected), of ``batch``'s
-  pairs under ``params``: one forward over the 2B rows, row 2i chosen and 2i+1 rejected."""
+  pairs under ``params``: one forward over the 2B rows, row 2i chosen and 2i+1 rejected; and that forward's
+  auxiliary losses (a MoE router's: the policy's step adds them, weighted)."""
   b, t = batch["chosen_inputs"].shape
   rows = {k: sharding.constrain(jnp.stack([batch["chosen_" + k], batch["rejected_" + k]], 1).reshape(2 * b, t),
                                 ("batch", "length")) for k in batch_lib.KEYS}
   rows = context_lib.balance(rows, context)
-  logps = logprobs.token_logps(model, params, rows)
-  return jnp.sum(logps, -1).reshape(b, 2), jnp.sum(rows["loss_mask"].astype(jnp.float32), -1).reshape(b, 2)
+  logps, aux = logprobs.token_logps_and_aux(model, params, rows)
+  return jnp.sum(logps, -1).reshape(b, 2), jnp.sum(rows["loss_mask"].astype(jnp.float32), -1).reshape(b, 2), aux
 
 
 def pair_statistics(kind: str, p, sums, counts, ref=None, weight=None) -> dict:
@@ -242,6 +243,7 @@ class Preference(Objective):
     kind, p, model, mode = self.kind, run.config.preference, run.model, reference_mode(run.config)
     microbatches, context = run.microbatches, context_lib.shards(run.mesh)
     trained_shardings, update_shardings = step_lib.trained_shardings_of(model, run.state_shardings)
+    aux_metrics = tuple(f"aux_loss/{name}" for name in run.aux_weights)
 
     def reference_sums(params, batch, extra):
       """The reference's sums: read with the batch, or a forward with the frozen params (``extra``) or the policy's
@@ -254,9 +256,14 @@ class Preference(Objective):
       return jax.lax.stop_gradient(pair_sums(model, jax.lax.stop_gradient(ref_params), batch, context)[0])
 
     def objective(params, batch, ref, pairs, chosen_tokens):
-      sums, counts = pair_sums(model, params, batch, context)
+      sums, counts, aux = pair_sums(model, params, batch, context)
       stats = pair_statistics(kind, p, sums, counts, ref)
-      return objective_value(kind, p, stats, pairs, chosen_tokens), stats
+      # The model's auxiliary losses (a MoE router's), weighted as the language model's step weighs them: each
+      # microbatch's by its share of the pairs, so that their sum is the batch's mean.
+      share = sums.shape[0] / jnp.maximum(pairs, 1.0)
+      stats.update({f"aux_loss/{k}": v * share for k, v in aux.items()})
+      return objective_value(kind, p, stats, pairs, chosen_tokens) + share * logprobs.weighted_aux(
+          aux, run.aux_weights), stats
 
     def grads_of(params, batch, extra, pairs, chosen_tokens):
       ref = reference_sums(params, batch, extra)
@@ -276,12 +283,12 @@ class Preference(Objective):
         zero_grads = jax.tree.map(jnp.zeros_like, model.split_trainable(state.params)[0])
         if trained_shardings is not None:
           zero_grads = jax.lax.with_sharding_constraint(zero_grads, trained_shardings)
-        zero_stats = {k: jnp.zeros((), jnp.float32) for k in ("loss", "nll", *METRICS)}
+        zero_stats = {k: jnp.zeros((), jnp.float32) for k in ("loss", "nll", *METRICS, *aux_metrics)}
         (value, stats, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zero_stats, zero_grads),
                                                 split_microbatches(batch, microbatches), unroll=scans.unroll())
       state, metrics = step_lib.apply_update(model, run.tx, run.lr_schedule, state, grads, value, 1.0, skip,
                                              update_shardings)
-      metrics.update({k: stats[k] / pairs for k in METRICS}, tokens=jnp.sum(
+      metrics.update({k: stats[k] / pairs for k in METRICS}, **{k: stats[k] for k in aux_metrics}, tokens=jnp.sum(
           batch["chosen_loss_mask"] + batch["rejected_loss_mask"]).astype(jnp.float32))
       return state, metrics
 
@@ -311,7 +318,7 @@ class Preference(Objective):
     context = context_lib.shards(run.mesh)
 
     def sums_of(params, batch, *extra):
-      sums, counts = pair_sums(model, params, batch, context)
+      sums, counts, _ = pair_sums(model, params, batch, context)
       if mode == "precomputed":
         ref = jnp.stack([batch["reference_chosen"], batch["reference_rejected"]], 1)
       elif mode is not None:
