@@ -339,6 +339,7 @@ def test_bad_inputs_are_one_line_exit_2(refusals, case, message):
   assert sorted(p.name for p in tmp.iterdir()) == ["int4"]  # nothing written: no workdir, no output
 
 
+@pytest.mark.slow  # (15 s alone, 39 s in the suite)
 def test_the_choice_bias_moves_the_load_toward_uniform(tmp_path):
   """A skewed router (every expert's router row a multiple, -4 to 4, of one direction: a token picks experts
   from one end of the row, by the sign of its hidden state along that direction) imported and trained 30 steps at
