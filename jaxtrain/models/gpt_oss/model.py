@@ -27,7 +27,7 @@ import ml_collections
 from flax import nnx
 
 from jaxtrain.errors import ConfigError, check_positive
-from jaxtrain.models import attention, core, quantization, scans
+from jaxtrain.models import attention, core, quantization
 from jaxtrain.models.attention import KV_AXES, KVCache
 from jaxtrain.models.llama import model as llama
 from jaxtrain.models.moe import model as moe
@@ -244,19 +244,7 @@ class GptOss(nnx.Module):
     """An Output (logits, the router losses, the load metrics); with a ``cache`` ``(logits, cache)``."""
     if cache is not None:
       return self._decode(tokens, positions, segment_ids, cache)
-    x = self.embed_tokens(tokens)
-    side, kinds = (positions, segment_ids), self.layer_kinds()
-    first = None if kinds is None else kinds[0]
-    zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                        jax.eval_shape(lambda w, h: self.apply_layer(w, h, side, first)[1],
-                                       jax.tree.map(lambda a: a[0], nnx.state(self.layers)), x))
-
-    def body(carry, xs):
-      h, extras = carry
-      h, new = self.apply_layer(xs[0], h, side, xs[1])
-      return (h, jax.tree.map(jnp.add, extras, new)), None
-
-    (x, extras), _ = jax.lax.scan(body, (x, zero), (nnx.state(self.layers), kinds), unroll=scans.unroll())
+    x, extras = moe.scan_layers(self, self.embed_tokens(tokens), (positions, segment_ids))
     return core.Output(self.head(x), extras["aux_losses"], extras["metrics"])
 
   @classmethod

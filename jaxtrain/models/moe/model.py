@@ -315,20 +315,7 @@ class MoeLM(nnx.Module):
   def stack(self, tokens, positions, segment_ids):
     """The embedded tokens through every layer: ``(x before the final norm, {aux_losses, metrics} summed over the
     layers)``."""
-    x = self.embed_tokens(tokens, positions, segment_ids)
-    side, kinds = (positions, segment_ids), self.layer_kinds()
-    first = None if kinds is None else kinds[0]
-    zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                        jax.eval_shape(lambda w, h: self.apply_layer(w, h, side, first)[1],
-                                       jax.tree.map(lambda a: a[0], nnx.state(self.layers)), x))
-
-    def body(carry, xs):
-      h, extras = carry
-      h, new = self.apply_layer(xs[0], h, side, xs[1])
-      return (h, jax.tree.map(jnp.add, extras, new)), None
-
-    (x, extras), _ = jax.lax.scan(body, (x, zero), (nnx.state(self.layers), kinds), unroll=scans.unroll())
-    return x, extras
+    return scan_layers(self, self.embed_tokens(tokens, positions, segment_ids), (positions, segment_ids))
 
 
   @classmethod
@@ -349,3 +336,22 @@ class MoeLM(nnx.Module):
 core.register("moe", core.Family(module=MoeLM, defaults=defaults, flops_per_token=flops_per_token,
                                    validate=validate, axis_keys=AXIS_KEYS,
                                    activation_estimate=activation_estimate, quantizable=True))
+
+
+def scan_layers(module, x, side):
+  """``x`` through ``module.layers``, a stack of MoE blocks scanned with ``module.apply_layer(weights, x, side,
+  kind)`` over ``module.layer_kinds()``: ``(x, {aux_losses, metrics} summed over the layers)`` (this family's stack,
+  and GPT-OSS's)."""
+  kinds = module.layer_kinds()
+  first = None if kinds is None else kinds[0]
+  zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                      jax.eval_shape(lambda w, h: module.apply_layer(w, h, side, first)[1],
+                                     jax.tree.map(lambda a: a[0], nnx.state(module.layers)), x))
+
+  def body(carry, xs):
+    h, extras = carry
+    h, new = module.apply_layer(xs[0], h, side, xs[1])
+    return (h, jax.tree.map(jnp.add, extras, new)), None
+
+  (x, extras), _ = jax.lax.scan(body, (x, zero), (nnx.state(module.layers), kinds), unroll=scans.unroll())
+  return x, extras
