@@ -317,8 +317,9 @@ def _adafactor(cfg, learning_rate: optax.Schedule) -> optax.GradientTransformati
 # Newton-Schulz iterations per Muon update (optax.contrib.muon's quintic iteration; its default).
 MUON_NS_STEPS = 5
 # The logical axes Muon treats as batch axes (one matrix per index): the stacked layers and an expert kernel's
-# experts (each expert's matrix is orthogonalized on its own).
-MUON_BATCH_AXES = ("layers", "experts")
+# experts (each expert's matrix is orthogonalized on its own); Qwen3-Next's DeltaNet layers, a stack inside each step
+# of the layer scan (``linear_layers``).
+MUON_BATCH_AXES = ("layers", "experts", "linear_layers")
 # The top-level params that are stacks of layers (leading axis the layer): the MoE families' dense first layers
 # (``dense_layers``) and DeepSeek-V3's multi-token-prediction modules (``mtp``) besides ``layers``.
 MUON_STACKS = ("layers", "dense_layers", "mtp")

@@ -32,7 +32,7 @@ from jaxtrain.metrics import read_records
 from jaxtrain.train import state as state_lib
 from jaxtrain.train import trainer
 from tests import forked, multiprocess
-from tests.conftest import small_config
+from tests.conftest import resumable_copy, small_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # A tiny run on the bundled corpus (2 of tiny.py's layers), every step logged, schedule fixed independently of
@@ -212,6 +212,15 @@ def _config(make_config, workdir, **mesh):
   return config
 
 
+@pytest.fixture(scope="module")
+def ten_steps(tmp_path_factory):
+  """The workdir of _config's run (10 steps on fsdp=8, saved at 5 and 10) and its final state, on the host: the
+  run that the restore_from tests start from and test_truncated_newest_checkpoint_falls_back corrupts a copy of."""
+  workdir = tmp_path_factory.mktemp("ten_steps") / "run"
+  state, _ = trainer.train(_config(lambda **mesh: small_config(workdir, **mesh), workdir))
+  return workdir, jax.device_get(state)
+
+
 def _corpus_config(workdir, steps, **mesh):
   config = _config(lambda **mesh: small_config(workdir, **mesh), workdir, **mesh)
   config.data.source, config.train.steps = "arrayrecord", steps
@@ -223,9 +232,10 @@ def on_8_devices(tmp_path_factory):
   """The 20 steps of an uninterrupted run on 8 devices (its history), and the workdir of the same run stopped at
   10, which each case of test_resume_on_another_mesh resumes a copy of."""
   root = tmp_path_factory.mktemp("mesh")
-  _, history = trainer.train(_corpus_config(root / "full", 20, fsdp=8))
-  trainer.train(_corpus_config(root / "elastic", 10, fsdp=8))
-  return history, root / "elastic"
+  _, history = trainer.train(_corpus_config(root / "full", 20, fsdp=8))  # (saves 5, 10, 15, 20; keeps 10, 15, 20)
+  # The stopped run: the full run's workdir without its checkpoints after step 10 (the schedule does not depend on
+  # train.steps: optim.decay_steps is fixed), as a run of 10 steps would have left it.
+  return history, resumable_copy(root / "full", root / "elastic", 10)
 
 
 @pytest.mark.slow
@@ -247,9 +257,9 @@ def test_resume_on_another_mesh(on_8_devices, tmp_path, mesh, devices):
 # Orbax abandons the other reads of the failed restore; their coroutines are reported as unraisable when
 # collected, so the test collects them itself (else the next test gets the warnings).
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_truncated_newest_checkpoint_falls_back(make_config, tmp_path, caplog):
+def test_truncated_newest_checkpoint_falls_back(ten_steps, make_config, tmp_path, caplog):
+  shutil.copytree(ten_steps[0], tmp_path, dirs_exist_ok=True)  # _config's run, trained to 10
   config = _config(make_config, tmp_path)
-  trainer.train(config)
   newest = tmp_path / "checkpoints" / "10" / "state"
   biggest = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
   biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 3])
@@ -374,13 +384,12 @@ def test_non_finite_state_is_never_saved_and_a_non_finite_checkpoint_is_corrupt(
 
 
 @pytest.mark.slow
-def test_restore_params_from_another_run(make_config, tmp_path):
-  source = _config(make_config, tmp_path / "a")
-  state_a, _ = trainer.train(source)
+def test_restore_params_from_another_run(ten_steps, make_config, tmp_path):
+  source, state_a = ten_steps  # _config's run, trained to 10
   target = _config(make_config, tmp_path / "b", data=2, fsdp=4)
   target.train.steps = 1
   target.optim.update(lr=1e-12, warmup_steps=0)  # one step that barely moves the params
-  target.checkpoint.restore_from = str(tmp_path / "a" / "checkpoints")
+  target.checkpoint.restore_from = str(source / "checkpoints")
   state_b, history = trainer.train(target)
   assert [h["step"] for h in history] == [1]  # a fresh run (step 0), not a resume
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6),
@@ -388,13 +397,12 @@ def test_restore_params_from_another_run(make_config, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["params", "state"])
-def test_restore_from_takes_the_params_or_the_whole_state(make_config, tmp_path, mode):
+def test_restore_from_takes_the_params_or_the_whole_state(ten_steps, make_config, tmp_path, mode):
   """restore_mode=state starts from the other run's whole state (step, optimizer moments) on this run's mesh;
   params takes its params and a fresh optimizer at step 0."""
-  source = _config(make_config, tmp_path / "a")
-  state_a, _ = trainer.train(source)
+  source, state_a = ten_steps  # _config's run, trained to 10
   target = _config(make_config, tmp_path / "b", data=2, fsdp=4)
-  target.checkpoint.update(restore_from=str(tmp_path / "a" / "checkpoints"), restore_mode=mode)
+  target.checkpoint.update(restore_from=str(source / "checkpoints"), restore_mode=mode)
   run = trainer.build(target)
   fresh = trainer.init_state(run)
   checkpointer = trainer.make_checkpointer(run.config)
@@ -677,7 +685,7 @@ def test_unraisable_hook_drops_only_the_closed_loop_echo_and_keeps_the_hook_it_w
 
 
 @pytest.mark.slow
-def test_two_processes_save_restore_and_continue(tmp_path):
+def test_two_processes_save_restore_and_continue(uninterrupted, tmp_path):
   args = ["--config=configs/tiny.py", "--out", os.fspath(tmp_path / "out.json"), "--",
           f"workdir={tmp_path / 'run'}", "train.global_batch_size=8", "data.seq_len=64", "train.log_every=1",
           "optim.decay_steps=40", "model.num_layers=2", "checkpoint.every_steps=3", "train.steps=6"]
@@ -694,16 +702,16 @@ def test_two_processes_save_restore_and_continue(tmp_path):
   job()
   history = json.loads((tmp_path / "out.json").read_text())["history"]
   assert [h["step"] for h in history] == [7, 8, 9]  # resumed from step 6
-  # The same run on one process (RUN_DEVICES devices) gives the same losses (fp32 tolerance).
-  single = tmp_path / "single"
-  _run(single, "--config.train.steps=9", "--config.checkpoint.every_steps=3")
-  np.testing.assert_allclose([h["loss"] for h in history], [_losses(single)[s] for s in (7, 8, 9)], rtol=1e-5)
+  # The same run on one process (RUN_DEVICES devices) gives the same losses (fp32 tolerance): the uninterrupted
+  # run, BASE's flags, whose 20 steps go through these (optim.decay_steps=40: the schedule does not depend on
+  # train.steps; when it saves changes no loss).
+  np.testing.assert_allclose([h["loss"] for h in history], [_losses(uninterrupted)[s] for s in (7, 8, 9)], rtol=1e-5)
 
 
-def test_inspect_checkpoint_lists_steps_meta_and_tensors(make_config, tmp_path):
-  config = _config(make_config, tmp_path)
-  trainer.train(config)
-  r = forked.run(["tools/inspect_checkpoint.py", str(tmp_path), "--json"], timeout=120)
+def test_inspect_checkpoint_lists_steps_meta_and_tensors(ten_steps, make_config):
+  workdir = ten_steps[0]  # _config's run, trained to 10
+  config = _config(make_config, workdir)
+  r = forked.run(["tools/inspect_checkpoint.py", str(workdir), "--json"], timeout=120)
   assert r.returncode == 0, r.stderr[-2000:]
   info = json.loads(r.stdout)
   assert info["steps"] == [5, 10] and info["step"] == 10
@@ -713,7 +721,7 @@ def test_inspect_checkpoint_lists_steps_meta_and_tensors(make_config, tmp_path):
   assert tensors["params/lm_head/kernel"]["bytes"] == 64 * 256 * 4
   report = trainer.report(trainer.build(config))
   assert info["total_bytes"] == report["param_bytes_total"] + report["opt_bytes_total"] + 4  # + step
-  table = forked.run(["tools/inspect_checkpoint.py", str(tmp_path)], timeout=120)
+  table = forked.run(["tools/inspect_checkpoint.py", str(workdir)], timeout=120)
   assert "steps 5, 10" in table.stdout and "params/lm_head/kernel" in table.stdout
 
 

@@ -18,9 +18,9 @@ import pytest
 
 from jaxtrain import hf
 from jaxtrain import models
-from tests.test_hf import (TOL, _exported_equals_source, _hf_logits, _rel_err, _restore,
+from tests.test_hf import (TOL, _exported_equals_source, _hf_logits, _restore,
                            assert_greedy_generation_equals, logit_errors)
-from tests.test_pipeline import _loss_and_grads, _packed_batch
+from tests.test_pipeline import _loss_and_grads, _loss_grads_and_params, _packed_batch
 from tests.conftest import small_config
 
 torch = pytest.importorskip("torch", reason="torch (test-only, in setup.cfg's test extra) is not installed: the "
@@ -181,8 +181,8 @@ def test_every_family_trains_sharded_equal_to_one_device(name, tmp_path):
   nothing more, on 4 devices): the loss and every gradient equal one device's within 1e-5 (packed rows, windows
   shorter than the documents); a pipeline of interleaved local and global layers is refused."""
   batch = _packed_batch()
-  ref_loss, ref_tokens, ref_grads, _ = _loss_and_grads(_family_config(tmp_path / "one", name), batch,
-                                                       jax.devices()[:1])
+  ref_loss, ref_tokens, ref_grads, _, ref_params = _loss_grads_and_params(_family_config(tmp_path / "one", name),
+                                                                          batch, jax.devices()[:1])
   # Every layout is fsdp 2 x tensor 2, with one more axis where the family has one to test: context parallelism
   # (the window masked by position over gathered keys) for an all-local and an interleaved family, the pipeline
   # where the layers are all alike; nothing more for the rest (fsdp already splits the batch, as data would).
@@ -195,7 +195,8 @@ def test_every_family_trains_sharded_equal_to_one_device(name, tmp_path):
   for mesh in layouts:
     config = _family_config(tmp_path / "x".join(map(str, mesh.values())), name, **mesh)
     config.train.microbatches = 2 if "pipeline" in mesh else 0
-    loss, tokens, grads, _ = _loss_and_grads(config, batch, jax.devices()[:math.prod(mesh.values())])
+    # (From one device's initial params put on the layout's shardings: no init compiled per layout.)
+    loss, tokens, grads, _ = _loss_and_grads(config, batch, jax.devices()[:math.prod(mesh.values())], ref_params)
     assert tokens == ref_tokens
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=str(mesh))
     for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):

@@ -90,7 +90,8 @@ def test_trains_sharded_equal_to_one_device(tmp_path):
   the bias feedback on): the loss and every gradient within 1e-5."""
   from tests.test_pipeline import assert_trains_like_one_device
   assert_trains_like_one_device(lambda name, **mesh: _config(tmp_path / name, **mesh),
-                                [(dict(fsdp=2, tensor=2, expert=2), {}), (dict(context=2, expert=2), {})])
+                                [(dict(fsdp=2, tensor=2, expert=2), {}), (dict(context=2, expert=2), {})],
+                                one_device_params=True)
 
 
 def test_glm4_5_air_has_the_published_parameter_counts():

@@ -232,10 +232,12 @@ def test_trains_sharded_equal_to_one_device(tmp_path):
   """fsdp 2 x tensor 2 x expert 2 (dropless), tensor 2 x expert 2 (capacity with room for every token: the experts'
   biases on both paths), and context 2 x expert 2 (blockwise: the sinks over gathered keys), against one device
   (packed rows, a window shorter than the documents, the auxiliary losses on): the loss and every gradient (sinks
-  and biases included) within 1e-5. (fsdp splits the weights in the first mesh; the others on 4 devices.)"""
-  from tests.test_pipeline import _loss_and_grads, _packed_batch
+  and biases included) within 1e-5. (fsdp splits the weights in the first mesh; the others on 4 devices.) Each layout
+  starts from one device's initial params put on its shardings (no init compiled per layout)."""
+  from tests.test_pipeline import _loss_and_grads, _loss_grads_and_params, _packed_batch
   batch = _packed_batch()
-  ref_loss, ref_tokens, ref_grads, _ = _loss_and_grads(_config(tmp_path / "one"), batch, jax.devices()[:1])
+  ref_loss, ref_tokens, ref_grads, _, ref_params = _loss_grads_and_params(_config(tmp_path / "one"), batch,
+                                                                          jax.devices()[:1])
   for i, (mesh, impl) in enumerate([(dict(fsdp=2, tensor=2, expert=2), "dropless"),
                                     (dict(tensor=2, expert=2), "capacity"),
                                     (dict(context=2, expert=2), "dropless")]):
@@ -243,7 +245,7 @@ def test_trains_sharded_equal_to_one_device(tmp_path):
     config.model.update(attention="blockwise" if "context" in mesh else "auto", moe_impl=impl, capacity_factor=8.0)
     devices = jax.devices()[:math.prod(mesh.values())]
     mesh = {**mesh, "moe_impl": impl}
-    loss, tokens, grads, _ = _loss_and_grads(config, batch, devices)
+    loss, tokens, grads, _ = _loss_and_grads(config, batch, devices, ref_params)
     assert tokens == ref_tokens
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=str(mesh))
     for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):
@@ -309,7 +311,7 @@ def test_yarn_frequencies_and_attention_factor_equal_transformers(truncate):
 
 
 @pytest.mark.slow
-def test_lora_sft_fine_tune_of_an_import_exports_what_jaxtrain_computes(tmp_path, sft_data):
+def test_lora_sft_fine_tune_of_an_import_exports_what_jaxtrain_computes(tmp_path, sft_data):  # noqa: F811
   """tests/test_families.py's LoRA check on GPT-OSS: import, LoRA (rank 4 on q, v, o: o with its bias, the sinks
   beside) on SFT data for 2 steps, export merged: the base stays as imported, transformers loads the export with no
   missing or unexpected keys, and its logits are jaxtrain's adapted model's."""

@@ -154,7 +154,8 @@ def test_trains_sharded_equal_to_one_device(tmp_path):
   from tests.test_pipeline import assert_trains_like_one_device
   assert_trains_like_one_device(lambda name, **mesh: _config(tmp_path / name, **mesh),
                                 [(dict(fsdp=2, tensor=2, expert=2), {}),
-                                 (dict(context=2, expert=2), {"attention": "blockwise"})])
+                                 (dict(context=2, expert=2), {"attention": "blockwise"})],
+                                one_device_params=True)
 
 
 @pytest.mark.slow

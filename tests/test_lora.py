@@ -56,6 +56,28 @@ def _base(params):
   return {k: v for k, v in params.items() if k != "lora"}
 
 
+def _recording_starts(monkeypatch):
+  """``(fresh, started)``: lists to which each trainer.train run then appends (on the host) the params of its fresh
+  init and those it starts its loop from (a checkpoint's, or the init with ``checkpoint.restore_from``'s params):
+  what the run itself started from, without compiling another init for the test."""
+  from jaxtrain.train import start
+  fresh, started = [], []
+  init_state, restore_or_init = start.init_state, trainer.restore_or_init
+
+  def recording_init(run):
+    state = init_state(run)
+    fresh.append(jax.device_get(state.params))
+    return state
+
+  def recording_start(*args):
+    state, meta = restore_or_init(*args)
+    started.append(jax.device_get(state.params))
+    return state, meta
+  monkeypatch.setattr(start, "init_state", recording_init)
+  monkeypatch.setattr(trainer, "restore_or_init", recording_start)
+  return fresh, started
+
+
 @pytest.mark.slow
 def test_adapters_mirror_their_kernels_and_start_at_the_base(tmp_path):
   """Adapters under params['lora'] with the split rule's shapes and the kernels' logical names; at init (B = 0)
@@ -116,9 +138,10 @@ def test_merge_is_w_plus_scaled_ab_and_is_the_adapted_forward(tmp_path):
 
   x = _inputs()
   adapted = np.asarray(jax.jit(model.apply)(params, *x))
-  on_merged = np.asarray(jax.jit(plain.apply)(merged, *x))
+  plain_apply = jax.jit(plain.apply)  # (one compile for both params below)
+  on_merged = np.asarray(plain_apply(merged, *x))
   assert np.max(np.abs(adapted - on_merged)) <= 1e-6 * np.max(np.abs(on_merged))
-  assert not np.allclose(adapted, np.asarray(jax.jit(plain.apply)(_base(params), *x)))
+  assert not np.allclose(adapted, np.asarray(plain_apply(_base(params), *x)))
 
   grads = jax.jit(jax.grad(lambda p: jnp.mean(model.apply(p, *x) ** 2)))(params)
   assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(_base(grads)))  # frozen: zero gradient
@@ -141,14 +164,15 @@ def _opt_leaf_owners(opt_state):
 
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory):
-  """5 LoRA steps on a data=2 x fsdp=2 x tensor=2 mesh, with its initial state."""
+  """5 LoRA steps on a data=2 x fsdp=2 x tensor=2 mesh, with its initial params (as the run started from them)."""
   workdir = tmp_path_factory.mktemp("lora_sharded")
   config = _lora_config(workdir, data=2, fsdp=2, tensor=2)
   config.checkpoint.every_steps = 3
   run = trainer.build(config)
-  initial = jax.device_get(trainer.init_state(run))
-  state, history = _train(config)
-  return config, run, initial, jax.device_get(state), history
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    _, started = _recording_starts(monkeypatch)
+    state, history = _train(config)
+  return config, run, started[0], jax.device_get(state), history
 
 
 @pytest.mark.slow
@@ -159,8 +183,8 @@ def test_lora_trains_only_the_adapters(sharded_run, tmp_path):
   say."""
   from tests.test_distributed import _estimate_module
   config, run, initial, state, history = sharded_run
-  assert _bitwise_equal(_base(state.params), _base(initial.params))
-  for before, after in zip(jax.tree.leaves(initial.params["lora"]), jax.tree.leaves(state.params["lora"])):
+  assert _bitwise_equal(_base(state.params), _base(initial))
+  for before, after in zip(jax.tree.leaves(initial["lora"]), jax.tree.leaves(state.params["lora"]), strict=True):
     assert not np.array_equal(before, after)
   losses = [h["loss"] for h in history]
   assert len(losses) == 5 and all(math.isfinite(x) for x in losses) and not any(h["skipped"] for h in history)
@@ -212,31 +236,34 @@ def test_lora_sharded_and_pipelined_equal_one_device(sharded_run, tmp_path):
   """The same LoRA run on one device and on a 2-stage 1F1B pipeline (2 devices: the adapters' gradients come out of
   the schedule's own backward, through the merge) gives the (2, 2, 2) mesh's losses."""
   _, _, _, _, sharded = sharded_run
-  _, single = _train(_lora_config(tmp_path / "single"), devices=jax.devices()[:1])
+  single = _lora_config(tmp_path / "single")
+  single.checkpoint.verify = False  # (no fingerprint program compiled for the final save: nothing restores it)
+  _, single = _train(single, devices=jax.devices()[:1])
   np.testing.assert_allclose([h["loss"] for h in single], [h["loss"] for h in sharded], rtol=1e-5)
   pipelined = _lora_config(tmp_path / "pipelined", pipeline=2)
   pipelined.pipeline.schedule = "1f1b"
+  pipelined.checkpoint.verify = False
   state, history = _train(pipelined, devices=jax.devices()[:2])
   assert state.params["lora"]["layers"]["attn"]["q"]["a"].sharding.spec[0] == "pipeline"
   np.testing.assert_allclose([h["loss"] for h in history], [h["loss"] for h in sharded], rtol=1e-5)
 
 
 @pytest.mark.slow
-def test_lora_on_multi_head_latent_attention_trains_sharded_equal_to_one_device(tmp_path):
+def test_lora_on_multi_head_latent_attention_trains_sharded_equal_to_one_device(tmp_path, monkeypatch):
   """DeepSeek-V3's latent attention adapted (the query and key/value down- and up-projections, and the output):
   4 steps on fsdp 2 x tensor 2 x expert 2 give one device's losses within 1e-5; every adapter moved, the base is
   bitwise unchanged."""
   from tests.test_deepseek_v3 import _config as deepseek_config
+  _, started = _recording_starts(monkeypatch)
   runs = {}
   for name, mesh in (("one", {}), ("sharded", dict(fsdp=2, tensor=2, expert=2))):
     c = deepseek_config(tmp_path / name, **mesh)
     c.model.lora.update(rank=4, alpha=8.0, targets="q_a,q_b,kv_a,kv_b,o")
     c.optim.update(lr=3e-2, warmup_steps=1, decay_steps=5)
     c.train.steps = 4
-    run = trainer.build(c, jax.devices()[:1] if not mesh else None)
-    initial = jax.device_get(trainer.init_state(run).params)
+    c.checkpoint.verify = False  # (no fingerprint program compiled for the final save: nothing restores it)
     state, history = _train(c, devices=jax.devices()[:1] if not mesh else None)
-    runs[name] = initial, jax.device_get(state.params), [h["loss"] for h in history]
+    runs[name] = started[-1], jax.device_get(state.params), [h["loss"] for h in history]
   initial, final, losses = runs["sharded"]
   adapted = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(final["lora"])}
   assert {a.split("']['")[-2] for a in adapted} == {"q_a", "q_b", "kv_a", "kv_b", "o"}
@@ -279,7 +306,7 @@ def test_bad_lora_target_on_the_command_line_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_fine_tune_imported_checkpoint_with_lora_then_export(tmp_path):
+def test_fine_tune_imported_checkpoint_with_lora_then_export(tmp_path, monkeypatch):
   """Import an HF Llama, fine-tune it with LoRA from OUT/config.py (restore_mode=params: the import's weights,
   fresh adapters), export: transformers loads the merged weights with no missing or unexpected keys, and its
   logits are jaxtrain's adapted model's; untargeted tensors are exported bitwise as imported."""
@@ -300,18 +327,13 @@ def test_fine_tune_imported_checkpoint_with_lora_then_export(tmp_path):
   cfg.optim.update(lr=1e-2, warmup_steps=1)
   _, _, imported = test_hf._restore(tmp_path / "out")
 
-  run = trainer.build(cfg)  # the start: the imported weights and exactly the fresh adapters
-  fresh = jax.device_get(trainer.init_state(run))
-  checkpointer = trainer.make_checkpointer(run.config)
-  try:
-    start, _ = trainer.restore_or_init(run, checkpointer, None)
-  finally:
-    checkpointer.close()
-  start = jax.device_get(start)
-  assert _bitwise_equal(_base(start.params), jax.device_get(imported))
-  assert _bitwise_equal(start.params["lora"], fresh.params["lora"])
-
+  fresh, started = _recording_starts(monkeypatch)
+  run = trainer.build(cfg)
   state, _ = trainer.train(cfg)
+  # The start (the run's own): the imported weights and exactly the fresh adapters.
+  assert len(fresh) == len(started) == 1
+  assert _bitwise_equal(_base(started[0]), jax.device_get(imported))
+  assert _bitwise_equal(started[0]["lora"], fresh[0]["lora"])
   params = jax.device_get(state.params)
   assert _bitwise_equal(_base(params), jax.device_get(imported))
   hf.export_model(str(tmp_path / "run"), str(tmp_path / "exported"))
@@ -325,9 +347,9 @@ def test_fine_tune_imported_checkpoint_with_lora_then_export(tmp_path):
     same = ours_t[name].tobytes() == source[name].tobytes()
     assert same == (not any(f"{t}_proj" in name for t in ("q", "k", "v", "o", "gate", "up", "down"))), name
   tokens = np.random.default_rng(2).integers(0, 128, (2, 16)).astype(np.int32)
-  model = models.Model.from_config(run.config.model)
-  ours = np.asarray(model.apply(params, tokens, np.broadcast_to(np.arange(16, dtype=np.int32), (2, 16)),
-                                np.ones((2, 16), np.int32)))
+  model = models.Model.from_config(run.config.model)  # (jitted: eagerly, op by op, it costs several times the CPU)
+  ours = np.asarray(jax.jit(model.apply)(params, tokens, np.broadcast_to(np.arange(16, dtype=np.int32), (2, 16)),
+                                         np.ones((2, 16), np.int32)))
   theirs = test_hf._hf_logits(loaded.eval(), tokens)
   err = test_hf._rel_err(ours, theirs)
   print(f"LoRA export: max relative logit error {err:.2e}")

@@ -112,9 +112,9 @@ def test_expert_parallel_dispatch_equals_the_loop(mode):
   want, want_dropped = _reference(*problem, capacity=slots if mode == "capacity" else None, groups=8)
   rules = sharding.rules_from_config(base_config().sharding)
   with jax.set_mesh(mesh), sharding.axis_rules(rules):
-    fn = jax.jit(lambda *a: experts.moe_ffn(*a, mode=mode, capacity_factor=factor))
-    got, dropped = fn(*problem)
-    text = fn.lower(*problem).compile().as_text()
+    compiled = jax.jit(lambda *a: experts.moe_ffn(*a, mode=mode, capacity_factor=factor)).lower(*problem).compile()
+    got, dropped = compiled(*problem)  # (the program whose text is read: compiled once)
+    text = compiled.as_text()
   assert text.count("all-to-all(") >= 2  # dispatch and return (dropless: the expert ids travel too)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   assert int(dropped) == want_dropped and (want_dropped > 0) == (mode == "capacity")
@@ -171,8 +171,11 @@ def training_config(workdir, steps=6, **mesh):
 
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
-  """The reference: the same run on one device (microbatches 2, as the pipelined runs use)."""
-  state, history = trainer.train(training_config(tmp_path_factory.mktemp("one")), devices=jax.devices()[:1])
+  """The reference: the same run on one device (microbatches 2, as the pipelined runs use). Its checkpoints are
+  not fingerprinted (no fingerprint program compiled; nothing restores them)."""
+  config = training_config(tmp_path_factory.mktemp("one"))
+  config.checkpoint.verify = False
+  state, history = trainer.train(config, devices=jax.devices()[:1])
   return state, history
 
 
@@ -188,7 +191,9 @@ LAYOUTS = {"expert8": dict(expert=8), "expert2_context2_tensor2": dict(context=2
 def test_expert_parallel_training_equals_one_device(one_device, tmp_path, layout):
   """(expert = 2 x fsdp = 2 and expert = 4 are the checkpoint test's layouts.)"""
   _, want = one_device
-  state, got = trainer.train(training_config(tmp_path, **LAYOUTS[layout]))
+  config = training_config(tmp_path, **LAYOUTS[layout])
+  config.checkpoint.verify = False  # (no fingerprint program compiled: the checkpoint test verifies its own saves)
+  state, got = trainer.train(config)
   np.testing.assert_allclose([h["loss"] for h in got], [h["loss"] for h in want], rtol=1e-5)
   for key in ("aux_loss/load_balance", "aux_loss/router_z", "moe/load_max", "moe/load/e03"):
     np.testing.assert_allclose([h[key] for h in got], [h[key] for h in want], rtol=1e-5, err_msg=key)
@@ -210,13 +215,19 @@ def test_1f1b_schedules_over_experts_equal_one_device(tmp_path):
   stages for interleaved): one train step from the same params and batch gives one device's loss, router losses,
   load, gradient norm and new params (the routers' losses reach the gradient through the schedules' own backward),
   the experts' weights and their moments sharded over both the stages and the experts. (GPipe over experts:
-  test_expert_parallel_training_equals_one_device.)"""
+  test_expert_parallel_training_equals_one_device.) Both start from one device's initial state put on their
+  shardings (no init compiled per layout: a sharded init over expert x pipeline holds one device's values in
+  test_expert_parallel_training_equals_one_device[expert2_pipeline2])."""
+  initial = []
+
   def step(devices, schedule="gpipe", **mesh):
     c = moe_config(tmp_path, **mesh)
     c.model.num_layers = 5
     c.pipeline.schedule = schedule
     run = trainer.build(c, jax.devices()[:devices])
-    state = trainer.init_state(run)
+    if not initial:
+      initial.append(jax.device_get(trainer.init_state(run)))
+    state = jax.device_put(initial[0], run.state_shardings)
     batch = next(SyntheticSource(c.data.seq_len, c.model.vocab_size, c.train.global_batch_size, seed=0))
     return trainer.compile_step(run)(state, data_lib.to_global(batch, run.batch_sharding), np.bool_(False))
 
@@ -291,17 +302,18 @@ def test_cached_decoding_equals_the_training_forward():
   shardings = sharding.logical_to_sharding(model.logical_specs, mesh, rules)
   params = jax.device_put(model.init(jax.random.key(3)), shardings)
   prompts = [[5, 17, 33, 2, 90, 41, 7], [12, 99, 3], [64]]
-  gen = sampling_lib.Generator(model, mesh, rules, shardings, rows=sampling_lib.padded_rows(3, mesh, rules), prompt_len=7,
-                           max_new_tokens=6, return_logits=True)
+  gen = sampling_lib.Generator(model, mesh, rules, shardings, rows=sampling_lib.padded_rows(3, mesh, rules),
+                               prompt_len=7, max_new_tokens=6, return_logits=True)
   out, produced, logits, _ = jax.device_get(gen(params, gen.batch(prompts)))
   np.testing.assert_array_equal(produced[:3], [6, 6, 6])  # (a 4th row pads the batch to its 4 shards)
   queue = sampling_lib.ContinuousGenerator(model, mesh, rules, shardings, requests=3, slots=4, prompt_len=7,
                                            max_new_tokens=6, page_size=4)  # (4 slots: one per batch shard)
   assert queue.generate(params, prompts) == out[:3].tolist()  # continuous batching, a paged cache: the same tokens
   local = jax.device_get(params)
+  forward = jax.jit(model.apply)  # (eagerly, op by op, the forwards below cost several times the CPU)
   for r, ids in enumerate(prompts):
     row = np.asarray([ids + out[r, :-1].tolist()], np.int32)
-    alone = np.asarray(model.apply(local, row, np.arange(row.shape[1])[None], np.ones_like(row)))[0]
+    alone = np.asarray(forward(local, row, np.arange(row.shape[1])[None], np.ones_like(row)))[0]
     np.testing.assert_allclose(logits[r][:6], alone[len(ids) - 1:], atol=1e-4 * np.abs(alone).max(), err_msg=r)
 
 

@@ -38,25 +38,39 @@ def _config(tmp_path, schedule="gpipe", microbatches=0, **mesh):
   return c
 
 
-def _loss_and_grads(config, batch, devices):
+def _loss_and_grads(config, batch, devices, params=None):
+  """(mean loss, real tokens, gradients, run) of ``config`` on ``devices``: from ``params`` (e.g. one device's, put on
+  the run's shardings), else from the run's own init (an init compiled for that mesh: about as costly as the
+  gradient's own compile)."""
+  return _loss_grads_and_params(config, batch, devices, params)[:4]
+
+
+def _loss_grads_and_params(config, batch, devices, params=None):
+  """:func:`_loss_and_grads` and, last, the params it started from (on the host)."""
   run = trainer.build(config, devices)
-  params = trainer.init_state(run).params
+  if params is None:
+    params = trainer.init_state(run).params
+  else:
+    params = jax.device_put(params, run.state_shardings.params)
   fn = jax.jit(jax.value_and_grad(lambda p, b: step_lib.loss_fn(run.model, p, b, run.pipeline_schedule), has_aux=True))
   with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
     (loss_sum, tokens), grads = fn(params, data_lib.to_global(batch, run.batch_sharding))
-  return float(loss_sum / tokens), float(tokens), jax.device_get(grads), run
+  return float(loss_sum / tokens), float(tokens), jax.device_get(grads), run, jax.device_get(params)
 
 
-def assert_trains_like_one_device(config, layouts, batch=None):
+def assert_trains_like_one_device(config, layouts, batch=None, one_device_params=False):
   """``config(name, **mesh)``: a config on that mesh; ``layouts``: ``(mesh, model keys)`` pairs. Each layout's loss
   and every gradient (relative to the gradient's largest entry) within 1e-5 of one device's, on ``batch`` (default:
-  :func:`_packed_batch`)."""
+  :func:`_packed_batch`). ``one_device_params``: each layout starts from one device's initial params put on its
+  shardings instead of compiling its own init (which the trainer's sharded runs against one device check: e.g.
+  tests/test_moe.py::test_expert_parallel_training_equals_one_device)."""
   batch = _packed_batch() if batch is None else batch
-  ref_loss, ref_tokens, ref_grads, _ = _loss_and_grads(config("one"), batch, jax.devices()[:1])
+  ref_loss, ref_tokens, ref_grads, _, ref_params = _loss_grads_and_params(config("one"), batch, jax.devices()[:1])
   for i, (mesh, keys) in enumerate(layouts):
     c = config(str(i), **mesh)
     c.model.update(**keys)
-    loss, tokens, grads, _ = _loss_and_grads(c, batch, jax.devices()[:int(np.prod(list(mesh.values())))])
+    loss, tokens, grads, _ = _loss_and_grads(c, batch, jax.devices()[:int(np.prod(list(mesh.values())))],
+                                             ref_params if one_device_params else None)
     assert tokens == ref_tokens
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=f"{mesh} {keys}")
     for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):
@@ -69,7 +83,8 @@ def assert_trains_like_one_device(config, layouts, batch=None):
 def reference(tmp_path_factory):
   """The unpipelined model on one device: the loss and gradients every pipelined layout must reproduce."""
   config = _config(tmp_path_factory.mktemp("ref"))
-  return _loss_and_grads(config, _packed_batch(), jax.devices()[:1])[:3]
+  loss, tokens, grads, _, params = _loss_grads_and_params(config, _packed_batch(), jax.devices()[:1])
+  return loss, tokens, grads, params
 
 
 CASES = [  # (mesh, devices, schedule, remat, microbatches); alone = only the pipeline axis, on that many devices
@@ -89,10 +104,15 @@ CASES = [  # (mesh, devices, schedule, remat, microbatches); alone = only the pi
 @pytest.mark.parametrize("mesh,devices,schedule,remat,microbatches", CASES,
                          ids=[f"{'x'.join(f'{k}{v}' for k, v in m.items())}-{s}-{r}-m{n}" for m, _, s, r, n in CASES])
 def test_pipelined_loss_and_grads_equal_unpipelined(reference, tmp_path, mesh, devices, schedule, remat, microbatches):
-  ref_loss, ref_tokens, ref_grads = reference
+  """From the reference's initial params put on the layout's shardings (no init compiled per layout); the circular
+  schedule over fsdp from its own init: a pipelined init holds the unpipelined one's values (also the trainer's runs
+  in test_checkpoints_resume_bitwise_and_across_pipeline_splits)."""
+  ref_loss, ref_tokens, ref_grads, ref_params = reference
   config = _config(tmp_path, schedule, microbatches=microbatches, **mesh)
   config.model.remat = remat
-  loss, tokens, grads, run = _loss_and_grads(config, _packed_batch(), jax.devices()[:devices])
+  own_init = schedule == "circular" and "fsdp" in mesh
+  loss, tokens, grads, run = _loss_and_grads(config, _packed_batch(), jax.devices()[:devices],
+                                             None if own_init else ref_params)
   assert run.pipeline_schedule.stages == mesh["pipeline"]
   assert run.pipeline_schedule.kind == schedule
   assert run.pipeline_schedule.repeats == (2 if schedule in ("circular", "interleaved_1f1b") else 1)
@@ -123,8 +143,8 @@ def test_bf16_pipeline_close_to_fp32(reference, tmp_path):
   is skipped, repeated or fed the wrong weights (zero or different gradients) fails."""
   bf16 = _config(tmp_path, "circular", microbatches=4, pipeline=2, fsdp=4)
   bf16.model.dtype = "bfloat16"
-  ref_loss, ref_tokens, ref_grads = reference
-  loss16, tokens, grads16, _ = _loss_and_grads(bf16, _packed_batch(), jax.devices())
+  ref_loss, ref_tokens, ref_grads, ref_params = reference
+  loss16, tokens, grads16, _ = _loss_and_grads(bf16, _packed_batch(), jax.devices(), ref_params)
   assert tokens == ref_tokens
   assert loss16 == pytest.approx(ref_loss, rel=1e-3)
   cosines = []
@@ -174,13 +194,15 @@ def test_checkpoints_resume_bitwise_and_across_pipeline_splits(tmp_path):
     c = _config(workdir, schedule, **mesh)
     c.train.steps = steps
     c.optim.update(warmup_steps=1, decay_steps=4)  # the same schedule whichever run stops where
-    c.checkpoint.every_steps = 1
+    c.checkpoint.every_steps = 2  # (and the last step): the resumes below start at 2 and 3
     return c
 
   def losses(history):
     return [h["loss"] for h in history]
 
-  ref_state, reference = trainer.train(config(tmp_path / "ref", 4), devices=jax.devices()[:1])
+  ref = config(tmp_path / "ref", 4)
+  ref.checkpoint.verify = False  # (nothing restores the reference's saves: no fingerprint program compiled for it)
+  ref_state, reference = trainer.train(ref, devices=jax.devices()[:1])
   _, first = trainer.train(config(tmp_path / "1f1b", 4, "1f1b", pipeline=2), devices=jax.devices()[:2])
   _, again = trainer.train(config(resumable_copy(tmp_path / "1f1b", tmp_path / "again", 2), 4, "1f1b", pipeline=2),
                            devices=jax.devices()[:2])

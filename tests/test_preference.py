@@ -6,8 +6,6 @@ import math
 import os
 import pathlib
 import random
-import subprocess
-import sys
 import types
 
 import jax
@@ -22,6 +20,7 @@ from jaxtrain.errors import DataError
 from jaxtrain.train import trainer
 from jaxtrain.train.objectives import logprobs
 from jaxtrain.train.objectives import preference
+from tests import forked
 from tests.conftest import small_config
 from tests.test_moe import moe_config
 
@@ -64,6 +63,9 @@ def dpo_config(workdir, path, objective="dpo", **mesh) -> ml_collections.ConfigD
   c.data.update(source="arrayrecord", path=path, seq_len=SEQ_LEN)
   c.train.update(objective=objective, steps=3, global_batch_size=16, log_every=1)
   c.optim.update(lr=3e-3, warmup_steps=2, decay_steps=100)  # (a schedule that does not depend on train.steps)
+  # Its checkpoints are not fingerprinted (no fingerprint program compiled, ~0.7 CPU-s a run): only the resume test
+  # restores one, and turns it back on (tests/test_checkpoint.py checks the fingerprints).
+  c.checkpoint.verify = False
   return c
 
 
@@ -123,22 +125,25 @@ def test_bad_preference_input_gives_one_line_and_exit_2(tmp_path, pairs_data):
                                                         {"role": "assistant", "content": "b"}]})],
                         "prompts.jsonl:2: 'chosen' and 'rejected' differ before their last message"),
   }
-  for name, (lines, message) in cases.items():
+  # Each command forked from one process with the libraries imported (tests/forked.py: the commands end at a mistake,
+  # so a Python start with jax would cost more than the command): the same exit status, stdout and stderr.
+  for name, (lines, _) in cases.items():
     _write_jsonl(tmp_path / name, lines)
-    out = tmp_path / f"out-{name}"
-    r = subprocess.run([sys.executable, "tools/prepare_data.py", f"--input={tmp_path / name}", f"--output={out}",
-                        "--format=preference", "--seq_len=32"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2, r.stderr
-    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert not out.exists()
   # dpo on a folder without pairs (pretraining text): one line naming the folder, exit 2, no workdir.
   text = tmp_path / "text"
   prepare.prepare(prepare.Options(inputs=[os.fspath(_write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}] * 1))],
                                   output=os.fspath(text), progress=False, eval_fraction=0.0))
   workdir = tmp_path / "run"
-  r = subprocess.run([sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py", f"--config.workdir={workdir}",
-                      "--config.train.objective=dpo", f"--config.data.path={text}"], cwd=ROOT, capture_output=True,
-                     text=True, timeout=300)
+  results = forked.run_many([["tools/prepare_data.py", f"--input={tmp_path / name}",
+                              f"--output={tmp_path / f'out-{name}'}", "--format=preference", "--seq_len=32"]
+                             for name in cases]
+                            + [["-m", "jaxtrain.main", "--config=configs/tiny.py", f"--config.workdir={workdir}",
+                                "--config.train.objective=dpo", f"--config.data.path={text}"]])
+  for (name, (_, message)), r in zip(cases.items(), results):
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / f"out-{name}").exists()
+  r = results[-1]
   assert r.returncode == 2, r.stderr[-2000:]
   line = r.stderr.strip().splitlines()[-1]
   assert f"{text}: holds no preference pairs" in line and "--format=preference" in line
@@ -342,6 +347,7 @@ def test_a_moe_models_router_losses_are_in_the_preference_objective(tmp_path, pa
   c = moe_config(tmp_path, steps=1)
   c.data.update(source="arrayrecord", path=pairs_data, seq_len=SEQ_LEN)
   c.train.update(objective="dpo")
+  c.checkpoint.verify = False  # (nothing restores its checkpoint: no fingerprint program compiled)
   _, history = trainer.train(c, devices=jax.devices()[:1])
   first = history[0]
   aux = {n: first[f"aux_loss/{n}"] for n in ("load_balance", "router_z")}
@@ -380,12 +386,12 @@ def test_reference_logps_command_writes_what_the_step_would_compute(tmp_path, pa
   shutil.copytree(pairs_data, data)
   flags = ["--config=configs/tiny.py", "--config.train.objective=dpo", f"--config.data.path={data}",
            f"--config.data.seq_len={SEQ_LEN}", "--config.mesh.fsdp=8", f"--config.workdir={tmp_path / 'run'}"]
-  bad = subprocess.run([sys.executable, "tools/reference_logps.py", *flags, "--config.train.objective=simpo"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+  # Forked (tests/forked.py) in the tests' environment (their XLA flags, not a training run's RUN_FLAGS), as a
+  # `python tools/reference_logps.py` started from here would be.
+  bad = forked.run(["tools/reference_logps.py", *flags, "--config.train.objective=simpo"], optimized=False)
   assert bad.returncode == 2 and "train.objective: is simpo; only dpo has a reference model" in bad.stderr
   assert not (data / "reference-train.npy").exists()
-  r = subprocess.run([sys.executable, "tools/reference_logps.py", *flags], cwd=ROOT, capture_output=True, text=True,
-                     timeout=300)
+  r = forked.run(["tools/reference_logps.py", *flags], optimized=False)
   assert r.returncode == 0, r.stderr[-3000:]
   manifest = pref_data.open_manifest(os.fspath(data))
   train = np.load(data / "reference-train.npy")
@@ -414,11 +420,12 @@ def test_context_parallel_equals_one_device(tmp_path, pairs_data, one_device_dpo
 @pytest.mark.slow
 def test_microbatches_precomputed_reference_and_exact_resume(tmp_path, pairs_data, one_device_dpo):
   """On 2 devices (data = 2: microbatching, the precomputed reference and the resume, not the device count, are the
-  point)."""
+  point). The microbatched run is also the one resumed."""
   two = jax.devices()[:2]
   # Two microbatches: the same update as the whole batch at once.
   c = dpo_config(tmp_path / "micro", pairs_data, data=2)
   c.train.microbatches = 2
+  c.checkpoint.update(every_steps=2, verify=True)  # (resumed below: fingerprinted and checked, as a run's are)
   _, micro = trainer.train(c, devices=two)
   np.testing.assert_allclose(_losses(micro), _losses(one_device_dpo), rtol=0, atol=1e-5)
   # Reference log-probs precomputed into the folder (tools/reference_logps.py's function): the same losses.
@@ -434,17 +441,17 @@ def test_microbatches_precomputed_reference_and_exact_resume(tmp_path, pairs_dat
                                                          "train")), 2)
   _, pre = trainer.train(c, devices=two)
   np.testing.assert_allclose(_losses(pre), _losses(one_device_dpo), rtol=0, atol=1e-5)
-  # Resume: the uninterrupted run's workdir with its step-3 checkpoint removed (as if stopped after its step-2 save)
+  # Resume: the microbatched run's workdir with its step-3 checkpoint removed (as if stopped after its step-2 save)
   # goes on to 3: bitwise the uninterrupted run's step 3.
-  full = dpo_config(tmp_path / "full", pairs_data, data=2)
-  full.checkpoint.every_steps = 2
-  _, whole = trainer.train(full, devices=two)
-  shutil.copytree(tmp_path / "full", tmp_path / "resumed")
+  shutil.copytree(tmp_path / "micro", tmp_path / "resumed")
   shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "3")
-  _, rest = trainer.train(dpo_config(tmp_path / "resumed", pairs_data, data=2), devices=two)
+  resumed = dpo_config(tmp_path / "resumed", pairs_data, data=2)
+  resumed.train.microbatches = 2
+  resumed.checkpoint.verify = True
+  _, rest = trainer.train(resumed, devices=two)
   assert [h["step"] for h in rest if "loss" in h] == [3]
-  assert _losses(rest) == _losses(whole)[2:]
-  assert _losses(rest, "rewards/margin") == _losses(whole, "rewards/margin")[2:]
+  assert _losses(rest) == _losses(micro)[2:]
+  assert _losses(rest, "rewards/margin") == _losses(micro, "rewards/margin")[2:]
 
 
 def test_config_mistakes_are_one_line(tmp_path, pairs_data):

@@ -41,6 +41,7 @@ REWARD_POOL = "post_training.md#rewards-that-run-code-the-pool"
 LOSSES = "post_training.md#losses"
 VARIANTS, DSV3, GPTOSS = "models.md#attention-variants", "models.md#deepseek-v3", "models.md#gpt-oss"
 GLM = "models.md#glm-45"
+QWEN3_NEXT = "models.md#qwen3-next"
 LLAMA4 = "models.md#llama-4"
 OPTIM = "configuration.md#optimizers-and-schedules"
 
@@ -168,6 +169,16 @@ MEANINGS: dict[str, tuple[str, str]] = {
     "model.attn_scale": ("with `attn_temperature_tuning`: the temperature's strength", LLAMA4),
     "model.moe_every": ("every Nth layer a MoE, the others dense SwiGLUs of `mlp_dim`: 1 (Scout) or 2 (Maverick)",
                         LLAMA4),
+    "model.full_attention_every": ("every Nth layer gated full attention, the others gated DeltaNet (transformers' "
+                                   "`full_attention_interval`)", QWEN3_NEXT),
+    "model.linear_k_heads": ("the DeltaNet's q and k heads", QWEN3_NEXT),
+    "model.linear_v_heads": ("the DeltaNet's v heads (a multiple of `linear_k_heads`)", QWEN3_NEXT),
+    "model.linear_k_dim": ("the DeltaNet's q and k head dim", QWEN3_NEXT),
+    "model.linear_v_dim": ("the DeltaNet's v head dim", QWEN3_NEXT),
+    "model.linear_conv_kernel": ("the causal depthwise conv's taps on the DeltaNet's q, k and v", QWEN3_NEXT),
+    "model.deltanet_chunk": ("the DeltaNet's chunked form's chunk (training, prefill); decoding steps the recurrent "
+                             "form, equal to it", QWEN3_NEXT),
+    "model.shared_mlp_dim": ("the gated shared expert's hidden size (its output times `sigmoid(x w_g)`)", QWEN3_NEXT),
     # mesh
     "mesh.data": ("data-parallel size over ICI", PAR),
     "mesh.fsdp": ("FSDP size over ICI; one `-1` per kind fills the rest of the devices", PAR),

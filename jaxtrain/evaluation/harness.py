@@ -287,14 +287,20 @@ def task_manager(include_path: str | Sequence[str] | None = None, tasks: Sequenc
   return _task_manager(tuple(paths), tuple(task_names(tasks)))
 
 
-@functools.cache
 def _task_manager(paths: tuple[str, ...], names: tuple[str, ...]):
-  from lm_eval.tasks import TaskManager
   if paths and names:
-    local = TaskManager(include_path=list(paths), include_defaults=False)
+    local = _indexed(paths, False)
     if set(names) <= set(local.all_tasks) or unreadable_yamls(paths):  # (check_tasks names the unreadable YAML)
       return local
-  return TaskManager(include_path=list(paths) or None)
+  return _indexed(paths, True)
+
+
+@functools.cache
+def _indexed(paths: tuple[str, ...], defaults: bool):
+  """The harness's index of ``paths`` (and of its own tasks with ``defaults``): one per process, whatever tasks are
+  asked of it."""
+  from lm_eval.tasks import TaskManager
+  return TaskManager(include_path=list(paths) or None, include_defaults=defaults)
 
 
 @functools.cache

@@ -108,15 +108,16 @@ def _kernels(abstract_params) -> dict[tuple[str, ...], Any]:
 
 
 # The logical names of a scanned stack's leading axis: the layers, and the dense first layers of the MoE families
-# (``dense_layers``, a stack of its own).
-LAYER_AXES = ("layers", "dense_layers")
+# (``dense_layers``, a stack of its own); ``linear_layers``: Qwen3-Next's DeltaNet layers, a stack inside each step of
+# the layer scan (its kernels lead with both axes).
+LAYER_AXES = ("layers", "dense_layers", "linear_layers")
 
 
 def split_dims(spec: tuple) -> tuple[int, int, int]:
   """(lead, n_in, n_out): a kernel with logical names ``spec`` is a leading stack axis (lead = 1) or none,
   then n_in input dims and n_out output dims (the rule in the module docstring)."""
   names = tuple(spec)
-  lead = 1 if names and names[0] in LAYER_AXES else 0
+  lead = next((i for i, n in enumerate(names) if n not in LAYER_AXES), len(names))
   rest = names[lead:]
   if rest and rest[0] == "embed":
     n_in = 1
