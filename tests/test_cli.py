@@ -32,8 +32,8 @@ ERRORS = [
     # (arguments, text the one error line must contain)
     ([TINY, "--config.train.stepz=5"], "train.stepz: unknown config key; did you mean 'train.steps'?"),
     ([TINY, "--config.optim.lr=fast"], "--config.optim.lr=fast"),
-    ([TINY, "--config.mesh.fsdp=3"], "mesh: ICI mesh data=1 x pipeline=1 x fsdp=3 x expert=1 x context=1 x tensor=1 = 3 devices, "
-                                     "but there are 8"),
+    ([TINY, "--config.mesh.fsdp=3"],
+     "mesh: ICI mesh data=1 x pipeline=1 x fsdp=3 x expert=1 x context=1 x tensor=1 = 3 devices, but there are 8"),
     ([TINY, "--config.mesh.data=3", "--config.mesh.fsdp=-1"], "mesh.fsdp: cannot fill"),
     ([TINY, "--config.train.global_batch_size=12"], "train.global_batch_size: each of the 1 microbatches has 12 "
                                                     "rows, not divisible by mesh.data=1 x mesh.fsdp=8"),
@@ -46,9 +46,9 @@ ERRORS = [
                                                                           "mesh.fsdp=8"),
     ([TINY, "--config.model.num_kv_heads=3"], "model.num_kv_heads: 3 does not divide model.num_heads=4"),
     ([TINY, "--config.train.microbatches=3"], "train.microbatches: 3 does not divide"),
-    ([TINY, "--config.model.name=gpt9"], "model.name: 'gpt9' is not a registered model; use one of deepseek_v3, "
-                                         "gemma2, gemma3, glm4_moe, gpt_oss, llama, llama4, mistral, moe, olmoe, qwen2, "
-                                         "qwen3, qwen3_moe, qwen3_next, or register"),
+    ([TINY, "--config.model.name=gpt9"],
+     "model.name: 'gpt9' is not a registered model; use one of deepseek_v3, gemma2, gemma3, glm4_moe, gpt_oss, llama, "
+     "llama4, mistral, moe, olmoe, qwen2, qwen3, qwen3_moe, qwen3_next, or register"),
     ([TINY, "--config.model.remat=everything"],
      "model.remat: 'everything' is not a registered remat policy; use one of full, minimal, none, offload_dots, "
      "offload_full, offload_minimal, save_dots, save_out_proj, save_qkv_proj"),

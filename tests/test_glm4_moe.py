@@ -16,8 +16,8 @@ from jaxtrain import hf
 from jaxtrain import models
 from tests import forked
 from tests.conftest import small_config
-from tests.test_hf import (assert_export_equals_source, assert_greedy_generation_equals, imported_from, logit_errors,
-                           mis_mapping_errors, random_hf_model)
+from tests.test_hf import (assert_export_equals_source, assert_greedy_generation_equals, imported_fixture, logit_errors,
+                           mis_mapping_errors, random_builder)
 
 torch = pytest.importorskip("torch", reason="torch (test-only, in setup.cfg's test extra) is not installed: the "
                             "Hugging Face comparisons need it")
@@ -33,14 +33,8 @@ HF_CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_inter
                  rope_theta=1e4, max_position_embeddings=64, num_nextn_predict_layers=0)
 
 
-def _hf_glm(folder):
-  return random_hf_model(lambda: transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**HF_CONFIG)), folder)
-
-
-@pytest.fixture(scope="module")
-def imported(tmp_path_factory):
-  """(folder, the transformers model, the imported config, model and params)."""
-  return imported_from(tmp_path_factory.mktemp("glm4_moe"), _hf_glm)
+_hf_glm = random_builder(transformers.Glm4MoeForCausalLM, transformers.Glm4MoeConfig, HF_CONFIG)
+imported = imported_fixture("glm4_moe", _hf_glm)
 
 
 def _rope_on_the_whole_head(params, cfg):
@@ -109,7 +103,8 @@ def test_glm4_5_air_has_the_published_parameter_counts():
 
 # A mistake each: its command's words (``{tmp}``: the fixture's folder) and what its one error line says.
 MISTAKES = [
-    (["--config.model.partial_rotary_factor=0.2"], "model.partial_rotary_factor: 0.2 of model.head_dim=16 turns 3 dims"),
+    (["--config.model.partial_rotary_factor=0.2"],
+     "model.partial_rotary_factor: 0.2 of model.head_dim=16 turns 3 dims"),
     (["--config.mesh.tensor=4", "--config.mesh.fsdp=1", "--config.mesh.data=2"],
      "model.num_kv_heads: 2 is not divisible by mesh.tensor=4"),
     (["tools/convert_hf.py", "import", "--hf={tmp}/fp8", "--output={tmp}/out"],

@@ -153,6 +153,20 @@ def imported_from(tmp, build):
   return (tmp, ref, *_restore(tmp / "out"))
 
 
+def random_builder(model_class, config_class, hf_config: dict):
+  """``folder -> the transformers model``: a random ``model_class(config_class(**hf_config))`` saved there."""
+  return lambda folder: random_hf_model(lambda: model_class(config_class(**hf_config)), folder)
+
+
+def imported_fixture(name: str, build):
+  """A module-scoped fixture ``imported``: :func:`imported_from` a folder named ``name`` and ``build``."""
+  @pytest.fixture(scope="module")
+  def imported(tmp_path_factory):
+    """(folder, the transformers model, the imported config, model and params)."""
+    return imported_from(tmp_path_factory.mktemp(name), build)
+  return imported
+
+
 def mis_mapping_errors(model_cfg, params, ref, mis_maps, vocab=256):
   """{name: the largest relative logit error against the transformers model ``ref``} of each ``mis_map(params,
   cfg)`` applied to a copy of an imported model group and its params (a family's own difference mapped wrong on
@@ -170,8 +184,9 @@ def mis_mapping_errors(model_cfg, params, ref, mis_maps, vocab=256):
 
 def assert_export_equals_source(tmp, ref, exported):
   """The import in TMP/out exported to ``exported``: its safetensors are TMP/src's bitwise, its config.json names
-  ``ref``'s (the transformers model saved in TMP/src) model_type and class, and transformers loads it with no missing, unexpected or mismatched keys,
-  ``ref``'s RoPE parameters and ``ref``'s logits; returns transformers' model of it."""
+  ``ref``'s (the transformers model saved in TMP/src) model_type and class, and transformers loads it with no
+  missing, unexpected or mismatched keys, ``ref``'s RoPE parameters and ``ref``'s logits; returns transformers' model
+  of it."""
   hf.export_model(str(tmp / "out" / "checkpoints"), str(exported))
   _exported_equals_source(tmp / "src", exported)
   config = json.loads((exported / "config.json").read_text())

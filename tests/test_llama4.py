@@ -20,8 +20,8 @@ from tests import forked
 from tests.conftest import small_config
 from tests.test_families import sft_data  # noqa: F401 (a fixture)
 # (torch and transformers: test_hf's, skipped with it where they are not installed)
-from tests.test_hf import (_exported_equals_source, _hf_logits, imported_from, logit_errors,
-                           lora_fine_tune_exports_what_jaxtrain_computes, mis_mapping_errors, random_hf_model, torch,
+from tests.test_hf import (_exported_equals_source, _hf_logits, imported_fixture, logit_errors,
+                           lora_fine_tune_exports_what_jaxtrain_computes, mis_mapping_errors, random_builder, torch,
                            transformers)
 
 TOL = 1e-5  # max |jaxtrain - transformers| / max |logit|, float32 (the issue's bound)
@@ -39,14 +39,8 @@ HF_CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=32, intermedi
                                   "rope_theta": 500_000.0})
 
 
-def _hf_llama4(folder):
-  return random_hf_model(lambda: transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(**HF_CONFIG)), folder)
-
-
-@pytest.fixture(scope="module")
-def imported(tmp_path_factory):
-  """(folder, the transformers model, the imported config, model and params)."""
-  return imported_from(tmp_path_factory.mktemp("llama4"), _hf_llama4)
+_hf_llama4 = random_builder(transformers.Llama4ForCausalLM, transformers.Llama4TextConfig, HF_CONFIG)
+imported = imported_fixture("llama4", _hf_llama4)
 
 
 def _chunk_plus_one(params, cfg):

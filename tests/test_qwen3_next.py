@@ -21,8 +21,8 @@ from jaxtrain.models import hf_adapter
 from jaxtrain.models.qwen3_next import model as qwen3_next
 from tests.conftest import small_config
 from tests.test_families import sft_data  # noqa: F401 - a fixture
-from tests.test_hf import (assert_export_equals_source, imported_from, logit_errors,
-                           lora_fine_tune_exports_what_jaxtrain_computes, mis_mapping_errors, random_hf_model)
+from tests.test_hf import (assert_export_equals_source, imported_fixture, logit_errors,
+                           lora_fine_tune_exports_what_jaxtrain_computes, mis_mapping_errors, random_builder)
 
 torch = pytest.importorskip("torch", reason="torch (test-only, in setup.cfg's test extra) is not installed: the "
                             "Hugging Face comparisons need it")
@@ -39,14 +39,8 @@ HF_CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_inter
                  max_position_embeddings=64)
 
 
-def _hf_qwen3_next(folder):
-  return random_hf_model(lambda: transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**HF_CONFIG)), folder)
-
-
-@pytest.fixture(scope="module")
-def imported(tmp_path_factory):
-  """(folder, the transformers model, the imported config, model and params)."""
-  return imported_from(tmp_path_factory.mktemp("qwen3_next"), _hf_qwen3_next)
+_hf_qwen3_next = random_builder(transformers.Qwen3NextForCausalLM, transformers.Qwen3NextConfig, HF_CONFIG)
+imported = imported_fixture("qwen3_next", _hf_qwen3_next)
 
 
 def _norms_scaled_by_w(params, cfg):
