@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxtrain.errors import ConfigError, check_positive
 from jaxtrain.models import attention, core, quantization
-from jaxtrain.models.attention import KV_AXES, KVCache
+from jaxtrain.models.attention import KVCache
 from jaxtrain.models.llama import model as llama
 from jaxtrain.models.moe import model as moe
 from jaxtrain.parallel import experts
@@ -180,24 +180,9 @@ class MoE(nnx.Module):
     return y, aux, moe.load_metrics(load, dropped, ids, valid)
 
 
-class Block(nnx.Module):
-  def __init__(self, cfg, dtype, rngs: nnx.Rngs):
-    self.attn_norm = llama.norm(cfg, dtype)
-    self.attn = llama.Attention(cfg, dtype, rngs)
-    self.mlp_norm = llama.norm(cfg, dtype)
-    self.moe = MoE(cfg, dtype, rngs)
-
-  def __call__(self, x, positions, segment_ids, cache=None, local=None):
-    """``(x, aux losses, metrics)``; with a ``cache`` (decoding, see llama.Attention) ``(x, (k, v))``. ``local``:
-    whether this layer is a sliding-window one (the layer scan's input when the stack mixes kinds)."""
-    if cache is not None:
-      attn, kv = self.attn(self.attn_norm(x), positions, segment_ids, cache, local)
-      x = x + attn
-      y, _, _ = self.moe(self.mlp_norm(x), segment_ids, decoding=True)
-      return constrain(x + y, ("batch", "length", "embed")), kv
-    x = x + self.attn(self.attn_norm(x), positions, segment_ids, local=local)
-    y, aux, metrics = self.moe(self.mlp_norm(x), segment_ids)
-    return constrain(x + y, ("batch", "length", "embed")), aux, metrics
+class Block(moe.Block):
+  """The ``moe`` family's block (attention with sinks and windows: llama.Attention) with GPT-OSS's MoE."""
+  moe_class = MoE
 
 
 class GptOss(nnx.Module):
@@ -247,23 +232,9 @@ class GptOss(nnx.Module):
     x, extras = moe.scan_layers(self, self.embed_tokens(tokens), (positions, segment_ids))
     return core.Output(self.head(x), extras["aux_losses"], extras["metrics"])
 
-  @classmethod
-  def init_cache(cls, cfg, batch: int, max_len: int) -> KVCache:
-    return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
-
-  def _decode(self, tokens, positions, segment_ids, cache):
-    """A forward with a ``cache`` (an attention.KVCache or PagedKVCache: the slots API of KVCache's docstring)."""
-    slots = cache.write_slots(segment_ids, positions)
-    graphdef = nnx.graphdef(self.layers)
-    stacked_axes = (None, *KV_AXES)
-
-    def layer(h, weights, k, v, local):
-      return nnx.merge(graphdef, weights)(h, positions, segment_ids, (k, v, slots), local)
-
-    k, v = constrain(cache.k, stacked_axes), constrain(cache.v, stacked_axes)
-    x, (k, v) = slots.scan_layers(layer, self.embed_tokens(tokens), nnx.state(self.layers), k, v,
-                                  self.layer_kinds())
-    return self.head(x), slots.advanced(constrain(k, stacked_axes), constrain(v, stacked_axes), tokens.shape[1])
+  # Decoding as Llama's: the same cache and layer scan over the blocks (their kinds: sliding or full).
+  init_cache = classmethod(llama.Llama.init_cache.__func__)
+  _decode = llama.Llama._decode
 
 
 core.register("gpt_oss", core.Family(module=GptOss, defaults=defaults, flops_per_token=flops_per_token,
