@@ -1,3 +1,3 @@
 """jaxtrain: JAX/TPU-first training of large language models."""
 
-__version__ = "0.4.1"
+__version__ = "0.4.2"

@@ -49,6 +49,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 from ml_collections import config_dict
@@ -361,14 +362,59 @@ def check_muon(abstract_params, logical_specs, model_name: str) -> None:
                       "use optim.name=adamw")
 
 
-def _muon_dimensions(params, logical_specs=None):
-  """:func:`muon_dimension_numbers` of every param (a tree like ``params``: None for AdamW's)."""
+def _spec_dict(logical_specs) -> dict[tuple, tuple]:
+  """``{param path: its logical axis names}`` of a tree of PartitionSpecs of logical names ({} for None)."""
   if logical_specs is None:
-    return jax.tree_util.tree_map_with_path(lambda path, p: muon_dimension_numbers(path, p.shape), params)
-  specs = {tuple(path): tuple(spec) for path, spec in jax.tree_util.tree_leaves_with_path(
+    return {}
+  return {tuple(path): tuple(spec) for path, spec in jax.tree_util.tree_leaves_with_path(
       logical_specs, is_leaf=lambda x: isinstance(x, P))}
+
+
+def _muon_dimensions(params, logical_specs=None, specs: dict | None = None):
+  """:func:`muon_dimension_numbers` of every param (a tree like ``params``: None for AdamW's); the logical names
+  from ``logical_specs``, or by path from ``specs`` (:func:`_spec_dict`)."""
+  specs = _spec_dict(logical_specs) if specs is None else specs
   return jax.tree_util.tree_map_with_path(
       lambda path, p: muon_dimension_numbers(path, p.shape, specs.get(tuple(path))), params)
+
+
+def _experts_first(logical) -> tuple[int, ...] | None:
+  """The axis order in which Muon sees a param with these logical axis names: an expert kernel's ``experts`` axis
+  first (:func:`_experts_major`); None: as it is."""
+  if not logical or "experts" not in logical or logical.index("experts") == 0:
+    return None
+  i = logical.index("experts")
+  return (i, *(a for a in range(len(logical)) if a != i))
+
+
+def _experts_major(tx: optax.GradientTransformation, specs: dict) -> optax.GradientTransformation:
+  """``tx`` (optax's Muon) seeing every expert kernel with its ``experts`` axis first (:func:`_experts_first`): its
+  params, updates and momentum (``MuonState.mu``) transposed on the way in and back on the way out, so the state
+  keeps the params' layout. Why: optax.contrib.muon flattens a param's batch axes (the layers, the experts) into one,
+  in axis order, before its Newton-Schulz iterations. With the experts split over the ``expert`` mesh axis and the
+  layers not, that flattened axis has no layout XLA can split, and it replicates the iterates: the TPU compiler asked
+  1.11 TB of temporaries a chip for Kimi K2 (configs/kimi_k2_1t.py) on a v5p-2048. Experts first, the flattened axis
+  is split as the experts are (tests/test_optimizers.py measures the temporaries). Each matrix's arithmetic is the
+  same."""
+  def moved(tree, inverse: bool = False):
+    def one(path, x):
+      order = _experts_first(specs.get(tuple(path)))
+      if order is None:
+        return x
+      return jnp.transpose(x, tuple(int(a) for a in np.argsort(order)) if inverse else order)
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+  def states(state, inverse: bool):
+    return jax.tree.map(lambda s: s._replace(mu=moved(s.mu, inverse)) if isinstance(s, optax.contrib.MuonState)
+                        else s, state, is_leaf=lambda s: isinstance(s, optax.contrib.MuonState))
+
+  def init(params):
+    return states(tx.init(moved(params)), True)
+
+  def update(updates, state, params=None):
+    updates, state = tx.update(moved(updates), states(state, False), None if params is None else moved(params))
+    return moved(updates, True), states(state, True)
+  return optax.GradientTransformation(init, update)
 
 
 @OPTIMIZERS.register("muon")
@@ -376,13 +422,16 @@ def _muon(cfg, learning_rate: optax.Schedule, logical_specs=None) -> optax.Gradi
   # consistent_rms=0.2 scales Muon's updates to AdamW's RMS (Liu et al., "Muon is Scalable for LLM Training"),
   # so one lr and weight decay serve both parts. The AdamW part is ours (with decay_mask): optax.contrib.muon's
   # own AdamW takes no weight-decay mask, so it only ever sees the Muon params here.
-  dimensions = functools.partial(_muon_dimensions, logical_specs=logical_specs)
-  muon = optax.contrib.muon(
-      learning_rate, ns_steps=MUON_NS_STEPS, eps=cfg.eps, weight_decay=cfg.weight_decay, weight_decay_mask=decay_mask, consistent_rms=0.2,
-      muon_weight_dimension_numbers=dimensions)
+  specs = _spec_dict(logical_specs)
+  moved = {path: tuple(spec[a] for a in order) if (order := _experts_first(spec)) else spec
+           for path, spec in specs.items()}  # (the names of the axes as _experts_major hands them to optax)
+  dimensions = functools.partial(_muon_dimensions, specs=moved)
+  muon = _experts_major(optax.contrib.muon(
+      learning_rate, ns_steps=MUON_NS_STEPS, eps=cfg.eps, weight_decay=cfg.weight_decay, weight_decay_mask=decay_mask,
+      consistent_rms=0.2, muon_weight_dimension_numbers=dimensions), specs)
 
   def labels(params):
-    return jax.tree.map(lambda d: "adamw" if d is None else "muon", dimensions(params),
+    return jax.tree.map(lambda d: "adamw" if d is None else "muon", _muon_dimensions(params, specs=specs),
                         is_leaf=lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers))
 
   return optax.partition({"muon": muon, "adamw": _adamw(cfg, learning_rate)}, labels)

@@ -96,7 +96,7 @@ POD_CONFIGS = ["configs/llama3_1b.py", "configs/llama3_8b.py", "configs/llama3_7
                "configs/olmoe_1b_7b.py", "configs/qwen2_5_7b.py", "configs/qwen3_8b.py", "configs/qwen3_30b_a3b.py",
                "configs/mistral_7b.py", "configs/gemma2_9b.py", "configs/gemma3_1b.py", "configs/gpt_oss_20b.py",
                "configs/gpt_oss_120b.py", "configs/deepseek_v3_671b.py", "configs/glm4_5_air.py",
-               "configs/llama4_scout.py", "configs/qwen3_next_80b_a3b.py"]
+               "configs/llama4_scout.py", "configs/qwen3_next_80b_a3b.py", "configs/kimi_k2_1t.py"]
 
 
 # CPU configs whose training command in the docs tests/test_readme.py runs as typed (plus --config.train.steps,

@@ -320,6 +320,36 @@ def test_fp8_blocks_dequantize_on_import_as_transformers_does(imported, tmp_path
   assert padded < TOL and packed < TOL
 
 
+def test_a_kimi_k2_checkpoint_imports_as_deepseek_v3_and_exports_without_its_remote_code(imported, tmp_path):
+  """Kimi K2's config.json (``model_type`` kimi_k2, its own modeling code in ``auto_map``) over the plain_q model:
+  the import is DeepSeek-V3's (the same model group, the same params bitwise); the export is ``deepseek_v3`` without
+  ``auto_map``, the source's tensors bitwise, and transformers loads it with its own class (no remote code), no
+  missing or unexpected keys, and the source's logits."""
+  import shutil
+  from tests.test_hf import _exported_equals_source
+  name, tmp, ref, cfg, _, params = imported
+  if name != "plain_q":
+    pytest.skip("one config is enough")
+  shutil.copytree(tmp / "src", tmp_path / "src")
+  config = json.loads((tmp_path / "src" / "config.json").read_text())
+  config.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                                                "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+  (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
+  kimi_cfg, _, kimi_params = _restore(tmp_path / "out")
+  assert kimi_cfg.model.to_dict() == cfg.model.to_dict()
+  jax.tree.map(np.testing.assert_array_equal, kimi_params, params)
+  hf.export_model(str(tmp_path / "out" / "checkpoints"), str(tmp_path / "exported"))
+  exported = json.loads((tmp_path / "exported" / "config.json").read_text())
+  assert exported["model_type"] == "deepseek_v3" and "auto_map" not in exported
+  _exported_equals_source(tmp_path / "src", tmp_path / "exported")
+  loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"),
+                                                                   output_loading_info=True)
+  assert type(loaded) is transformers.DeepseekV3ForCausalLM and not any(info.values()), info
+  tokens = np.random.default_rng(1).integers(0, 256, (2, 20))
+  np.testing.assert_array_equal(_hf_logits(loaded.eval(), tokens), _hf_logits(ref, tokens))
+
+
 @pytest.fixture(scope="module")
 def refusals(tmp_path_factory):
   """Forked commands: a model of an odd rope dim, expert groups that do not divide the experts, and an import of
@@ -331,16 +361,25 @@ def refusals(tmp_path_factory):
   config["quantization_config"] = {"quant_method": "awq"}
   (src / "config.json").write_text(json.dumps(config))
   base = ["-m", "jaxtrain.main", "--config=configs/tiny.py", "--config.model.name=deepseek_v3"]
+  clip = base + ["--config.model.qk_clip=100"]
   argvs = [base + ["--config.model.qk_rope_head_dim=7", f"--config.workdir={tmp / 'odd'}"],
            base + ["--config.model.num_groups=3", f"--config.workdir={tmp / 'groups'}"],
-           ["tools/convert_hf.py", "import", f"--hf={src}", f"--output={tmp / 'out'}"]]
+           ["tools/convert_hf.py", "import", f"--hf={src}", f"--output={tmp / 'out'}"],
+           clip + ["--config.mesh.pipeline=2", f"--config.workdir={tmp / 'clip_pipeline'}"],
+           clip + ["--config.model.lora.rank=4", f"--config.workdir={tmp / 'clip_lora'}"],
+           clip + ["--config.train.objective=dpo", f"--config.workdir={tmp / 'clip_dpo'}"],
+           base + ["--config.model.qk_clip=-1", f"--config.workdir={tmp / 'clip_negative'}"]]
   return tmp, forked.run_many(argvs)
 
 
 @pytest.mark.parametrize("case,message", [
     (0, "jaxtrain: error: model.qk_rope_head_dim: 7 is odd; RoPE turns pairs of dims"),
     (1, "jaxtrain: error: model.num_groups: 3 does not divide model.num_experts=8"),
-    (2, "is quantized (awq); only DeepSeek's fp8 e4m3 128 x 128 blocks are dequantized on import")])
+    (2, "is quantized (awq); only DeepSeek's fp8 e4m3 128 x 128 blocks are dequantized on import"),
+    (3, "model.qk_clip: QK-clip is not measured through pipeline stages; set mesh.pipeline=1"),
+    (4, "model.qk_clip: QK-clip rescales the base weights, which LoRA freezes; train without model.lora"),
+    (5, "model.qk_clip: QK-clip reads the maxima of the lm objective's forward, not train.objective=dpo's"),
+    (6, "model.qk_clip")])
 def test_bad_inputs_are_one_line_exit_2(refusals, case, message):
   tmp, results = refusals
   result = results[case]
@@ -396,19 +435,23 @@ def test_the_choice_bias_moves_the_load_toward_uniform(tmp_path):
   assert not np.any(np.asarray(jax.device_get(fixed.params["layers"]["moe"]["score_bias"])))
 
 
-def test_the_published_size_has_the_published_parameter_counts():
-  """configs/deepseek_v3_671b.py: total the published 671B, transformers' count for the config.json jaxtrain would
-  export (built on the meta device) plus the choice biases it holds as buffers (58 MoE layers x 256); active (8 of
-  256 routed experts) the published 37B."""
+@pytest.mark.parametrize("name,moe_layers,experts,total,active", [
+    ("deepseek_v3_671b", 58, 256, 671_026_419_200, 37_552_297_472),
+    ("kimi_k2_1t", 60, 384, 1_026_408_232_448, 32_861_500_928)])
+def test_the_published_sizes_have_the_published_parameter_counts(name, moe_layers, experts, total, active):
+  """configs/deepseek_v3_671b.py and configs/kimi_k2_1t.py: the total transformers' count for the config.json
+  jaxtrain would export (built on the meta device) plus the choice biases it holds as buffers (a MoE layer's E);
+  the published 671B and 37B active (8 of 256 routed experts), 1T and 32B active (8 of 384)."""
   import importlib
   from jaxtrain.models import deepseek_v3
-  model_cfg = importlib.import_module("configs.deepseek_v3_671b").get_config().model
-  total, active = deepseek_v3.param_counts(model_cfg, models.Model.from_config(model_cfg).abstract_params)
+  model_cfg = importlib.import_module(f"configs.{name}").get_config().model
+  ours, ours_active = deepseek_v3.param_counts(model_cfg, models.Model.from_config(model_cfg).abstract_params)
   hf_cfg = transformers.AutoConfig.for_model(**hf.hf_config(model_cfg))
   with torch.device("meta"):
     theirs = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf_cfg).parameters())
-  assert total == theirs + 58 * 256 == 671_026_419_200
-  assert active == 37_552_297_472 and round(active / 1e9) == 38 and int(active // 1e9) == 37
+  assert ours == theirs + moe_layers * experts == total
+  assert ours_active == active
+  assert int(active // 1e9) == (37 if experts == 256 else 32) and round(total / 1e12, 2) in (0.67, 1.03)
 
 
 def test_the_estimator_sizes_the_published_config_as_its_docstring_says():

@@ -490,6 +490,8 @@ FIGURES: dict[str, list] = {
     "distributed.heartbeat_timeout_s's default (s)": [
         r"\| `distributed\.heartbeat_timeout_s` \| float \| `([\d.]+)`", r"heartbeat_timeout_s` \((\d+) s by default\)",
         r"heartbeat_timeout_s` \((\d+) s; tested"],
+    "Kimi K2 on v5p-2048 with MuonClip: the TPU compiler's peak per chip (GiB)": [
+        r"a chip's peak \(HBM 95 GiB\) \| \*\*([\d.]+) GiB\*\*", r"puts its step's peak at ([\d.]+) GiB"],
 }
 PLANTED = {  # quantity -> {source: text}, the values disagreeing
     0: {"docs/benchmarks.md": "| Llama 3 8B, v5p-128 | 1.2572 | 1.2256 | **0.975** | 8.57 / 6.79 |",
@@ -541,6 +543,8 @@ PLANTED = {  # quantity -> {source: text}, the values disagreeing
          "docs/operations.md": "`distributed.max_restarts_per_hour` (10 by default; 0: no limit) bounds that"},
     18: {"docs/configuration.md": "| `distributed.heartbeat_timeout_s` | float | `30.0` | a process not heard from |",
          "docs/multihost.md": "within `distributed.heartbeat_timeout_s` (60 s; tested with 5 s) instead of hanging"},
+    19: {"docs/benchmarks.md": "| a chip's peak (HBM 95 GiB) | **37.48 GiB** (arguments 13.58, temporaries 33.98) |",
+         "docs/models.md": "the TPU compiler puts its step's peak at 44.49 GiB of a v5p chip's 95"},
 }
 FIGURE_FILES = ["tools/estimate.py", "tests/test_loss_scale.py"]  # code that quotes a quantity too
 

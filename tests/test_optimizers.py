@@ -265,6 +265,53 @@ def test_muon_trains_an_expert_parallel_moe_as_one_device(tmp_path):
   assert losses["one"][-1] < losses["one"][0]
 
 
+def test_muon_takes_expert_kernels_experts_first_the_same_values_with_far_fewer_temporaries(tmp_path, monkeypatch):
+  """optax's Muon flattens an expert kernel's batch axes ``[layers, experts]`` into one before its Newton-Schulz
+  iterations; with the experts split over ``expert`` and the layers not, XLA replicates that flattened axis
+  (jaxtrain.optim._experts_major). The update jaxtrain compiles, experts first, for a MoE on expert 4 x fsdp 2 needs
+  at most 0.6x the temporaries of optax's order (measured on 2 cores: 171 MiB against 405), and on one device it
+  computes optax's update and momentum bitwise (the state kept in the params' layout)."""
+  c = base_config(model="moe")
+  c.model.update(num_layers=4, d_model=256, num_heads=4, num_kv_heads=4, head_dim=64, num_experts=32,
+                 expert_mlp_dim=512, vocab_size=256)
+  c.optim.name = "muon"
+  c.workdir = str(tmp_path)
+  c.data.update(source="synthetic", seq_len=32)
+  c.train.global_batch_size = 8
+
+  def run_of(**mesh):
+    cfg = c.copy_and_resolve_references()
+    cfg.mesh.update(**mesh)
+    return trainer.build(cfg, jax.devices()[:int(np.prod(list(mesh.values()) or [1]))])
+
+  temporaries, outs, params = {}, {}, None
+  for experts_first in (True, False):
+    with monkeypatch.context() as patch:
+      if not experts_first:  # optax's own order: no param moved (the moved axis names and the wrapper alike)
+        patch.setattr(optim, "_experts_first", lambda logical: None)
+      run = run_of(expert=4, fsdp=2)
+      shardings = run.state_shardings
+      update = jax.jit(run.tx.update, in_shardings=(shardings.params, shardings.opt_state, shardings.params),
+                       out_shardings=(shardings.params, shardings.opt_state))
+      abstract = run.abstract_state(sharded=False)
+      compiled = update.lower(abstract.params, abstract.opt_state, abstract.params).compile()
+      temporaries[experts_first] = compiled.memory_analysis().temp_size_in_bytes
+      tx = run_of().tx
+      if params is None:
+        params = jax.jit(run.model.init)(jax.random.key(0))
+        grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(p.size), p.shape), params)
+      state = tx.init(params)
+      _, state = jax.jit(tx.update)(grads, state, params)
+      outs[experts_first] = jax.device_get(jax.jit(tx.update)(grads, state, params))  # (two steps' momentum)
+  print(f"muon update temporaries, expert 4 x fsdp 2: experts first {temporaries[True] / 2**20:.0f} MiB, optax's "
+        f"order {temporaries[False] / 2**20:.0f} MiB")
+  assert temporaries[True] <= 0.6 * temporaries[False]
+  moments = [m for m in jax.tree.leaves(outs[True][1], is_leaf=lambda x: isinstance(x, optax.contrib.MuonState))
+             if isinstance(m, optax.contrib.MuonState)]
+  assert moments and moments[0].mu["layers"]["moe"]["up"].shape[:2] == (4, 32)  # the params' layout: [layers, experts]
+  jax.tree.map(np.testing.assert_array_equal, outs[True], outs[False])
+
+
 def _factored_dims(shape):
   """Adafactor's rule: with two dims >= 128, v_row is the moment with the largest dim averaged out, v_col with
   the second largest (argsort order)."""

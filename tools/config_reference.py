@@ -43,6 +43,7 @@ VARIANTS, DSV3, GPTOSS = "models.md#attention-variants", "models.md#deepseek-v3"
 GLM = "models.md#glm-45"
 QWEN3_NEXT = "models.md#qwen3-next"
 LLAMA4 = "models.md#llama-4"
+QK_CLIP = "models.md#qk-clip-muonclip"
 OPTIM = "configuration.md#optimizers-and-schedules"
 
 # The groups in the order the page lists them: (title, key prefix); "model/shared" and "model/family" split the
@@ -159,6 +160,9 @@ MEANINGS: dict[str, tuple[str, str]] = {
     "model.mtp_depth": ("multi-token prediction modules after the stack (training only; imported and exported as a "
                         "checkpoint's layers `num_hidden_layers`..); 0: none", DSV3),
     "model.mtp_weight": ("the multi-token prediction loss's weight", DSV3),
+    "model.qk_clip": ("QK-clip (Kimi K2's MuonClip with `optim.name=muon`): after each applied update, every attention "
+                      "head whose largest logit in the step's batch passed this is scaled back to it (Kimi K2: 100); "
+                      "0: off, nothing measured", QK_CLIP),
     "model.partial_rotary_factor": ("the share of each head's dims RoPE turns (the first ones); the rest pass", GLM),
     "model.attention_chunk_size": ("chunked attention: a local layer's query sees the keys of its own chunk of this "
                                    "many positions; 0: no chunks (Llama 4: 8192)", LLAMA4),

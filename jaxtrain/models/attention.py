@@ -522,8 +522,8 @@ def choose(platform: str, seq_len: int, context: int = 1, in_shard_map: bool = F
   """What ``auto`` runs: the platform's kernel where its rules allow (no context parallelism, not already inside a
   ``shard_map`` such as the pipeline's, no attention sinks, which no kernel has): ``splash`` on TPU (``seq_len`` a
   multiple of its tiles), ``cudnn`` on a Hopper or newer GPU (16-bit ``dtype``, no soft-capping); else ``xla`` up to
-  :data:`AUTO_XLA_MAX_LEN` tokens and ``blockwise`` above (its memory is linear in the length; xla's quadratic: 3 GiB of temporaries per device for
-  configs/tiny.py at 4k, docs/models.md)."""
+  :data:`AUTO_XLA_MAX_LEN` tokens and ``blockwise`` above (its memory is linear in the length; xla's quadratic: 3 GiB
+  of temporaries per device for configs/tiny.py at 4k, docs/models.md)."""
   kernel = context == 1 and not in_shard_map and not sinks
   if kernel and platform == "tpu" and seq_len % SPLASH_MIN_BLOCK == 0:
     return "splash"
@@ -700,6 +700,35 @@ def attend(backend: str, q, k, v, segment_ids, positions=None, block_size: int =
   if variant == PLAIN and not takes_variants(backend):
     return BACKENDS.get(backend)(q, k, v, segment_ids, positions, block_size=block_size)
   return BACKENDS.get(backend)(q, k, v, segment_ids, positions, block_size=block_size, variant=variant)
+
+
+def max_logits(q, k, segment_ids, positions, variant: Variant = PLAIN, block_size: int = 512) -> jax.Array:
+  """``[heads]`` float32: each query head's largest logit over the batch, ``scale x q . k`` (before any soft-cap)
+  over the (query, key) pairs attention lets see each other (:func:`visible` with ``variant``'s window and chunk),
+  padding queries (segment 0) left out; ``-inf`` for a head that sees none. QK-clip's statistic
+  (jaxtrain/models/deepseek_v3: MuonClip), the same whatever backend computes the attention itself: the scores are
+  formed again here, a block of ``block_size`` keys at a time (memory ``O(q_len x block_size)`` per head), with no
+  gradient. Grouped-query heads."""
+  q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+  b, t, n, h = q.shape
+  kvh, length = k.shape[2], k.shape[1]
+  qg = q.reshape(b, t, kvh, n // kvh, h)
+  block = min(block_size, length)
+  pad = -length % block
+  if pad:  # padding keys are in segment -1: no query sees them
+    k = jnp.pad(k, [(0, 0), (0, pad), (0, 0), (0, 0)])
+  k_segments = jnp.pad(segment_ids, [(0, 0), (0, pad)], constant_values=-1)
+  k_positions = jnp.pad(positions, [(0, 0), (0, pad)])
+
+  def one(best, i):
+    kb, seg, pos = (jax.lax.dynamic_slice_in_dim(a, i * block, block, axis=1) for a in (k, k_segments, k_positions))
+    scores = jnp.einsum("bqkgh,bskh->kgqsb", qg, kb, preferred_element_type=jnp.float32) * variant.scale_for(h)
+    seen = visible(segment_ids, positions, seg, pos, variant.window, variant.chunk) & (segment_ids != 0)[..., None]
+    seen = jnp.moveaxis(seen, 0, -1)  # [q, s, b]
+    return jnp.maximum(best, jnp.max(jnp.where(seen, scores, -jnp.inf), axis=(2, 3, 4))), None
+
+  best, _ = jax.lax.scan(one, jnp.full((kvh, n // kvh), -jnp.inf, jnp.float32), jnp.arange((length + pad) // block))
+  return best.reshape(n)
 
 
 # Decoding with a key/value cache --------------------------------------------------------------------------------

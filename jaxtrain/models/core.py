@@ -81,17 +81,60 @@ SHARED = tuple(_shared_defaults())
 @dataclasses.dataclass(frozen=True)
 class Output:
   """What a forward returns: logits, auxiliary losses (scalars; each is added to the objective times the config
-  key ``model.<name>_weight``, and logged as ``aux_loss/<name>``) and metrics (scalars, logged as they are)."""
+  key ``model.<name>_weight``, and logged as ``aux_loss/<name>``), metrics (scalars, logged as they are) and
+  maxima: per-head statistics that combine by their maximum over microbatches, by the path of the module that
+  measured them in the params (``"layers/attn"``: ``[layers, heads]`` for a stack), read by the family's
+  ``qk_clip`` (:func:`capturing_maxima`)."""
   logits: jax.Array
   aux_losses: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
   metrics: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
+  maxima: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def of(cls, out) -> "Output":
     return out if isinstance(out, Output) else cls(out)
 
 
-jax.tree_util.register_dataclass(Output, data_fields=["logits", "aux_losses", "metrics"], meta_fields=[])
+jax.tree_util.register_dataclass(Output, data_fields=["logits", "aux_losses", "metrics", "maxima"], meta_fields=[])
+MAX_LOGIT = "max_logit"  # what an attention module sows (nnx.Intermediate) for QK-clip: attention.max_logits
+
+
+def sow_max_logit(module: nnx.Module, value: jax.Array) -> None:
+  """Keeps ``value`` (``[heads]``: attention.max_logits) for :func:`capturing_maxima` (the maximum, if the module
+  runs twice in one forward)."""
+  module.sow(nnx.Intermediate, MAX_LOGIT, value, reduce_fn=jnp.maximum, init_fn=lambda: -jnp.inf)
+
+
+def clipped_heads(cfg, params, maxima: dict, keep):
+  """QK-clip's shared part (a family's ``qk_clip`` rule scales what this returns): a copy of ``params`` (the same
+  leaves) and, for each measured attention module, ``(its params dict in that copy, the gain [stack, heads])``: ``g =
+  model.qk_clip / S`` for a head whose largest logit ``S`` passed the threshold where ``keep``, else exactly 1."""
+  threshold = float(cfg.qk_clip)
+  params = jax.tree.map(lambda a: a, params)  # (new containers: the rule replaces leaves, the caller's tree is kept)
+  found = []
+  for path, largest in maxima.items():
+    gain = jnp.where(keep & jnp.isfinite(largest) & (largest > threshold), threshold / largest, 1.0)
+    module = params
+    for key in path.split("/"):
+      module = module[key]
+    found.append((module, gain))
+  return params, found
+
+
+def capturing_maxima(module: nnx.Module, prefix: str, *args, **kwargs) -> tuple[Any, dict[str, jax.Array]]:
+  """``module(*args, **kwargs)`` and the :data:`MAX_LOGIT` statistics its modules sowed (``nnx.capture``):
+  ``(output, {prefix + the sowing module's path: value})``, empty when nothing was sown (QK-clip off)."""
+  out, sown = nnx.capture(module, nnx.Intermediate)(*args, **kwargs)
+  found = {}
+
+  def walk(node, path):
+    for key, value in node.items():
+      if key == MAX_LOGIT:
+        found[prefix + "/".join(path)] = value
+      elif isinstance(value, dict):
+        walk(value, (*path, str(key)))
+  walk(nnx.to_pure_dict(sown), ())
+  return out, found
 
 
 def _no_checks(cfg) -> None:
@@ -134,6 +177,9 @@ class Family:
   activation_estimate: Callable[[Any, int, int, int, int], dict[str, int]] | None = None
   quantizable: bool = False  # its layers take their matmuls from jaxtrain.models.quantization (model.quantization)
   context_parallel: bool = True  # its forward is correct with the sequence split and reordered (mesh.context > 1)
+  # QK-clip (``model.qk_clip``): ``(cfg, params, maxima, keep) -> params``, each attention head's query and key weights
+  # scaled so that its largest logit (``Output.maxima``) would be the threshold, where ``keep`` (the update applied)
+  qk_clip: Callable[[Any, Any, dict, Any], Any] | None = None
 
 
 # The built-in families register when jaxtrain.models imports their folders (jaxtrain/models/__init__.py).
@@ -256,6 +302,27 @@ def defaults(name: str = "llama") -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict({**_shared_defaults(), "name": name, **get(name).defaults()})
 
 
+def _check_qk_clip(config, family: Family) -> None:
+  """QK-clip rescales the attention weights the step's own forward measured: the step of the ``lm`` objective over
+  the whole model (not adapters, not pipeline stages)."""
+  def refuse(what, fix):
+    raise ConfigError("model.qk_clip", f"QK-clip {what}", fix + " (or set model.qk_clip=0)")
+  if family.qk_clip is None:
+    refuse(f"has no rule for the '{config.model.name}' family's attention weights", "register the family with qk_clip")
+  if lora.active(config.model):
+    refuse("rescales the base weights, which LoRA freezes", "train without model.lora")
+  if config.model.get("qk_norm"):
+    refuse(f"cannot scale a head's logits back through model.qk_norm={config.model.qk_norm} (the norm undoes a "
+           "scaled query; it bounds the logits itself)", "train with QK-norm alone")
+  objective = config.get("train", {}).get("objective", "lm")
+  if objective != "lm":
+    refuse(f"reads the maxima of the lm objective's forward, not train.objective={objective}'s",
+           "use train.objective=lm")
+  mesh = config.get("mesh")
+  if mesh is not None and mesh.pipeline * mesh.dcn_pipeline > 1:
+    refuse("is not measured through pipeline stages", "set mesh.pipeline=1 and mesh.dcn_pipeline=1")
+
+
 def validate(config) -> None:
   """The shared keys, then the family's checks. A config whose model group belongs to another family (its keys
   differ) is named as such."""
@@ -284,6 +351,10 @@ def validate(config) -> None:
                       "jaxtrain.models.quantization", "set model.quantization=none, or build the family's layers "
                       "with quantization.dot_general / einsum and register it with quantizable=True")
   mesh = config.get("mesh")
+  if "qk_clip" in m:
+    check_positive(config, ["model.qk_clip"], allow_zero=True)
+  if m.get("qk_clip"):
+    _check_qk_clip(config, family)
   if mesh is not None and mesh.context * mesh.dcn_context != 1 and not family.context_parallel:
     raise ConfigError("mesh.context", f"the '{m.name}' model family cannot split the sequence over devices (it "
                       "registers context_parallel=False)", "set mesh.context=1 and mesh.dcn_context=1")
@@ -378,6 +449,11 @@ class Model:
       return None
     return (lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: getattr(path[-1], "key", None) == "score_bias", params)), speed
+
+  def qk_clip(self, params: dict, maxima: dict, keep) -> dict:
+    """``params`` with QK-clip applied (the family's ``qk_clip``) where the forward measured ``maxima`` and ``keep``
+    is true; ``params`` themselves without maxima (QK-clip off)."""
+    return self.family.qk_clip(self.cfg, params, maxima, keep) if maxima else params
 
   def split_trainable(self, params: dict) -> tuple[Any, Any]:
     """(trained params, frozen params): with LoRA (adapters, base), else (params, {})."""

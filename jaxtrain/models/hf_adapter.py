@@ -101,10 +101,33 @@ def for_family(name: str) -> Adapter | None:
   return next((a for _, a in ADAPTERS.items() if a.family == name), None)
 
 
+def require_ints(hf: dict, where: str, keys) -> None:
+  """HFError naming ``where`` and every key of ``keys`` that the config.json dict ``hf`` lacks as an integer."""
+  missing = [k for k in keys if not isinstance(hf.get(k), int)]
+  if missing:
+    raise HFError(where, f"has no integer {', '.join(missing)}", "pass a complete config.json")
+
+
+def rope_of(hf: dict) -> dict:
+  """The RoPE parameters of a config.json dict: transformers 5 writes ``rope_parameters`` (``rope_theta`` inside),
+  4.x and the hub's files ``rope_theta`` and ``rope_scaling``."""
+  return dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+
+
+def default_or_yarn_rope(hf: dict, where: str, family: str) -> dict:
+  """:func:`rope_of` for a family that takes default or YaRN RoPE only; HFError naming ``where`` for another type."""
+  rope = rope_of(hf)
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type not in ("default", "yarn"):
+    raise HFError(where, f"uses RoPE type {rope_type!r}", f"{family} imports take default or yarn RoPE")
+  return rope
+
+
 def inherited(base: dict | None, *also: str) -> dict:
-  """The source's config.json keys an export keeps: all but the RoPE, dtype and version keys it writes anew (and
-  ``also``)."""
-  dropped = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "transformers_version", *also)
+  """The source's config.json keys an export keeps: all but the RoPE, dtype and version keys it writes anew, the
+  source's own modeling code (``auto_map``: the export carries no code) and ``also``."""
+  dropped = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "transformers_version",
+             "auto_map", *also)
   return {k: v for k, v in (base or {}).items() if k not in dropped}
 
 

@@ -38,7 +38,7 @@ def _losses(out, batch, sources: int = 0, z_loss: bool = False) -> dict:
     losses = losses_lib.cross_entropy(out.logits, batch["targets"])
   counted = jnp.where(real, losses, 0.0) * mask
   result = {"loss_sum": jnp.sum(counted), "tokens": jnp.sum(mask), "aux": out.aux_losses,
-            "metrics": out.metrics, "forwards": 1.0}
+            "metrics": out.metrics, "forwards": 1.0, "maxima": out.maxima}
   if z_loss:
     log_z = jnp.where(real, log_z, 0.0)  # (selected before the square: its gradient 2 log Z x 0 is then 0, not NaN)
     result["z_sum"] = jnp.sum(log_z * log_z * mask)
@@ -147,12 +147,14 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
     if passes == 1:
       (_, out), grads = grad_fn(state.params, batch, tokens, scale)
       aux = jax.tree.map(lambda v: v / out["forwards"], (out["aux"], out["metrics"]))
+      maxima = out["maxima"]
     else:
       def accumulate(carry, microbatch):
         (_, out), g = grad_fn(state.params, microbatch, tokens, scale)
         mean = jax.tree.map(lambda v: v / out["forwards"], (out["aux"], out["metrics"]))
-        return jax.tree.map(jnp.add, carry, (out["loss_sum"], out["tokens"], mean, g, out.get("by_source"),
-                                             out.get("z_sum"))), None
+        summed = jax.tree.map(jnp.add, carry[:-1], (out["loss_sum"], out["tokens"], mean, g, out.get("by_source"),
+                                                    out.get("z_sum")))
+        return (*summed, jax.tree.map(jnp.maximum, carry[-1], out["maxima"])), None
       zero_grads = jax.tree.map(jnp.zeros_like, model.split_trainable(state.params)[0])
       if trained_shardings is not None:
         zero_grads = jax.lax.with_sharding_constraint(zero_grads, trained_shardings)
@@ -163,15 +165,20 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
       zero_aux, zero_by_source = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32),
                                               ((shapes["aux"], shapes["metrics"]), shapes.get("by_source")))
       zero_z = jnp.zeros((), jnp.float32) if z_loss_weight else None
-      init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero_aux, zero_grads, zero_by_source, zero_z)
-      (loss_sum, counted, aux, grads, by_source, z_sum), _ = jax.lax.scan(accumulate, init, micro,
-                                                                           unroll=scans.unroll())
+      lowest = jax.tree.map(lambda a: jnp.full(a.shape, -jnp.inf, jnp.float32), shapes["maxima"])
+      init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero_aux, zero_grads, zero_by_source, zero_z,
+              lowest)
+      (loss_sum, counted, aux, grads, by_source, z_sum, maxima), _ = jax.lax.scan(accumulate, init, micro,
+                                                                                   unroll=scans.unroll())
       aux = jax.tree.map(lambda v: v / microbatches, aux)
       out = {"loss_sum": loss_sum, "tokens": counted, "by_source": by_source, "z_sum": z_sum}
     if scaler:
       grads = jax.tree.map(lambda g: g / scale, grads)
     state, metrics = apply_update(model, tx, lr_schedule, state, grads, out["loss_sum"], out["tokens"], skip,
                                   update_shardings, scaler)
+    if maxima:  # model.qk_clip: the heads whose logits went past it scaled back, where the update was applied
+      state, clip_metrics = qk_clip(model, state, maxima, metrics["skipped"] == 0)
+      metrics.update(clip_metrics)
     denom = jnp.maximum(out["tokens"], 1.0)
     aux_losses, model_metrics = aux
     metrics = {**metrics, "tokens": out["tokens"], **{f"aux_loss/{k}": v for k, v in aux_losses.items()},
@@ -187,6 +194,17 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, lr_schedule:
     return state, metrics
 
   return train_step
+
+
+def qk_clip(model: Model, state: TrainState, maxima: dict, applied) -> tuple[TrainState, dict]:
+  """``state`` with its params QK-clipped by the step's per-head largest logits ``maxima`` where ``applied`` (the
+  family's rule: :meth:`jaxtrain.models.Model.qk_clip`), and the metrics ``attn/max_logit`` (the largest logit of
+  the step) and ``qk_clip/heads`` (the heads scaled back)."""
+  threshold = float(model.cfg.qk_clip)
+  largest = jnp.max(jnp.stack([jnp.max(m) for m in maxima.values()]))
+  clipped = sum(jnp.sum(jnp.isfinite(m) & (m > threshold)) for m in maxima.values())
+  metrics = {"attn/max_logit": largest, "qk_clip/heads": jnp.where(applied, clipped, 0).astype(jnp.float32)}
+  return state.replace(params=model.qk_clip(state.params, maxima, applied)), metrics
 
 
 def trained_shardings_of(model: Model, state_shardings: TrainState | None):

@@ -50,6 +50,10 @@ def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block: tupl
 
 @dataclasses.dataclass(frozen=True)
 class DeepseekV3Adapter(hf_adapter.Adapter):
+  """DeepSeek-V3's architecture, registered for two ``model_type``s: ``deepseek_v3``, and Kimi K2's ``kimi_k2`` (its
+  checkpoints name their own modeling code in ``auto_map``), read as it is. An export is ``deepseek_v3``'s (the
+  family's first adapter), without ``auto_map``, which transformers loads with its own ``DeepseekV3ForCausalLM`` and
+  no remote code."""
   model_type: str = "deepseek_v3"
   family: str = "deepseek_v3"
   architecture: str = "DeepseekV3ForCausalLM"
@@ -72,15 +76,10 @@ class DeepseekV3Adapter(hf_adapter.Adapter):
     if hf.get("moe_layer_freq", 1) != 1:
       raise HFError(where, f"sets moe_layer_freq={hf['moe_layer_freq']}", "only every layer after the dense first "
                     "ones routed (moe_layer_freq=1) is supported")
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size", "moe_intermediate_size", "kv_lora_rank", "qk_nope_head_dim",
-                           "qk_rope_head_dim", "v_head_dim") if not isinstance(hf.get(k), int)]
-    if missing:
-      raise HFError(where, f"has no integer {', '.join(missing)}", "pass a complete config.json")
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "yarn"):
-      raise HFError(where, f"uses RoPE type {rope_type!r}", "DeepSeek-V3 imports take default or yarn RoPE")
+    hf_adapter.require_ints(hf, where, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                        "intermediate_size", "moe_intermediate_size", "kv_lora_rank",
+                                        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    rope = hf_adapter.default_or_yarn_rope(hf, where, "DeepSeek-V3")
     if rope.get("attention_factor") is not None:
       raise HFError(where, "sets YaRN's attention_factor", "only YaRN's factor with mscale / mscale_all_dim is "
                     "supported")
@@ -235,3 +234,4 @@ def layer_tensors(model: Any, attn: list[tuple]) -> list[Tensor]:
 
 
 hf_adapter.register(DeepseekV3Adapter())
+hf_adapter.register(DeepseekV3Adapter(model_type="kimi_k2"))

@@ -76,12 +76,7 @@ def defaults() -> dict:
       rope_interleave=True,  # the RoPE dims stored as interleaved pairs (DeepSeek's checkpoints)
       mla_cache="latent",  # decoding's cache: latent (the latent and the rope key a token) | full (every head's k, v)
       rope_theta=10_000.0,
-      rope_scaling="",  # "" (none) | yarn
-      rope_scaling_factor=40.0,
-      rope_original_max_positions=4096,
-      rope_yarn_beta_fast=32.0,
-      rope_yarn_beta_slow=1.0,
-      rope_yarn_truncate=True,
+      **llama.yarn_defaults("", 40.0, 4096, truncate=True),
       rope_yarn_mscale=1.0,  # YaRN's mscale and mscale_all_dim (DeepSeek's; 0 = unset)
       rope_yarn_mscale_all_dim=1.0,
       # DeepSeek MoE
@@ -110,6 +105,10 @@ def defaults() -> dict:
       # and exported as a checkpoint's layers num_hidden_layers.. (jaxtrain/models/deepseek_v3/hf.py)
       mtp_depth=0,
       mtp_weight=0.3,
+      # QK-clip (Kimi K2's MuonClip, with optim.name=muon; any optimizer takes it): after each applied update, every
+      # attention head whose largest logit in the step's batch exceeded this is scaled back to it (:func:`qk_clip`;
+      # Kimi K2: 100). 0: off, and nothing is measured
+      qk_clip=0.0,
   )
 
 
@@ -219,6 +218,7 @@ class MLA(nnx.Module):
     self.rope_scale = yarn.attention_factor if yarn else 1.0
     self.scale = qk ** -0.5 * (yarn.softmax_factor if yarn else 1.0)
     self.latent_cache = cfg.mla_cache == "latent"
+    self.qk_clip = bool(cfg.qk_clip)  # sow each head's largest logit (attention.max_logits) for QK-clip
 
   def _rope(self, x, positions):
     """RoPE of the last dim of ``x`` ``[b, t, heads, qk_rope_head_dim]`` (interleaved pairs de-interleaved first)."""
@@ -286,6 +286,8 @@ class MLA(nnx.Module):
     q = constrain(q, ("batch", "length", "heads", "head_dim"))
     k, v = (constrain(a, ("batch", "length", "heads", "head_dim")) for a in (k, v))
     variant = attention.Variant(scale=self.scale)
+    if self.qk_clip and cache is None:
+      core.sow_max_logit(self, attention.max_logits(q, k, segment_ids, positions, variant, self.block_size))
     if cache is not None:
       k_cache, v_cache, slots = cache
       k, v = slots.write(k_cache, k), slots.write(v_cache, v)
@@ -425,33 +427,36 @@ class DeepseekV3(moe.MoeLM):
     if cache is not None or self.mtp is None:
       return super().__call__(tokens, positions, segment_ids, cache)
     x, extras = self.stack(tokens, positions, segment_ids)
-    loss, aux, metrics = self.mtp_loss(x, tokens, positions, segment_ids)
+    loss, aux, metrics, maxima = self.mtp_loss(x, tokens, positions, segment_ids)
     n, depth = self.moe_layers, len(aux)
 
     def mean(main, mine):  # (the stack's are its layers' mean already): the mean over its n and the depth blocks
       return {k: (v * n + sum(m[k] for m in mine)) / (n + depth) for k, v in main.items()}
     return core.Output(self.head(x), {**mean(extras["aux_losses"], aux), "mtp": loss},
-                       mean(extras["metrics"], metrics))
+                       mean(extras["metrics"], metrics), {**extras["maxima"], **maxima})
 
   def mtp_logits(self, x, tokens, positions, segment_ids):
-    """Each module k's ``(logits of t_{i+k+1} at each position i, its block's aux losses, its metrics)`` from the
-    stack's output ``x`` (before the final norm; the first module takes it normalized by ``final_norm``), the
-    embedding and head the model's."""
+    """Each module k's ``(logits of t_{i+k+1} at each position i, its block's aux losses, its metrics, its sown
+    maxima)`` from the stack's output ``x`` (before the final norm; the first module takes it normalized by
+    ``final_norm``), the embedding and head the model's."""
     h, out = self.final_norm(x), []
     graphdef, stacked = nnx.graphdef(self.mtp), nnx.state(self.mtp)
     for k in range(1, jax.tree.leaves(stacked)[0].shape[0] + 1):
       inputs, _, _ = mtp_targets(tokens, positions, segment_ids, k)
       module = nnx.merge(graphdef, jax.tree.map(lambda a, k=k: a[k - 1], stacked))
-      h, aux, metrics = module(h, llama.lookup(self.embed, inputs), positions, segment_ids)
+      (h, aux, metrics), maxima = core.capturing_maxima(module, "mtp/", h, llama.lookup(self.embed, inputs),
+                                                        positions, segment_ids)
       normed = module.post_norm(h)
-      out.append((self.embed.attend(normed) if self.lm_head is None else self.lm_head(normed), aux, metrics))
+      out.append((self.embed.attend(normed) if self.lm_head is None else self.lm_head(normed), aux, metrics, maxima))
     return out
 
   def mtp_loss(self, x, tokens, positions, segment_ids):
-    """``(the multi-token-prediction loss, [each module's block's aux losses], [its metrics])`` (:meth:`mtp_logits`;
-    each module's mean token cross-entropy over its valid targets, :func:`mtp_targets`, then the mean)."""
-    losses, aux, metrics = [], [], []
-    for k, (logits, block_aux, block_metrics) in enumerate(self.mtp_logits(x, tokens, positions, segment_ids), 1):
+    """``(the multi-token-prediction loss, [each module's block's aux losses], [its metrics], the modules' sown
+    maxima stacked)`` (:meth:`mtp_logits`; each module's mean token cross-entropy over its valid targets,
+    :func:`mtp_targets`, then the mean)."""
+    losses, aux, metrics, maxima = [], [], [], []
+    for k, (logits, block_aux, block_metrics, sown) in enumerate(self.mtp_logits(x, tokens, positions, segment_ids),
+                                                                 1):
       _, targets, valid = mtp_targets(tokens, positions, segment_ids, k)
       logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
       nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
@@ -459,7 +464,8 @@ class DeepseekV3(moe.MoeLM):
       losses.append(jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0))
       aux.append(block_aux)
       metrics.append(block_metrics)
-    return sum(losses) / len(losses), aux, metrics
+      maxima.append(sown)
+    return sum(losses) / len(losses), aux, metrics, jax.tree.map(lambda *a: jnp.stack(a), *maxima)
 
   @classmethod
   def init_cache(cls, cfg, batch: int, max_len: int) -> KVCache:
@@ -527,6 +533,28 @@ def activation_estimate(cfg, rows: int, seq_len: int, tensor: int, context: int 
 AXIS_KEYS = {"embed": "d_model", "heads": "num_heads", "mlp": "mlp_dim", "vocab": "vocab_size",
              "layers": "num_layers", "experts": "num_experts", "expert_mlp": "expert_mlp_dim"}
 
+def qk_clip(cfg, params, maxima, keep):
+  """QK-clip (Kimi K2's MuonClip, arXiv:2507.20534 section 2.1) of every MLA whose per-head largest logits ``S``
+  ``maxima`` holds (by its path in ``params``: ``"layers/attn"`` ``[layers, heads]``): where ``keep`` and
+  ``S > model.qk_clip``, with ``g = qk_clip / S``, the head's query and key parts without position (``q_b``'s, or
+  ``q``'s, first ``qk_nope_head_dim`` dims; ``kv_b``'s key dims) are scaled by ``sqrt(g)`` and its query's rope part
+  by ``g``, so that each logit of the head is ``g`` times what it was; the rope key (shared by every head) and the
+  values are left alone. Every other head's weights stay bitwise as they were (a factor of exactly 1)."""
+  nope = cfg.qk_nope_head_dim
+  params, heads = core.clipped_heads(cfg, params, maxima, keep)
+  for attn, gain in heads:  # gain: [layers, heads]
+    root = jnp.sqrt(gain)
+    query = attn["q_b"] if cfg.q_lora_rank else attn["q"]
+    dims = query["kernel"].shape[-1]
+    by_dim = jnp.where(jnp.arange(dims) < nope, root[..., None], gain[..., None])  # [layers, heads, qk]
+    query["kernel"] = query["kernel"] * by_dim[:, None]
+    kv = attn["kv_b"]["kernel"]
+    kv_dims = jnp.where(jnp.arange(kv.shape[-1]) < nope, root[..., None], 1.0)  # the values' dims: 1
+    attn["kv_b"]["kernel"] = kv * kv_dims[:, None]
+  return params
+
+
 core.register("deepseek_v3", core.Family(module=DeepseekV3, defaults=defaults, flops_per_token=flops_per_token,
                                            validate=validate, axis_keys=AXIS_KEYS,
-                                           activation_estimate=activation_estimate, quantizable=True))
+                                           activation_estimate=activation_estimate, quantizable=True,
+                                           qk_clip=qk_clip))

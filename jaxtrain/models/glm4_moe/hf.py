@@ -32,8 +32,7 @@ class Glm4MoeAdapter(LlamaShaped):
     if hf.get("quantization_config"):
       raise HFError(where, f"is quantized ({hf['quantization_config'].get('quant_method', 'quantization_config')})",
                     "import the bf16 checkpoint (zai-org/GLM-4.5-Air, not -FP8)")
-    if not isinstance(hf.get("moe_intermediate_size"), int):
-      raise HFError(where, "has no integer moe_intermediate_size", "pass a complete config.json")
+    hf_adapter.require_ints(hf, where, ["moe_intermediate_size"])
     super()._check(hf, where)
 
   def _family_keys(self, hf: dict, where: str) -> dict:

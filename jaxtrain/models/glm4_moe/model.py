@@ -22,6 +22,7 @@ import ml_collections
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import core
 from jaxtrain.models.deepseek_v3 import model as deepseek
+from jaxtrain.models.llama import model as llama
 from jaxtrain.models.moe import model as moe
 
 
@@ -63,4 +64,5 @@ class Glm4Moe(moe.MoeLM):
 
 core.register("glm4_moe", core.Family(module=Glm4Moe, defaults=defaults, flops_per_token=moe.flops_per_token,
                                         validate=validate, axis_keys=moe.AXIS_KEYS,
-                                        activation_estimate=moe.activation_estimate, quantizable=True))
+                                        activation_estimate=moe.activation_estimate, quantizable=True,
+                                        qk_clip=llama.qk_clip))

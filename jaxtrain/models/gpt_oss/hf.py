@@ -62,15 +62,9 @@ class GptOssAdapter(hf_adapter.Adapter):
                     "config.json")
     if (hf.get("hidden_act") or "silu") != "silu":
       raise HFError(where, f"uses the activation {hf['hidden_act']!r}", "GPT-OSS experts use their clamped SwiGLU")
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size", "num_local_experts") if not isinstance(hf.get(k), int)]
-    if missing:
-      raise HFError(where, f"has no integer {', '.join(missing)}", "pass a complete config.json")
-    # transformers 5 writes rope_parameters (with rope_theta inside); the hub's config.json rope_theta + rope_scaling.
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "yarn"):
-      raise HFError(where, f"uses RoPE type {rope_type!r}", "GPT-OSS imports take default or yarn RoPE")
+    hf_adapter.require_ints(hf, where, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                        "intermediate_size", "num_local_experts"))
+    rope = hf_adapter.default_or_yarn_rope(hf, where, "GPT-OSS")
     for key in ("attention_factor", "mscale", "mscale_all_dim"):
       if rope.get(key) is not None:
         raise HFError(where, f"sets YaRN's {key}", "only GPT-OSS's YaRN (attention factor from the factor) is "

@@ -46,12 +46,7 @@ def defaults() -> dict:
       sliding_window=128,
       global_every=2,  # layers 0, 2, ... local, 1, 3, ... global
       rope_theta=150_000.0,
-      rope_scaling="yarn",  # "" (none) | yarn
-      rope_scaling_factor=32.0,
-      rope_original_max_positions=4096,
-      rope_yarn_beta_fast=32.0,
-      rope_yarn_beta_slow=1.0,
-      rope_yarn_truncate=False,  # transformers' ``truncate``: round the ramp's ends to whole dims
+      **llama.yarn_defaults("yarn", 32.0, 4096, truncate=False),
       num_experts=8,
       experts_per_token=2,
       expert_mlp_dim=128,

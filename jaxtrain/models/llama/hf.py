@@ -97,10 +97,8 @@ class LlamaShaped(hf_adapter.Adapter):
                     "MLPs are supported")
     if hf.get("clip_qkv") is not None:
       raise HFError(where, f"sets clip_qkv={hf['clip_qkv']}", "clipped q/k/v projections are not supported")
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size") if not isinstance(hf.get(k), int)]
-    if missing:
-      raise HFError(where, f"has no integer {', '.join(missing)}", "pass a complete config.json")
+    hf_adapter.require_ints(hf, where, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                        "intermediate_size"))
 
   def _family_keys(self, hf: dict, where: str) -> dict:
     """The model keys of the family beyond the Llama-shaped ones (the MoE adapters' experts)."""
@@ -109,8 +107,7 @@ class LlamaShaped(hf_adapter.Adapter):
 
   def model_config(self, hf: dict, where: str) -> ml_collections.ConfigDict:
     self._check(hf, where)
-    # transformers 5 writes rope_parameters (with rope_theta inside); 4.x writes rope_theta and rope_scaling.
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope = hf_adapter.rope_of(hf)
     local_rope = {}
     if "full_attention" in rope:  # Gemma 3: RoPE per layer type
       rope, local_rope = dict(rope["full_attention"] or {}), dict(rope.get("sliding_attention") or {})

@@ -57,6 +57,9 @@ def defaults() -> dict:
       mlp_activation="silu",  # the gated MLP's activation: silu (SwiGLU) | gelu_tanh (GeGLU, tanh-approximate)
       embed_scale=False,  # the embeddings (not the tied head) multiplied by sqrt(d_model)
       sandwich_norms=False,  # an RMSNorm on the attention's and the MLP's outputs too, before the residual add
+      # QK-clip (Kimi K2's MuonClip with optim.name=muon): after each applied update, every query head whose largest
+      # logit in the step's batch passed this is scaled back to it (:func:`qk_clip`); 0: off, nothing measured
+      qk_clip=0.0,
   )
 
 
@@ -163,6 +166,14 @@ AXIS_KEYS = {"embed": "d_model", "heads": "num_heads", "kv_heads": "num_kv_heads
 
 def _param(names):
   return nnx.with_partitioning(_INIT, names)
+
+
+def yarn_defaults(scaling: str, factor: float, original_max_positions: int, truncate: bool) -> dict:
+  """A family's YaRN keys for its defaults (:class:`Yarn`'s: DeepSeek-V3's, GPT-OSS's): ``rope_scaling`` ("" (none)
+  or yarn), the factor over the original positions, the ramp's betas (32 and 1) and ``rope_yarn_truncate``
+  (transformers' ``truncate``: the ramp's ends rounded to whole dims)."""
+  return dict(rope_scaling=scaling, rope_scaling_factor=factor, rope_original_max_positions=original_max_positions,
+              rope_yarn_beta_fast=32.0, rope_yarn_beta_slow=1.0, rope_yarn_truncate=truncate)
 
 
 class Yarn(NamedTuple):
@@ -434,6 +445,7 @@ class Attention(nnx.Module):
     self.mixed = attention.mixed_layers(cfg)
     variant = attention.variant(cfg)
     self.softcap, self.scale = variant.softcap, variant.scale
+    self.qk_clip = bool(cfg.get("qk_clip"))  # sow each head's largest logit (attention.max_logits) for QK-clip
 
   def __call__(self, x, positions, segment_ids, cache=None, local=None):
     """``cache``: None (training), or ``(k, v, slots)`` for decoding: this layer's cached keys and values ``[batch,
@@ -473,6 +485,12 @@ class Attention(nnx.Module):
       out = attend_cached(q, slots.view(k), slots.view(v), segment_ids, positions, slots.kv_segment_ids,
                           slots.kv_positions, attention.Variant(window, self.softcap, scale, chunk), sinks)
       return self.o(constrain(out, ("batch", "length", "heads", "head_dim"))), (k, v)
+
+    if self.qk_clip:  # the logits before any soft-cap, over what each layer's kind lets a query see
+      window, chunk = ((self.window, self.chunk) if local is None else
+                       (jnp.where(local, self.window, 0), jnp.where(local, self.chunk, 0)))
+      core.sow_max_logit(self, attention.max_logits(q, k, segment_ids, positions,
+                                                    attention.Variant(window, 0.0, scale, chunk), self.block_size))
 
     def run(window, chunk):  # causal, never across documents
       return attend(self.backend, q, k, v, segment_ids, positions, self.block_size,
@@ -569,8 +587,14 @@ class Llama(nnx.Module):
   def apply_layer(self, weights, x, side, local=None):
     """One layer of the stack ``self.layers`` (``weights``: its slice of the stacked state) on x, with
     side = (positions, segment_ids) and ``local`` (see Attention). Rematerialized per ``model.remat``."""
+    return self.layer_with_maxima(weights, x, side, local)[0]
+
+  def layer_with_maxima(self, weights, x, side, local=None):
+    """:meth:`apply_layer`'s ``x`` and the maxima the layer sowed (core.capturing_maxima: QK-clip's)."""
     graphdef = nnx.graphdef(self.layers)
-    layer = lambda w, h, side, local: nnx.merge(graphdef, w)(h, *side, local=local)  # noqa: E731
+
+    def layer(w, h, side, local):
+      return core.capturing_maxima(nnx.merge(graphdef, w), "layers/", h, *side, local=local)
     return core.remat_layer(layer, self.remat)(weights, x, side, local)
 
   def head(self, x):
@@ -594,9 +618,9 @@ class Llama(nnx.Module):
       return self._decode(tokens, positions, segment_ids, cache)
     x = self.embed_tokens(tokens, positions)
     stacked = nnx.state(self.layers)
-    x, _ = jax.lax.scan(lambda h, xs: (self.apply_layer(xs[0], h, (positions, segment_ids), xs[1]), None), x,
-                        (stacked, self.layer_kinds()), unroll=scans.unroll())
-    return self.head(x)
+    x, maxima = jax.lax.scan(lambda h, xs: self.layer_with_maxima(xs[0], h, (positions, segment_ids), xs[1]), x,
+                             (stacked, self.layer_kinds()), unroll=scans.unroll())
+    return core.Output(self.head(x), maxima=maxima) if maxima else self.head(x)
 
   @classmethod
   def init_cache(cls, cfg, batch: int, max_len: int) -> KVCache:
@@ -618,6 +642,19 @@ class Llama(nnx.Module):
     return self.head(x), slots.advanced(constrain(k, stacked_axes), constrain(v, stacked_axes), tokens.shape[1])
 
 
+def qk_clip(cfg, params, maxima, keep):
+  """QK-clip of grouped-query attention (Kimi K2's rule, arXiv:2507.20534, for heads that share their keys): a head
+  whose largest logit ``S`` passed ``model.qk_clip`` (``g`` = threshold / S, :func:`core.clipped_heads`) has its
+  query's weights and bias scaled by ``g``, so that every logit of the head is ``g`` times what it was; the keys,
+  shared by a group of query heads, and the values are left alone, and every other head bitwise as it was."""
+  params, heads = core.clipped_heads(cfg, params, maxima, keep)
+  for attn, gain in heads:  # gain: [layers, heads]; q's kernel [layers, embed, heads, head_dim], bias [.., heads, ..]
+    attn["q"]["kernel"] = attn["q"]["kernel"] * gain[:, None, :, None]
+    if "bias" in attn["q"]:
+      attn["q"]["bias"] = attn["q"]["bias"] * gain[..., None]
+  return params
+
+
 core.register("llama", core.Family(module=Llama, defaults=defaults, flops_per_token=flops_per_token,
                                      validate=validate, axis_keys=AXIS_KEYS,
-                                     activation_estimate=activation_estimate, quantizable=True))
+                                     activation_estimate=activation_estimate, quantizable=True, qk_clip=qk_clip))

@@ -273,14 +273,22 @@ class MoeLM(nnx.Module):
 
   def embed_tokens(self, tokens, positions, segment_ids):
     """The embedding and the dense first layers (so a pipeline splits only the MoE stack)."""
+    return self.embedded(tokens, positions, segment_ids)[0]
+
+  def embedded(self, tokens, positions, segment_ids):
+    """:meth:`embed_tokens`'s ``x`` and the dense layers' sown maxima (``{"dense_layers/<path>": [layers, ...]}``,
+    core.Output's)."""
     x = llama.lookup(self.embed, tokens)
     if self.dense_layers is None:
-      return x
+      return x, {}
     graphdef = nnx.graphdef(self.dense_layers)
-    layer = self._remat(lambda w, h, side: nnx.merge(graphdef, w)(h, *side))
-    x, _ = jax.lax.scan(lambda h, w: (layer(w, h, (positions, segment_ids)), None), x, nnx.state(self.dense_layers),
-                        unroll=scans.unroll())
-    return x
+
+    def layer(w, h, side):
+      return core.capturing_maxima(nnx.merge(graphdef, w), "dense_layers/", h, *side)
+    layer = self._remat(layer)
+    x, maxima = jax.lax.scan(lambda h, w: layer(w, h, (positions, segment_ids)), x, nnx.state(self.dense_layers),
+                             unroll=scans.unroll())
+    return x, maxima
 
   def apply_layer(self, weights, x, side, kind=None):
     """One MoE layer: ``(x, {"aux_losses": ..., "metrics": ...})``, each already divided by the number of MoE
@@ -289,9 +297,10 @@ class MoeLM(nnx.Module):
     n = self.moe_layers
 
     def layer(w, h, side, kind):
-      block = nnx.merge(graphdef, w)
-      h, aux, metrics = block(h, *side) if kind is None else block(h, *side, local=kind)
-      return h, {"aux_losses": {k: v / n for k, v in aux.items()}, "metrics": {k: v / n for k, v in metrics.items()}}
+      (h, aux, metrics), maxima = core.capturing_maxima(nnx.merge(graphdef, w), "layers/", h, *side,
+                                                        **({} if kind is None else {"local": kind}))
+      extras = {"aux_losses": {k: v / n for k, v in aux.items()}, "metrics": {k: v / n for k, v in metrics.items()}}
+      return h, {**extras, "maxima": maxima} if maxima else extras
     return self._remat(layer)(weights, x, side, kind)
 
   def layer_kinds(self):
@@ -310,12 +319,14 @@ class MoeLM(nnx.Module):
     if cache is not None:
       return self._decode(tokens, positions, segment_ids, cache)
     x, extras = self.stack(tokens, positions, segment_ids)
-    return core.Output(self.head(x), extras["aux_losses"], extras["metrics"])
+    return core.Output(self.head(x), extras["aux_losses"], extras["metrics"], extras["maxima"])
 
   def stack(self, tokens, positions, segment_ids):
     """The embedded tokens through every layer: ``(x before the final norm, {aux_losses, metrics} summed over the
-    layers)``."""
-    return scan_layers(self, self.embed_tokens(tokens, positions, segment_ids), (positions, segment_ids))
+    layers, and maxima: every stack's sown maxima, by path)``."""
+    x, maxima = self.embedded(tokens, positions, segment_ids)
+    x, extras = scan_layers(self, x, (positions, segment_ids))
+    return x, {**extras, "maxima": {**maxima, **extras.get("maxima", {})}}
 
 
   @classmethod
@@ -335,7 +346,7 @@ class MoeLM(nnx.Module):
 
 core.register("moe", core.Family(module=MoeLM, defaults=defaults, flops_per_token=flops_per_token,
                                    validate=validate, axis_keys=AXIS_KEYS,
-                                   activation_estimate=activation_estimate, quantizable=True))
+                                   activation_estimate=activation_estimate, quantizable=True, qk_clip=llama.qk_clip))
 
 
 def scan_layers(module, x, side):
@@ -344,14 +355,15 @@ def scan_layers(module, x, side):
   and GPT-OSS's)."""
   kinds = module.layer_kinds()
   first = None if kinds is None else kinds[0]
-  zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                      jax.eval_shape(lambda w, h: module.apply_layer(w, h, side, first)[1],
-                                     jax.tree.map(lambda a: a[0], nnx.state(module.layers)), x))
+  shapes = jax.eval_shape(lambda w, h: module.apply_layer(w, h, side, first)[1],
+                          jax.tree.map(lambda a: a[0], nnx.state(module.layers)), x)
+  zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), {k: v for k, v in shapes.items() if k != "maxima"})
 
   def body(carry, xs):
     h, extras = carry
     h, new = module.apply_layer(xs[0], h, side, xs[1])
-    return (h, jax.tree.map(jnp.add, extras, new)), None
+    maxima = new.pop("maxima", {})  # (each layer's own: stacked by the scan, never summed)
+    return (h, jax.tree.map(jnp.add, extras, new)), maxima
 
-  (x, extras), _ = jax.lax.scan(body, (x, zero), (nnx.state(module.layers), kinds), unroll=scans.unroll())
-  return x, extras
+  (x, extras), maxima = jax.lax.scan(body, (x, zero), (nnx.state(module.layers), kinds), unroll=scans.unroll())
+  return x, {**extras, "maxima": maxima} if maxima else extras

@@ -61,10 +61,7 @@ class Qwen3NextAdapter(MoeShaped):
     if hf.get("quantization_config"):
       raise HFError(where, f"is quantized ({hf['quantization_config'].get('quant_method', 'quantization_config')})",
                     "import the bf16 checkpoint (Qwen/Qwen3-Next-80B-A3B-Instruct, not -FP8)")
-    missing = [k for k, _ in _LINEAR_KEYS + (("num_experts", ""), ("moe_intermediate_size", ""))
-               if not isinstance(hf.get(k), int)]
-    if missing:
-      raise HFError(where, f"has no integer {', '.join(missing)}", "pass a complete config.json")
+    hf_adapter.require_ints(hf, where, [k for k, _ in _LINEAR_KEYS] + ["num_experts", "moe_intermediate_size"])
     every = full_attention_every(hf)
     if list(hf.get("layer_types") or layer_types(hf["num_hidden_layers"], every)) != layer_types(
         hf["num_hidden_layers"], every):
