@@ -19,13 +19,11 @@ import pytest
 from jaxtrain import hf
 from jaxtrain import models
 from tests import forked
-from tests.test_hf import (TOL, _hf_logits, _rel_err, _restore,
-                           assert_export_equals_source, assert_greedy_generation_equals, logit_errors)
+from tests.test_hf import (TOL, _hf_logits, _rel_err, _restore, assert_export_equals_source,
+                           assert_greedy_generation_equals, import_quantized, logit_errors, mis_mapping_errors,
+                           set_quantization)
 
-torch = pytest.importorskip("torch", reason="torch (test-only, in setup.cfg's test extra) is not installed: the "
-                            "Hugging Face comparisons need it")
-transformers = pytest.importorskip("transformers", reason="transformers (test-only) is not installed: the "
-                                   "Hugging Face comparisons need it")
+from tests.test_hf import torch, transformers  # (skipped there, with why, where they are not installed)
 
 # YaRN over 16 original positions of a 24-token text, mscale != mscale_all_dim (so both cos/sin and the softmax are
 # scaled); 8 experts in 4 groups, 2 groups chosen, top 3.
@@ -172,22 +170,13 @@ def test_imported_logits_equal_transformers_and_each_mis_mapping_fails(imported)
   padded, packed = logit_errors(_jitted(model), params, ref)
   print(f"deepseek_v3 {name}: max relative logit error padded {padded:.2e}, packed {packed:.2e}")
   assert padded < TOL and packed < TOL
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, 256, (2, 24)).astype(np.int32)
-  theirs = _hf_logits(ref, tokens)
-  positions, segments = np.broadcast_to(np.arange(24, dtype=np.int32), (2, 24)), np.ones((2, 24), np.int32)
-  forwards = {}  # config -> its jitted forward: the mis-mappings of the params alone share the unchanged config's
-  for mis_map in MIS_MAPS + (MIS_MAPS_Q_LORA if name == "q_lora" else []):
-    wrong_cfg, wrong_params = m.copy_and_resolve_references(), jax.tree.map(np.array, params)
-    wrong_cfg.mtp_depth = 0  # (the logits without the MTP module's work)
-    wrong_params.pop("mtp", None)
-    mis_map(wrong_params, wrong_cfg)
-    key = str(wrong_cfg)
-    forwards.setdefault(key, jax.jit(models.Model.from_config(wrong_cfg).apply))
-    ours = np.asarray(forwards[key](wrong_params, tokens, positions, segments))
-    wrong = _rel_err(ours, theirs)
-    print(f"deepseek_v3 {name}: mis-mapped ({mis_map.__name__}): {wrong:.2e}")
-    assert wrong > 100 * TOL, mis_map.__name__
+  without_mtp = m.copy_and_resolve_references()
+  without_mtp.mtp_depth = 0  # (the logits without the MTP module's work)
+  errors = mis_mapping_errors(without_mtp, {k: v for k, v in params.items() if k != "mtp"}, ref,
+                              MIS_MAPS + (MIS_MAPS_Q_LORA if name == "q_lora" else []))
+  for mis_map, wrong in errors.items():
+    print(f"deepseek_v3 {name}: mis-mapped ({mis_map}): {wrong:.2e}")
+    assert wrong > 100 * TOL, mis_map
 
 
 @pytest.mark.parametrize("mla_cache", ["latent", "full"])
@@ -287,13 +276,8 @@ def test_fp8_blocks_dequantize_on_import_as_transformers_does(imported, tmp_path
   for n in [n for n in tensors if tensors[n].dtype == torch.float32 and not n.endswith("_scale_inv")]:
     tensors[n] = tensors[n].to(torch.bfloat16)
   save_file(tensors, str(tmp_path / "src" / "model.safetensors"))
-  config = json.loads((tmp / "src" / "config.json").read_text())
-  config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                   "weight_block_size": [128, 128]}
-  (tmp_path / "src" / "config.json").write_text(json.dumps(config))
-  (tmp_path / "src" / "tokenizer.json").write_text((tmp / "src" / "tokenizer.json").read_text())
-  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
-  _, model, params = _restore(tmp_path / "out")
+  model, params = import_quantized(tmp / "src", tmp_path, {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size":
+                                                            [128, 128], "activation_scheme": "dynamic"})
   theirs = copy.deepcopy(ref)
   with torch.no_grad():
     for n, value in tensors.items():
@@ -357,9 +341,7 @@ def refusals(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("refused")
   src = tmp / "int4"
   _hf_deepseek(src)
-  config = json.loads((src / "config.json").read_text())
-  config["quantization_config"] = {"quant_method": "awq"}
-  (src / "config.json").write_text(json.dumps(config))
+  set_quantization(src, {"quant_method": "awq"})
   base = ["-m", "jaxtrain.main", "--config=configs/tiny.py", "--config.model.name=deepseek_v3"]
   clip = base + ["--config.model.qk_clip=100"]
   argvs = [base + ["--config.model.qk_rope_head_dim=7", f"--config.workdir={tmp / 'odd'}"],
@@ -382,11 +364,7 @@ def refusals(tmp_path_factory):
     (6, "model.qk_clip")])
 def test_bad_inputs_are_one_line_exit_2(refusals, case, message):
   tmp, results = refusals
-  result = results[case]
-  errors = [line for line in result.stderr.splitlines() if ": error:" in line]
-  assert result.returncode == 2, result.stderr
-  assert len(errors) == 1 and message in errors[0], result.stderr
-  assert "Traceback" not in result.stderr
+  forked.assert_one_line_exit_2(results[case], message)
   assert sorted(p.name for p in tmp.iterdir()) == ["int4"]  # nothing written: no workdir, no output
 
 

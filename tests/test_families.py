@@ -23,10 +23,7 @@ from tests.test_hf import (TOL, _exported_equals_source, _hf_logits, _restore,
 from tests.test_pipeline import _loss_and_grads, _loss_grads_and_params, _packed_batch
 from tests.conftest import small_config
 
-torch = pytest.importorskip("torch", reason="torch (test-only, in setup.cfg's test extra) is not installed: the "
-                            "Hugging Face comparisons need it")
-transformers = pytest.importorskip("transformers", reason="transformers (test-only) is not installed: the "
-                                   "Hugging Face comparisons need it")
+from tests.test_hf import torch, transformers  # (skipped there, with why, where they are not installed)
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=128, rope_theta=1e6)

@@ -19,10 +19,7 @@ from tests.conftest import small_config
 from tests.test_hf import (assert_export_equals_source, assert_greedy_generation_equals, imported_fixture, logit_errors,
                            mis_mapping_errors, random_builder)
 
-torch = pytest.importorskip("torch", reason="torch (test-only, in setup.cfg's test extra) is not installed: the "
-                            "Hugging Face comparisons need it")
-transformers = pytest.importorskip("transformers", reason="transformers (test-only) is not installed: the "
-                                   "Hugging Face comparisons need it")
+from tests.test_hf import torch, transformers  # (skipped there, with why, where they are not installed)
 
 TOL = 1e-5  # max |jaxtrain - transformers| / max |logit|, float32 (the bound)
 

@@ -21,13 +21,11 @@ from jaxtrain import models
 from tests import forked
 from tests.conftest import small_config
 from tests.test_families import sft_data  # noqa: F401 (a fixture)
-from tests.test_hf import (TOL, _exported_equals_source, _hf_logits, _rel_err, _restore,
-                           assert_export_equals_source, assert_greedy_generation_equals, logit_errors)
+from tests.test_hf import (TOL, _exported_equals_source, _restore,
+                           assert_export_equals_source, assert_greedy_generation_equals, import_quantized,
+                           logit_errors, mis_mapping_errors, set_quantization)
 
-torch = pytest.importorskip("torch", reason="torch (test-only, in setup.cfg's test extra) is not installed: the "
-                            "Hugging Face comparisons need it")
-transformers = pytest.importorskip("transformers", reason="transformers (test-only) is not installed: the "
-                                   "Hugging Face comparisons need it")
+from tests.test_hf import torch, transformers  # (skipped there, with why, where they are not installed)
 
 # Window 5 of 24 tokens, layers local / global / local / global; gate and up reach ~0.5 with these weights, so a
 # limit of 0.3 clamps some; YaRN over 16 original positions puts dims on both sides of its ramp; hidden sizes are
@@ -120,17 +118,9 @@ def test_imported_logits_equal_transformers_and_each_mis_mapping_fails(imported)
   print(f"gpt_oss: max relative logit error padded {padded:.2e}, packed {packed:.2e}")
   assert padded < TOL and packed < TOL
   # The padded batch alone for the mis-mappings (the packed row's path is the same model).
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, 256, (2, 24)).astype(np.int32)
-  theirs = _hf_logits(ref, tokens)
-  positions, segments = np.broadcast_to(np.arange(24, dtype=np.int32), (2, 24)), np.ones((2, 24), np.int32)
-  for mis_map in MIS_MAPS:
-    wrong_cfg, wrong_params = cfg.model.copy_and_resolve_references(), jax.tree.map(np.array, params)
-    mis_map(wrong_params, wrong_cfg)
-    ours = np.asarray(models.Model.from_config(wrong_cfg).apply(wrong_params, tokens, positions, segments))
-    wrong = _rel_err(ours, theirs)
-    print(f"gpt_oss: mis-mapped ({mis_map.__name__}): {wrong:.2e}")
-    assert wrong > 100 * TOL, mis_map.__name__
+  for mis_map, wrong in mis_mapping_errors(cfg.model, params, ref, MIS_MAPS).items():
+    print(f"gpt_oss: mis-mapped ({mis_map}): {wrong:.2e}")
+    assert wrong > 100 * TOL, mis_map
 
 
 def test_greedy_generation_equals_transformers(imported):
@@ -158,9 +148,7 @@ def refusals(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("refused")
   src = tmp / "fp8"
   _hf_gpt_oss(src)
-  config = json.loads((src / "config.json").read_text())
-  config["quantization_config"] = {"quant_method": "fp8"}
-  (src / "config.json").write_text(json.dumps(config))
+  set_quantization(src, {"quant_method": "fp8"})
   argvs = [["-m", "jaxtrain.main", "--config=configs/tiny_family.py:gpt_oss", f"--config.model.attention={name}",
             f"--config.workdir={tmp / name}"] for name in ("splash", "cudnn")]
   argvs.append(["tools/convert_hf.py", "import", f"--hf={src}", f"--output={tmp / 'out'}"])
@@ -174,11 +162,7 @@ def refusals(tmp_path_factory):
     (2, "is quantized (fp8); dequantize it to bf16 first")])
 def test_sinks_on_a_kernel_without_them_and_other_quantizations_are_one_line_exit_2(refusals, case, message):
   tmp, results = refusals
-  result = results[case]
-  errors = [line for line in result.stderr.splitlines() if ": error:" in line]
-  assert result.returncode == 2, result.stderr
-  assert len(errors) == 1 and message in errors[0], result.stderr
-  assert "Traceback" not in result.stderr
+  forked.assert_one_line_exit_2(results[case], message)
   assert sorted(p.name for p in tmp.iterdir()) == ["fp8"]  # nothing written: no workdir, no output
 
 
@@ -199,12 +183,8 @@ def test_mxfp4_experts_dequantize_on_import_as_transformers_does(imported, tmp_p
     tensors.update({f"{name}_blocks": blocks, f"{name}_scales": scales})
     dequantized[name] = convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales))
   save_file(tensors, str(tmp_path / "src" / "model.safetensors"))
-  config = json.loads((tmp / "src" / "config.json").read_text())
-  config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-  (tmp_path / "src" / "config.json").write_text(json.dumps(config))
-  (tmp_path / "src" / "tokenizer.json").write_text((tmp / "src" / "tokenizer.json").read_text())
-  hf.import_model(str(tmp_path / "src"), str(tmp_path / "out"))
-  _, model, params = _restore(tmp_path / "out")
+  model, params = import_quantized(tmp / "src", tmp_path, {"quant_method": "mxfp4",
+                                                            "modules_to_not_convert": ["model.layers.*.self_attn"]})
   theirs = copy.deepcopy(ref)
   with torch.no_grad():
     for name, value in dequantized.items():

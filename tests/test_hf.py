@@ -158,6 +158,23 @@ def random_builder(model_class, config_class, hf_config: dict):
   return lambda folder: random_hf_model(lambda: model_class(config_class(**hf_config)), folder)
 
 
+def set_quantization(folder, quantization: dict) -> None:
+  """FOLDER/config.json given ``quantization`` as its ``quantization_config``."""
+  config = json.loads((folder / "config.json").read_text())
+  config["quantization_config"] = quantization
+  (folder / "config.json").write_text(json.dumps(config))
+
+
+def import_quantized(src, to, quantization: dict):
+  """TO/src (its quantized weights saved there already) with ``src``'s config.json, ``quantization`` as its
+  ``quantization_config``, and ``src``'s tokenizer, imported into TO/out: the imported model and params."""
+  for name in ("config.json", "tokenizer.json"):
+    shutil.copy(src / name, to / "src" / name)
+  set_quantization(to / "src", quantization)
+  hf.import_model(str(to / "src"), str(to / "out"))
+  return _restore(to / "out")[1:]
+
+
 def imported_fixture(name: str, build):
   """A module-scoped fixture ``imported``: :func:`imported_from` a folder named ``name`` and ``build``."""
   @pytest.fixture(scope="module")
@@ -174,11 +191,12 @@ def mis_mapping_errors(model_cfg, params, ref, mis_maps, vocab=256):
   tokens = np.random.default_rng(0).integers(0, vocab, (2, 24)).astype(np.int32)
   theirs = _hf_logits(ref, tokens)
   side = (np.broadcast_to(np.arange(24, dtype=np.int32), (2, 24)), np.ones((2, 24), np.int32))
-  errors = {}
+  errors, forwards = {}, {}  # forwards: a config's jitted forward (the params' mis-mappings share the config's)
   for mis_map in mis_maps:
     cfg, wrong = model_cfg.copy_and_resolve_references(), jax.tree.map(np.array, params)
     mis_map(wrong, cfg)
-    errors[mis_map.__name__] = _rel_err(np.asarray(models.Model.from_config(cfg).apply(wrong, tokens, *side)), theirs)
+    forward = forwards.setdefault(str(cfg), jax.jit(models.Model.from_config(cfg).apply))
+    errors[mis_map.__name__] = _rel_err(np.asarray(forward(wrong, tokens, *side)), theirs)
   return errors
 
 

@@ -114,10 +114,11 @@ def test_a_clipped_heads_logits_are_all_scaled_to_bring_its_largest_to_the_thres
 
 
 def test_the_step_clips_with_its_own_batchs_maxima_and_sharded_equals_one_device(tmp_path):
-  """Muon with QK-clip at a learning rate too small to move a weight (1e-30): one train step leaves the params
-  exactly the rule applied to them with the per-head maxima of the step's own forward on its batch (measured
-  apart), the threshold between the smallest and largest of those; it logs the largest logit and the heads it
-  scaled back. The maxima measured on fsdp 2 x tensor 2 x expert 2 equal one device's."""
+  """Muon with QK-clip at a learning rate too small to move a weight (1e-30): one train step, on the whole batch or
+  on two microbatches, leaves the params exactly the rule applied to them with the per-head maxima of the step's
+  own forward on its batch (measured apart), the threshold between the smallest and largest of those; it logs the
+  largest logit and the heads it scaled back. The maxima measured on fsdp 2 x tensor 2 x expert 2 equal one
+  device's."""
   def config(name, **mesh):
     c = small_config(tmp_path / name, **mesh)
     c.model = _model_cfg(bias_update_speed=0.0)
@@ -140,23 +141,26 @@ def test_the_step_clips_with_its_own_batchs_maxima_and_sharded_equals_one_device
     np.testing.assert_allclose(sharded[path], maxima[path], rtol=1e-6, err_msg=path)
   values = np.concatenate([m.ravel() for m in maxima.values()])
   threshold = float(np.median(values))
-  c = config("step")
-  c.model.qk_clip = threshold
-  run = trainer.build(c, jax.devices()[:1])
   before = jax.device_get(params)
-  step = trainer.compile_step(run)
-  with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
-    state, metrics = step(trainer.init_state(run), data_lib.to_global(batch, run.batch_sharding), False)
-  after, metrics = jax.device_get((state.params, metrics))
-  expected = jax.device_get(run.model.qk_clip(before, maxima, True))
-  for (path, got), want, old in zip(jax.tree_util.tree_leaves_with_path(after), jax.tree.leaves(expected),
-                                    jax.tree.leaves(before), strict=True):
-    name = jax.tree_util.keystr(path)
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-12, err_msg=name)
-    if not np.array_equal(want, old):
-      assert "attn" in name and ("q_b" in name or "kv_b" in name), name
-  assert metrics["attn/max_logit"] == pytest.approx(values.max())
-  assert metrics["qk_clip/heads"] == np.sum(values > threshold) > 0
+  expected = None
+  for microbatches in (0, 2):  # the whole batch at once, and two microbatches (their maxima's maximum)
+    c = config(f"step{microbatches}")
+    c.model.qk_clip = threshold
+    c.train.microbatches = microbatches
+    run = trainer.build(c, jax.devices()[:1])
+    expected = expected or jax.device_get(run.model.qk_clip(before, maxima, True))
+    step = trainer.compile_step(run)
+    with jax.set_mesh(run.mesh), sharding.axis_rules(run.rules):
+      state, metrics = step(trainer.init_state(run), data_lib.to_global(batch, run.batch_sharding), False)
+    after, metrics = jax.device_get((state.params, metrics))
+    for (path, got), want, old in zip(jax.tree_util.tree_leaves_with_path(after), jax.tree.leaves(expected),
+                                      jax.tree.leaves(before), strict=True):
+      name = jax.tree_util.keystr(path)
+      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-12, err_msg=f"{microbatches} microbatches {name}")
+      if not np.array_equal(want, old):
+        assert "attn" in name and ("q_b" in name or "kv_b" in name), name
+    assert metrics["attn/max_logit"] == pytest.approx(values.max())
+    assert metrics["qk_clip/heads"] == np.sum(values > threshold) > 0
 
 
 def test_grouped_attention_clips_a_head_by_its_query_alone_and_measures_what_each_layer_sees():

@@ -24,10 +24,7 @@ from tests.test_families import sft_data  # noqa: F401 - a fixture
 from tests.test_hf import (assert_export_equals_source, imported_fixture, logit_errors,
                            lora_fine_tune_exports_what_jaxtrain_computes, mis_mapping_errors, random_builder)
 
-torch = pytest.importorskip("torch", reason="torch (test-only, in setup.cfg's test extra) is not installed: the "
-                            "Hugging Face comparisons need it")
-transformers = pytest.importorskip("transformers", reason="transformers (test-only) is not installed: the "
-                                   "Hugging Face comparisons need it")
+from tests.test_hf import torch, transformers  # (skipped there, with why, where they are not installed)
 
 TOL = 1e-5  # max |jaxtrain - transformers| / max |logit|, float32
 
