@@ -387,8 +387,9 @@ def _experts_first(logical) -> tuple[int, ...] | None:
   return (i, *(a for a in range(len(logical)) if a != i))
 
 
-def _experts_major(tx: optax.GradientTransformation, specs: dict) -> optax.GradientTransformation:
-  """``tx`` (optax's Muon) seeing every expert kernel with its ``experts`` axis first (:func:`_experts_first`): its
+def _experts_major(tx: optax.GradientTransformation, orders: dict) -> optax.GradientTransformation:
+  """``tx`` (optax's Muon) seeing every expert kernel with its ``experts`` axis first (``orders``: param path -> the
+  axis order :func:`_experts_first` gives it, None for a param left as it is): its
   params, updates and momentum (``MuonState.mu``) transposed on the way in and back on the way out, so the state
   keeps the params' layout. Why: optax.contrib.muon flattens a param's batch axes (the layers, the experts) into one,
   in axis order, before its Newton-Schulz iterations. With the experts split over the ``expert`` mesh axis and the
@@ -398,7 +399,7 @@ def _experts_major(tx: optax.GradientTransformation, specs: dict) -> optax.Gradi
   same."""
   def moved(tree, inverse: bool = False):
     def one(path, x):
-      order = _experts_first(specs.get(tuple(path)))
+      order = orders.get(tuple(path))
       if order is None:
         return x
       return jnp.transpose(x, tuple(int(a) for a in np.argsort(order)) if inverse else order)
@@ -423,12 +424,13 @@ def _muon(cfg, learning_rate: optax.Schedule, logical_specs=None) -> optax.Gradi
   # so one lr and weight decay serve both parts. The AdamW part is ours (with decay_mask): optax.contrib.muon's
   # own AdamW takes no weight-decay mask, so it only ever sees the Muon params here.
   specs = _spec_dict(logical_specs)
-  moved = {path: tuple(spec[a] for a in order) if (order := _experts_first(spec)) else spec
+  orders = {path: _experts_first(spec) for path, spec in specs.items()}
+  moved = {path: tuple(spec[a] for a in orders[path]) if orders[path] else spec
            for path, spec in specs.items()}  # (the names of the axes as _experts_major hands them to optax)
   dimensions = functools.partial(_muon_dimensions, specs=moved)
   muon = _experts_major(optax.contrib.muon(
       learning_rate, ns_steps=MUON_NS_STEPS, eps=cfg.eps, weight_decay=cfg.weight_decay, weight_decay_mask=decay_mask,
-      consistent_rms=0.2, muon_weight_dimension_numbers=dimensions), specs)
+      consistent_rms=0.2, muon_weight_dimension_numbers=dimensions), orders)
 
   def labels(params):
     return jax.tree.map(lambda d: "adamw" if d is None else "muon", _muon_dimensions(params, specs=specs),
